@@ -1,0 +1,44 @@
+"""acoll: collective communication for asyncio (what NCCL is to CUDA, for async Python).
+
+Quick start::
+
+    uid = acoll.get_unique_id()                  # on one rank; send bytes(uid) to the others
+    comm = await acoll.init_rank(nranks, uid, rank)
+    await comm.all_reduce(array)                 # in place, SUM
+    await comm.close()
+"""
+
+from __future__ import annotations
+
+from . import errors
+from ._communicator import Communicator, get_unique_id, init_rank
+from ._dtypes import AVG, MAX, MIN, PROD, SUM, ReduceOp
+from ._env import init_from_env
+from ._uid import UniqueId
+from .errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, ProtocolError,
+                     RemoteError, TimeoutError, TransportError)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AVG",
+    "MAX",
+    "MIN",
+    "PROD",
+    "SUM",
+    "AcollError",
+    "BootstrapError",
+    "ClosedError",
+    "Communicator",
+    "InvalidUsage",
+    "ProtocolError",
+    "ReduceOp",
+    "RemoteError",
+    "TimeoutError",
+    "TransportError",
+    "UniqueId",
+    "errors",
+    "get_unique_id",
+    "init_from_env",
+    "init_rank",
+]

@@ -1,0 +1,1 @@
+"""Bootstrap: the root server, the rank-side ring, and their wire format."""

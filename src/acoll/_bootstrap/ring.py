@@ -1,0 +1,424 @@
+"""The rank side of bootstrap: join through the root, then talk over rank-to-rank links.
+
+:meth:`Bootstrap.create` does what NCCL's ``bootstrapInit`` does: listen on this rank's
+interface, connect to the root (retrying while it is not up yet, within bounds), send a
+hello, and receive the next rank's address. Later messages go over persistent rank-to-rank
+connections, opened on first use and kept for the life of the communicator.
+
+Messages are matched by ``(peer, tag)``; one that arrives before its ``recv`` waits in a
+mailbox. On top of that: ring :meth:`~Bootstrap.allgather`, :meth:`~Bootstrap.barrier`
+and :meth:`~Bootstrap.broadcast` (NCCL's ``bootstrapAllGather`` / ``bootstrapBarrier``).
+
+Failure handling: when any wait fails (a peer vanished, a deadline passed, a protocol
+error), :meth:`Bootstrap.fail` records the error, wakes every waiter with it, and sends an
+:class:`~.wire.Error` frame to every connected peer before closing; those peers do the
+same, so the failure floods the job and every rank raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+from .._config import get_logger
+from .._deadline import deadline_after, remaining, wait_until
+from ..errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, ProtocolError,
+                      RemoteError)
+from ..errors import TimeoutError as AcollTimeoutError
+from .stream import FramedConnection, PeerClosed
+from .wire import Address, Error, Hello, PeerHello, RingInfo, Tagged
+
+__all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
+
+log = get_logger("BOOTSTRAP")
+
+_INTERNAL_TAG = 1 << 48  # tags at or above this belong to allgather/barrier/broadcast
+_CONNECT_ATTEMPTS = 60  # bounded retries while the root (or a peer) is not listening yet
+
+
+def error_to_wire(exc: BaseException, rank: int) -> Error:
+    """Describe a local failure for the peers."""
+    if isinstance(exc, InvalidUsage):
+        return Error("usage", str(exc), rank)
+    if isinstance(exc, AcollTimeoutError):
+        return Error("timeout", str(exc), rank)
+    if isinstance(exc, RemoteError):
+        return Error("remote", str(exc), rank if exc.rank is None else exc.rank)
+    return Error("remote", f"rank {rank} failed: {exc}", rank)
+
+
+def error_from_wire(err: Error, via: int | None = None) -> AcollError:
+    """Turn a received :class:`Error` frame back into the exception to raise locally."""
+    rank = err.rank if err.rank >= 0 else via
+    if err.kind == "usage":
+        return InvalidUsage(err.message)
+    if err.kind == "timeout":
+        return AcollTimeoutError(err.message)
+    if err.kind == "bootstrap":
+        return BootstrapError(err.message)
+    if err.kind == "closed":
+        return RemoteError(f"rank {rank} closed the communicator: {err.message}", rank)
+    return RemoteError(err.message, rank)
+
+
+async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: str
+                             ) -> FramedConnection:
+    """Connect, retrying refused/unreachable attempts with backoff, within bounds.
+
+    Raises:
+        BootstrapError: still failing after ``_CONNECT_ATTEMPTS`` attempts or the deadline.
+    """
+    delay = 0.01
+    last: OSError | None = None
+    for _attempt in range(_CONNECT_ATTEMPTS):
+        left = remaining(deadline)
+        if left <= 0:
+            break
+        try:
+            return await asyncio.wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
+        except (OSError, asyncio.TimeoutError) as exc:
+            last = exc if isinstance(exc, OSError) else OSError(f"connect timed out: {exc}")
+        await asyncio.sleep(min(delay, remaining(deadline)))
+        delay = min(delay * 1.5, 1.0)
+    raise BootstrapError(f"{what} at {sockaddr[0]}:{sockaddr[1]} unreachable after "
+                         f"{_CONNECT_ATTEMPTS} attempts or the deadline: {last}") from last
+
+
+class Bootstrap:
+    """One rank's bootstrap network. Create it with :meth:`create`."""
+
+    def __init__(self, rank: int, nranks: int, key: bytes, timeout: float) -> None:
+        self.rank = rank
+        self.nranks = nranks
+        self.key = key
+        self.timeout = timeout
+        self.addr: Address = ("", 0, 0)
+        self._server: asyncio.base_events.Server | None = None
+        self._out: dict[int, FramedConnection] = {}
+        self._out_lock: dict[int, asyncio.Lock] = {}
+        self._in: dict[int, FramedConnection] = {}
+        self._readers: set[asyncio.Task[None]] = set()
+        self._mailbox: dict[tuple[int, int], deque[bytes]] = {}
+        self._waiters: dict[tuple[int, int], asyncio.Future[bytes]] = {}
+        self._op = 0
+        self._closed_peers: set[int] = set()
+        self.error: AcollError | None = None
+        self.closing = False
+        self.on_failure: Callable[[AcollError], None] | None = None
+        self.next_addr: Address = ("", 0, 0)
+        self.peer_addrs: list[Address] = []
+
+    # ------------------------------------------------------------------ set-up
+    @classmethod
+    async def create(cls, *, rank: int, nranks: int, key: bytes,
+                     root: tuple[Any, ...], listen: tuple[Any, ...],
+                     family: socket.AddressFamily, host_hash: int, timeout: float
+                     ) -> Bootstrap:
+        """Join the job through the root at ``root`` and return the connected bootstrap.
+
+        Raises:
+            InvalidUsage: the root reported conflicting ranks or sizes.
+            acoll.TimeoutError: not every rank arrived in time.
+            BootstrapError: the root could not be reached or broke the protocol.
+        """
+        self = cls(rank, nranks, key, timeout)
+        deadline = deadline_after(timeout)
+        from .root import listen_socket
+
+        sock = listen_socket(listen, family)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock)
+        name = sock.getsockname()
+        self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
+        root_conn = await connect_with_retry(root, deadline, "the root")
+        try:
+            root_conn.send(Hello(key, rank, nranks, self.addr, host_hash, os.getpid()))
+            try:
+                reply = await wait_until(root_conn.recv(), deadline, "the root's ring info")
+            except (PeerClosed, ProtocolError) as exc:
+                raise BootstrapError(f"root at {root[0]}:{root[1]} failed: {exc}") from exc
+        except BaseException:
+            self._close_all()
+            raise
+        finally:
+            root_conn.close()
+        if isinstance(reply, Error):
+            self._close_all()
+            raise error_from_wire(reply)
+        if not isinstance(reply, RingInfo) or reply.nranks != nranks:
+            self._close_all()
+            raise BootstrapError(f"root sent an unexpected reply {type(reply).__name__}")
+        self.next_addr = reply.next_addr
+        log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
+                 self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])
+        return self
+
+    @classmethod
+    async def from_peers(cls, *, rank: int, nranks: int, key: bytes, sock: socket.socket,
+                         peer_addrs: list[Address], timeout: float) -> Bootstrap:
+        """A bootstrap whose members already know each other (``split``): no root.
+
+        ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``.
+        """
+        self = cls(rank, nranks, key, timeout)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock)
+        self.addr = peer_addrs[rank]
+        self.next_addr = peer_addrs[(rank + 1) % nranks]
+        self.peer_addrs = list(peer_addrs)
+        return self
+
+    def _sockaddr(self, addr: Address) -> tuple[Any, ...]:
+        if ":" in addr[0]:
+            return (addr[0], addr[1], 0, addr[2])
+        return (addr[0], addr[1])
+
+    def set_peer_addrs(self, addrs: list[Address]) -> None:
+        """Record every rank's bootstrap address (after the first all-gather)."""
+        self.peer_addrs = addrs
+
+    # ------------------------------------------------------------------ incoming
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._read_peer(reader, writer))
+        self._readers.add(task)
+        task.add_done_callback(self._readers.discard)
+
+    async def _read_peer(self, reader: asyncio.StreamReader,
+                         writer: asyncio.StreamWriter) -> None:
+        conn = FramedConnection(reader, writer)
+        try:
+            hello = await wait_until(conn.recv(), deadline_after(min(self.timeout, 30.0)),
+                                     "a peer hello")
+        except (AcollError, OSError) as exc:
+            log.warning("rank %d: dropped connection from %s: %s", self.rank, conn.peer, exc)
+            conn.close()
+            return
+        if (not isinstance(hello, PeerHello) or hello.key != self.key
+                or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
+            log.warning("rank %d: refused connection from %s (not of this job)", self.rank,
+                        conn.peer)
+            conn.close()
+            return
+        peer = hello.rank
+        self._in[peer] = conn
+        try:
+            while True:
+                msg = await conn.recv()
+                if isinstance(msg, Tagged):
+                    self._deliver(peer, msg.tag, msg.payload)
+                elif isinstance(msg, Error) and msg.kind == "closed":
+                    self._peer_closed(peer)
+                    return
+                elif isinstance(msg, Error):
+                    self.fail(error_from_wire(msg, via=peer), propagate=True)
+                    return
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} frame from rank {peer}")
+        except PeerClosed:
+            if not self.closing and peer not in self._closed_peers:
+                self.fail(RemoteError(f"rank {peer} closed its bootstrap connection to rank "
+                                      f"{self.rank} (process died or aborted)", peer))
+        except ProtocolError as exc:
+            self.fail(RemoteError(f"rank {peer} broke the bootstrap protocol: {exc}", peer))
+        except asyncio.CancelledError:
+            raise
+        finally:
+            conn.close()
+
+    def _peer_closed(self, peer: int) -> None:
+        """``peer`` closed in an orderly way: only waits on that peer fail."""
+        self._closed_peers.add(peer)
+        err = RemoteError(f"rank {peer} closed the communicator", peer)
+        for key, fut in list(self._waiters.items()):
+            if key[0] == peer and not fut.done():
+                fut.set_exception(err)
+
+    def _deliver(self, peer: int, tag: int, payload: bytes) -> None:
+        key = (peer, tag)
+        waiter = self._waiters.pop(key, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(payload)
+        else:
+            self._mailbox.setdefault(key, deque()).append(payload)
+
+    # ------------------------------------------------------------------ outgoing
+    async def _out_conn(self, peer: int, deadline: float) -> FramedConnection:
+        conn = self._out.get(peer)
+        if conn is not None:
+            return conn
+        lock = self._out_lock.setdefault(peer, asyncio.Lock())
+        async with lock:
+            conn = self._out.get(peer)
+            if conn is None:
+                if peer == (self.rank + 1) % self.nranks:
+                    addr = self.next_addr
+                elif self.peer_addrs:
+                    addr = self.peer_addrs[peer]
+                else:
+                    raise BootstrapError(f"rank {self.rank} does not know rank {peer}'s "
+                                         "address yet")
+                conn = await connect_with_retry(self._sockaddr(addr), deadline,
+                                                f"rank {peer}")
+                conn.send(PeerHello(self.key, self.rank, self.nranks))
+                self._out[peer] = conn
+        return conn
+
+    def _check(self) -> None:
+        if self.error is not None:
+            raise self.error
+        if self.closing:
+            raise ClosedError("the bootstrap network is closed")
+
+    async def send(self, peer: int, tag: int, payload: bytes) -> None:
+        """Send ``payload`` to ``peer`` under ``tag`` (returns once the kernel has it)."""
+        self._check()
+        if peer == self.rank:
+            self._deliver(peer, tag, payload)
+            return
+        deadline = deadline_after(self.timeout)
+        try:
+            conn = await self._out_conn(peer, deadline)
+            conn.send(Tagged(tag, payload))
+            await wait_until(conn.drain(), deadline, f"sending to rank {peer}")
+        except PeerClosed as exc:
+            err = RemoteError(f"rank {peer} is gone: {exc}", peer)
+            self.fail(err)
+            raise err from exc
+        except AcollError as exc:
+            self.fail(exc)
+            raise
+
+    async def recv(self, peer: int, tag: int) -> bytes:
+        """Receive the payload ``peer`` sent under ``tag`` (waits at most the timeout)."""
+        self._check()
+        key = (peer, tag)
+        box = self._mailbox.get(key)
+        if box:
+            payload = box.popleft()
+            if not box:
+                del self._mailbox[key]
+            return payload
+        if key in self._waiters:
+            raise InvalidUsage(f"two receives wait for rank {peer} tag {tag} at once")
+        fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        try:
+            return await wait_until(fut, deadline_after(self.timeout),
+                                    f"rank {peer} (bootstrap tag {tag}) on rank {self.rank}")
+        except AcollTimeoutError as exc:
+            self.fail(exc)
+            raise
+        finally:
+            self._waiters.pop(key, None)
+
+    # ------------------------------------------------------------------ collectives
+    def _next_tag(self) -> int:
+        self._op += 1
+        return _INTERNAL_TAG + self._op
+
+    async def allgather(self, data: bytes) -> list[bytes]:
+        """Every rank's ``data``, in rank order (ring algorithm, ``nranks - 1`` steps).
+
+        At step ``s`` each rank forwards to ``rank + 1`` the item it received at step
+        ``s - 1`` (its own at step 0), and receives item ``rank - s - 1`` from ``rank - 1``.
+        """
+        n, r = self.nranks, self.rank
+        tag = self._next_tag()
+        items: list[bytes] = [b""] * n
+        items[r] = data
+        nxt, prv = (r + 1) % n, (r - 1) % n
+        for step in range(n - 1):
+            await self.send(nxt, tag, items[(r - step) % n])
+            items[(r - step - 1) % n] = await self.recv(prv, tag)
+        return items
+
+    async def barrier(self) -> None:
+        """Return once every rank has called ``barrier`` (dissemination, log2 n rounds)."""
+        n, r = self.nranks, self.rank
+        tag = self._next_tag()
+        dist = 1
+        while dist < n:
+            await self.send((r + dist) % n, tag, b"")
+            await self.recv((r - dist) % n, tag)
+            dist <<= 1
+
+    async def broadcast(self, data: bytes | None, root: int) -> bytes:
+        """``root``'s ``data`` on every rank (binomial tree)."""
+        n, r = self.nranks, self.rank
+        tag = self._next_tag()
+        rel = (r - root) % n
+        mask = 1
+        while mask < n:
+            if rel & mask:
+                data = await self.recv((r - mask) % n, tag)
+                break
+            mask <<= 1
+        assert data is not None
+        mask >>= 1
+        while mask > 0:
+            if rel + mask < n:
+                await self.send((r + mask) % n, tag, data)
+            mask >>= 1
+        return data
+
+    # ------------------------------------------------------------------ failure and close
+    def fail(self, error: AcollError, *, propagate: bool = True) -> None:
+        """Fail every pending and later operation with ``error``; tell every peer."""
+        if self.error is not None or self.closing:
+            return
+        self.error = error
+        log.info("rank %d: bootstrap failed: %s", self.rank, error)
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._waiters.clear()
+        if self.on_failure is not None:
+            self.on_failure(error)
+        if propagate:
+            frame = error_to_wire(error, self.rank)
+            for conn in list(self._out.values()):
+                with contextlib.suppress(AcollError):
+                    conn.send(frame)
+        self._close_all()
+
+    def _close_all(self) -> None:
+        # FramedConnection.close flushes frames already queued (an error or close notice).
+        if self._server is not None:
+            self._server.close()
+        for conn in list(self._out.values()):
+            conn.close()
+        self._out.clear()
+        for conn in list(self._in.values()):
+            conn.close()
+        self._in.clear()
+        for task in list(self._readers):
+            task.cancel()
+
+    async def close(self) -> None:
+        """Tell connected peers this rank is closing, then close every connection.
+
+        Peers treat the end of such a connection as orderly: only their waits on this
+        rank fail. Call after a barrier so that no peer still needs this rank.
+        """
+        self.closing = True
+        notice = Error("closed", "closed", self.rank)
+        for conn in list(self._out.values()):
+            with contextlib.suppress(AcollError):
+                conn.send(notice)
+        self._close_all()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ClosedError("the bootstrap network was closed"))
+        self._waiters.clear()
+        if self._readers:
+            await asyncio.gather(*self._readers, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+    def abort(self) -> None:
+        """Close everything now, without telling peers (they see closed connections)."""
+        self.closing = True
+        self._close_all()

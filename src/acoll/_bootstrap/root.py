@@ -1,0 +1,236 @@
+"""The root server: collects every rank's address and hands out ring neighbours.
+
+One :class:`RootServer` serves one communicator and then stops. It accepts connections in
+any order; the first frame of each must be a :class:`~.wire.Hello` carrying the job key
+(connections without it are closed and logged, and the job goes on). Once all ``nranks``
+ranks have said hello, each gets a :class:`~.wire.RingInfo` naming the next rank's address.
+
+Failures are sent to every rank that is, or later becomes, connected, as an
+:class:`~.wire.Error` frame, so every rank raises the same error instead of hanging:
+
+- two hellos claiming one rank, a rank out of range, or ranks disagreeing on ``nranks``
+  -> ``usage`` (ranks raise :class:`~acoll.InvalidUsage`);
+- not all ranks arrived within ``timeout`` seconds of the first hello -> ``timeout``.
+
+The server runs as an asyncio task: in the caller's loop, or (for synchronous callers of
+``get_unique_id``) in one background thread's loop shared by every root of the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import threading
+from collections.abc import Coroutine
+from concurrent.futures import Future
+from typing import Any
+
+from .._config import get_logger
+from .._deadline import deadline_after, wait_until
+from ..errors import AcollError
+from ..errors import TimeoutError as AcollTimeoutError
+from .stream import FramedConnection
+from .wire import Error, Hello, RingInfo
+
+__all__ = ["RootServer", "listen_socket", "start_root"]
+
+log = get_logger("BOOTSTRAP")
+
+#: How long a connection may take to send its first frame before it is dropped.
+_HELLO_TIMEOUT = 10.0
+
+
+def listen_socket(sockaddr: tuple[Any, ...], family: socket.AddressFamily,
+                  reuse: bool = False) -> socket.socket:
+    """A bound, listening, non-blocking TCP socket (port 0 lets the kernel choose).
+
+    ``reuse`` sets ``SO_REUSEADDR`` for fixed ports (``ACOLL_COMM_ID``), as NCCL does.
+    """
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(sockaddr)
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class RootServer:
+    """Serves one communicator's bootstrap, then stops. See the module docstring."""
+
+    def __init__(self, sock: socket.socket, key: bytes, timeout: float) -> None:
+        self.sock = sock
+        self.key = key
+        self.timeout = timeout
+        self.where = "%s:%s" % sock.getsockname()[:2]
+        self.hellos: dict[int, Hello] = {}
+        self.conns: dict[int, FramedConnection] = {}
+        self.nranks: int | None = None
+        self.failure: Error | None = None
+        self._done = asyncio.Event()
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def serve(self) -> None:
+        """Run until the ring is handed out or the job failed; never raises."""
+        try:
+            server = await asyncio.start_server(self._on_connect, sock=self.sock)
+        except OSError as exc:
+            log.warning("root %s could not start: %s", self.where, exc)
+            self.sock.close()
+            return
+        log.info("root listening on %s", self.where)
+        try:
+            async with server:
+                await self._done.wait()
+                if self.failure is not None:
+                    # Keep answering late ranks with the error for the rest of the timeout.
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(asyncio.Event().wait(), self.timeout)
+        finally:
+            for task in list(self._handlers):
+                task.cancel()
+            for conn in self.conns.values():
+                conn.close()
+            log.info("root %s stopped", self.where)
+
+    def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        self._handlers.add(task)
+        task.add_done_callback(self._handlers.discard)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = FramedConnection(reader, writer)
+        try:
+            msg = await wait_until(conn.recv(), deadline_after(_HELLO_TIMEOUT), "hello")
+        except (AcollError, OSError) as exc:
+            log.warning("root %s: dropped connection from %s: %s", self.where, conn.peer, exc)
+            conn.close()
+            return
+        if not isinstance(msg, Hello) or msg.key != self.key:
+            log.warning("root %s: refused connection from %s: %s", self.where, conn.peer,
+                        "wrong job key" if isinstance(msg, Hello) else "no hello")
+            conn.close()
+            return
+        if self.failure is not None:
+            await self._send_and_close(conn, self.failure)
+            return
+        problem = self._check(msg)
+        self.conns.setdefault(msg.rank, conn)
+        if problem is not None:
+            self._fail(Error("usage", problem, msg.rank), extra=conn)
+            return
+        if not self.hellos:
+            watchdog = asyncio.get_running_loop().create_task(self._watchdog())
+            self._handlers.add(watchdog)
+            watchdog.add_done_callback(self._handlers.discard)
+        self.hellos[msg.rank] = msg
+        log.debug("root %s: rank %d/%d arrived", self.where, msg.rank, msg.nranks)
+        if self.nranks is not None and len(self.hellos) == self.nranks:
+            self._hand_out_ring()
+
+    def _check(self, msg: Hello) -> str | None:
+        if msg.nranks < 1:
+            return f"rank {msg.rank} passed nranks={msg.nranks}; it must be >= 1"
+        if self.nranks is None:
+            self.nranks = msg.nranks
+        elif msg.nranks != self.nranks:
+            first = next(iter(self.hellos.values()))
+            return (f"ranks disagree on nranks: rank {first.rank} passed {self.nranks}, "
+                    f"rank {msg.rank} passed {msg.nranks}")
+        if not 0 <= msg.rank < self.nranks:
+            return f"rank {msg.rank} is out of range for nranks={self.nranks}"
+        if msg.rank in self.hellos:
+            other = self.hellos[msg.rank]
+            return (f"rank {msg.rank} was claimed twice (pid {other.pid} at {other.addr[0]} "
+                    f"and pid {msg.pid} at {msg.addr[0]})")
+        return None
+
+    def _hand_out_ring(self) -> None:
+        assert self.nranks is not None
+        n = self.nranks
+        for rank, conn in self.conns.items():
+            nxt = self.hellos[(rank + 1) % n]
+            with contextlib.suppress(AcollError):
+                conn.send(RingInfo(n, nxt.addr))
+        log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
+        self._finish()
+
+    def _finish(self) -> None:
+        for conn in self.conns.values():
+            task = asyncio.get_running_loop().create_task(self._drain_and_close(conn))
+            self._handlers.add(task)
+            task.add_done_callback(self._handlers.discard)
+        self.conns = {}
+        self._done.set()
+
+    def _fail(self, error: Error, extra: FramedConnection | None = None) -> None:
+        if self.failure is not None:
+            return
+        self.failure = error
+        log.warning("root %s: job failed: %s", self.where, error.message)
+        for conn in {*self.conns.values(), *([extra] if extra else [])}:
+            with contextlib.suppress(AcollError):
+                conn.send(error)
+        self._finish()
+
+    async def _send_and_close(self, conn: FramedConnection, msg: Error) -> None:
+        with contextlib.suppress(AcollError):
+            conn.send(msg)
+        await self._drain_and_close(conn)
+
+    @staticmethod
+    async def _drain_and_close(conn: FramedConnection) -> None:
+        try:
+            await wait_until(conn.drain(), deadline_after(_HELLO_TIMEOUT), "root reply")
+        except (AcollError, AcollTimeoutError, OSError):
+            pass
+        conn.close()
+
+    async def _watchdog(self) -> None:
+        await asyncio.sleep(self.timeout)
+        if not self._done.is_set():
+            n = self.nranks or 0
+            missing = sorted(set(range(n)) - set(self.hellos))
+            shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+            self._fail(Error("timeout", f"ranks [{shown}] of {n} never reached the root at "
+                             f"{self.where} within {self.timeout:g} s", -1))
+
+
+class _RootThread:
+    """One daemon thread with its own loop, serving the roots of synchronous callers."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="acoll-root",
+                                       daemon=True)
+        self.thread.start()
+
+    def submit(self, coro: Coroutine[Any, Any, None]) -> Future[None]:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+
+_root_thread: _RootThread | None = None
+_root_thread_lock = threading.Lock()
+_root_tasks: set[asyncio.Task[None]] = set()
+
+
+def start_root(server: RootServer) -> None:
+    """Run ``server`` in the running loop if there is one, else in the root thread."""
+    global _root_thread
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        with _root_thread_lock:
+            if _root_thread is None:
+                _root_thread = _RootThread()
+            thread = _root_thread
+        thread.submit(server.serve())
+        return
+    task = loop.create_task(server.serve(), name=f"acoll-root-{server.where}")
+    _root_tasks.add(task)
+    task.add_done_callback(_root_tasks.discard)

@@ -1,0 +1,1 @@
+"""Collective algorithms: set-up first, then a loop that only moves data."""

@@ -1,0 +1,184 @@
+"""What every algorithm runs on: the op context, descriptors, and split arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import struct
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .._dtypes import DTYPE_BY_CODE, DTYPE_NAMES, ReduceOp, byte_view
+from .._transport.base import Connection, ConnectionLost, MessageSizeError
+from ..errors import InvalidUsage, RemoteError
+
+if TYPE_CHECKING:
+    from .._communicator import Communicator
+
+__all__ = ["Coll", "Descriptor", "OpContext", "chunk_ranges", "split_even"]
+
+
+class Coll(enum.IntEnum):
+    """Operation kinds, as carried in descriptors."""
+
+    ALL_REDUCE = 1
+    BROADCAST = 2
+    REDUCE = 3
+    ALL_GATHER = 4
+    REDUCE_SCATTER = 5
+    ALL_TO_ALL = 6
+    BARRIER = 7
+    SEND_RECV = 8
+
+
+_DESC = struct.Struct("<BBBxIQ")
+
+
+class Descriptor:
+    """What one rank believes an operation is: kind, dtype, op, root, count.
+
+    Packed into the 16-byte ``meta`` of every message, so a receiver can tell when its
+    peer is running a different operation and say exactly which field differs.
+    """
+
+    __slots__ = ("coll", "count", "dtype_code", "op", "packed", "root")
+
+    def __init__(self, coll: Coll, dtype_code: int, op: int, root: int, count: int) -> None:
+        self.coll, self.dtype_code, self.op, self.root, self.count = (
+            coll, dtype_code, op, root, count)
+        self.packed = _DESC.pack(coll, dtype_code, op, root & 0xFFFFFFFF, count)
+
+    @classmethod
+    def unpack(cls, raw: bytes) -> Descriptor:
+        coll, dt, op, root, count = _DESC.unpack(raw)
+        return cls(Coll(coll) if coll in Coll._value2member_map_ else Coll.BARRIER,
+                   dt, op, root, count)
+
+    def describe_difference(self, other: Descriptor, me: int, peer: int) -> str:
+        """A message naming each field where ``other`` (from ``peer``) differs."""
+        diffs = []
+        if self.coll != other.coll:
+            diffs.append(f"operation {self.coll.name.lower()} vs {other.coll.name.lower()}")
+        if self.count != other.count:
+            diffs.append(f"count {self.count} vs {other.count}")
+        if self.dtype_code != other.dtype_code:
+            mine = DTYPE_NAMES.get(DTYPE_BY_CODE.get(self.dtype_code), "?")  # type: ignore[arg-type]
+            theirs = DTYPE_NAMES.get(DTYPE_BY_CODE.get(other.dtype_code), "?")  # type: ignore[arg-type]
+            diffs.append(f"dtype {mine} vs {theirs}")
+        if self.op != other.op:
+            diffs.append(f"op {_op_name(self.op)} vs {_op_name(other.op)}")
+        if self.root != other.root:
+            diffs.append(f"root {self.root} vs {other.root}")
+        what = ", ".join(diffs) or "sequence"
+        return (f"{self.coll.name.lower()} mismatch between rank {me} and rank {peer}: "
+                f"{what}")
+
+
+def _op_name(op: int) -> str:
+    try:
+        return ReduceOp(op).name
+    except ValueError:
+        return str(op)
+
+
+def split_even(count: int, parts: int) -> list[tuple[int, int]]:
+    """Split ``count`` items into ``parts`` (start, length) ranges differing by at most 1.
+
+    The first ``count % parts`` ranges are one longer; ranges may be empty.
+    """
+    base, extra = divmod(count, parts)
+    out = []
+    start = 0
+    for i in range(parts):
+        length = base + (1 if i < extra else 0)
+        out.append((start, length))
+        start += length
+    return out
+
+
+def chunk_ranges(start: int, length: int, chunk: int) -> list[tuple[int, int]]:
+    """Cut ``[start, start + length)`` into consecutive pieces of at most ``chunk`` items.
+
+    Zero length gives no pieces.
+    """
+    chunk = max(1, chunk)
+    return [(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)]
+
+
+class OpContext:
+    """One collective's view of the communicator: tags, connections, checks, scratch.
+
+    Set-up calls :meth:`connect` for every peer it will talk to; the data loop then uses
+    the synchronous :meth:`post_send` / :meth:`post_recv` and awaits :meth:`wait_send` /
+    :meth:`wait_recv`, which check the peer's descriptor and name failing peers.
+    """
+
+    __slots__ = ("check", "comm", "conns", "desc", "in_group", "n", "rank", "seq",
+                 "tag_base")
+
+    def __init__(self, comm: Communicator, seq: int, desc: Descriptor, in_group: bool,
+                 tag_base: int) -> None:
+        self.comm = comm
+        self.rank = comm.rank
+        self.n = comm.size
+        self.seq = seq
+        self.desc = desc
+        self.check = comm.check
+        self.in_group = in_group
+        self.tag_base = tag_base
+        self.conns: dict[int, Connection] = {}
+
+    async def connect(self, *peers: int) -> None:
+        for peer in peers:
+            if peer != self.rank and peer not in self.conns:
+                self.conns[peer] = await self.comm._conn(peer)
+
+    def post_send(self, peer: int, arr: npt.NDArray[Any], step: int
+                  ) -> asyncio.Future[None]:
+        return self.conns[peer].isend(byte_view(arr), self.tag_base | step, self.desc.packed)
+
+    def post_recv(self, peer: int, arr: npt.NDArray[Any], step: int
+                  ) -> asyncio.Future[bytes]:
+        return self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
+
+    async def wait_recv(self, fut: Awaitable[bytes], peer: int) -> None:
+        try:
+            meta = await fut
+        except MessageSizeError as exc:
+            other = Descriptor.unpack(exc.meta)
+            if other.packed != self.desc.packed:
+                raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer)
+                                   ) from None
+            raise InvalidUsage(f"{self.desc.coll.name.lower()}: rank {peer} sent {exc.got} "
+                               f"bytes where rank {self.rank} expected {exc.expected}") from None
+        except ConnectionLost as exc:
+            raise self.comm._peer_error(peer, exc) from None
+        if self.check and meta != self.desc.packed:
+            other = Descriptor.unpack(meta)
+            raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer))
+
+    async def wait_send(self, fut: Awaitable[None], peer: int) -> None:
+        try:
+            await fut
+        except ConnectionLost as exc:
+            raise self.comm._peer_error(peer, exc) from None
+
+    async def wait_sends(self, sends: list[tuple[asyncio.Future[None], int]]) -> None:
+        for fut, peer in sends:
+            await self.wait_send(fut, peer)
+
+    def scratch(self, count: int, dtype: np.dtype[Any], slot: int = 0) -> npt.NDArray[Any]:
+        """A work array of ``count`` items; reused between ops unless inside a group."""
+        if self.in_group:
+            return np.empty(count, dtype)
+        return self.comm._scratch(count, dtype, slot)
+
+
+AlgoFn = Callable[[OpContext], Awaitable[None]]
+
+
+def remote(peer: int, message: str) -> RemoteError:
+    return RemoteError(message, peer)

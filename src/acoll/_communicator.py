@@ -1,0 +1,759 @@
+"""The communicator: init, collectives, groups, split, close and abort.
+
+Execution model. Every rank must issue collectives on a communicator in the same order
+(as with NCCL streams). Calls are numbered when made and run one at a time in that order
+(a FIFO queue): two tasks may call collectives on one communicator concurrently, but the
+order in which they *call* must match across ranks; a mismatch is detected by the
+descriptor check and raised as :class:`~acoll.InvalidUsage` on every rank. Inside
+``async with comm.group():`` calls only enqueue (they return at once, results are ready
+when the block exits) and then run concurrently, like ``ncclGroupStart/End``.
+
+Failure model. Any failure on one rank (a peer's connection dropping, a deadline, a
+mismatch, an abort, a cancelled op) puts the communicator in a failed state: every pending
+and later call raises the same error, and every connected peer is told, so failures
+flood the job and nothing hangs. A failed communicator cannot be repaired; close it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import os
+import resource
+import socket
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+import msgpack
+import numpy as np
+import numpy.typing as npt
+
+from ._bootstrap.ring import Bootstrap, error_from_wire, error_to_wire
+from ._bootstrap.root import RootServer, listen_socket, start_root
+from ._bootstrap.wire import Error as WireError
+from ._coll import algorithms as algos
+from ._coll.base import Coll, Descriptor, OpContext
+from ._config import TIMEOUT, Setting, get_logger, parse_bool
+from ._deadline import deadline_after, wait_until
+from ._dtypes import ReduceOp, as_host_array, dtype_code
+from ._net.interfaces import find_interfaces
+from ._transport.base import Connection, ConnectionLost, Listener, Transport
+from ._transport.select import select_transport
+from ._uid import UniqueId
+from .errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, RemoteError,
+                     TransportError)
+from .errors import TimeoutError as AcollTimeoutError
+
+__all__ = ["Communicator", "get_unique_id", "init_rank"]
+
+log = get_logger("INIT")
+
+COMM_ID = Setting("COMM_ID", str, "",
+                  "host:port of the root; rank 0 hosts it there (like NCCL_COMM_ID).", "INIT")
+CHECK = Setting("CHECK", parse_bool, True,
+                "Check that every rank runs the same collective (count, dtype, op, root).",
+                "COLL")
+
+_P2P = 1 << 63
+_LINGER = 5.0
+
+
+class _Algo(Protocol):
+    async def run(self) -> None: ...
+
+
+def _host_hash() -> int:
+    """DJB2a-style hash of the host name (cut at the first '.') and boot id."""
+    name = socket.gethostname().split(".")[0]
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            name += f.read().strip()
+    except OSError:
+        pass
+    return int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "little")
+
+
+def get_unique_id(*, ifname: str | None = None,
+                  family: socket.AddressFamily | None = None) -> UniqueId:
+    """Make a new id and start its root server (NCCL's ``ncclGetUniqueId``).
+
+    The root listens on the first interface chosen by NCCL's rules (``ACOLL_SOCKET_IFNAME``,
+    ``ACOLL_SOCKET_FAMILY``). It runs as a task in the running loop, or in a background
+    thread's loop when called from synchronous code, and stops once its communicator is
+    formed. With ``ACOLL_COMM_ID`` set, no root starts here: the id names that address and
+    rank 0 hosts the root during :func:`init_rank`.
+    """
+    comm_id = COMM_ID.resolve()
+    if comm_id:
+        return UniqueId.from_address(comm_id)
+    iface = find_interfaces(ifname, family)[0]
+    sock = listen_socket(iface.sockaddr(0), iface.family)
+    name = sock.getsockname()
+    uid = UniqueId.new(name[0], name[1], iface.scope_id)
+    start_root(RootServer(sock, uid.job_key, TIMEOUT.resolve()))
+    log.info("unique id %r made on %s", uid, iface.name)
+    return uid
+
+
+async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
+                    device: int | None = None, timeout: float | None = None,
+                    ifname: str | None = None, net: str | None = None,
+                    check: bool | None = None) -> Communicator:
+    """Join communicator ``uid`` as ``rank`` of ``nranks`` (NCCL's ``ncclCommInitRank``).
+
+    Args:
+        nranks: the number of ranks; every rank must pass the same value.
+        uid: the id from :func:`get_unique_id` on one rank (or its 128 bytes).
+        rank: this rank, ``0 <= rank < nranks``; each rank exactly once.
+        device: a CUDA device for GPU buffers; host-only communicators pass ``None``.
+        timeout: deadline in seconds for every network wait (default ``ACOLL_TIMEOUT``).
+        ifname: interface rules overriding ``ACOLL_SOCKET_IFNAME``.
+        net: data network overriding ``ACOLL_NET``.
+        check: descriptor checks overriding ``ACOLL_CHECK``.
+
+    Raises:
+        InvalidUsage: bad arguments, a rank claimed twice, ranks disagreeing on nranks.
+        acoll.TimeoutError: not every rank arrived within the timeout.
+        BootstrapError: the root could not be reached.
+    """
+    if isinstance(uid, (bytes, bytearray, memoryview)):
+        uid = UniqueId.from_bytes(uid)
+    if not isinstance(uid, UniqueId):
+        raise InvalidUsage(f"uid must be an acoll.UniqueId or its 128 bytes, not "
+                           f"{type(uid).__name__}")
+    if isinstance(nranks, bool) or not isinstance(nranks, int) or nranks < 1:
+        raise InvalidUsage(f"nranks must be a positive int, got {nranks!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
+        raise InvalidUsage(f"rank must be an int in [0, {nranks}), got {rank!r}")
+    if device is not None:
+        raise InvalidUsage("device=: GPU communicators need the CUDA transport, which this "
+                           "release does not include; pass device=None for host buffers")
+    timeout = TIMEOUT.resolve(timeout)
+    start = time.perf_counter()
+    iface = find_interfaces(ifname, uid.family, uid.host if uid.from_env else None)[0]
+    if uid.from_env and rank == 0:
+        try:
+            sock = listen_socket(uid.sockaddr, uid.family, reuse=True)
+        except OSError as exc:
+            raise BootstrapError(f"rank 0 cannot host the root at {uid!r}: {exc}") from exc
+        start_root(RootServer(sock, uid.job_key, timeout))
+    boot = await Bootstrap.create(rank=rank, nranks=nranks, key=uid.job_key,
+                                  root=uid.sockaddr, listen=iface.sockaddr(0),
+                                  family=iface.family, host_hash=_host_hash(),
+                                  timeout=timeout)
+    try:
+        comm = await Communicator._form(boot, iface.sockaddr(0), iface.family, timeout,
+                                        net=net, check=check)
+    except BaseException:
+        boot.abort()
+        raise
+    log.info("rank %d/%d ready in %.1f ms", rank, nranks, (time.perf_counter() - start) * 1e3)
+    return comm
+
+
+class Communicator:
+    """A group of ranks that run collectives together. Create with :func:`init_rank`.
+
+    Attributes:
+        rank: this rank, ``0 <= rank < size``.
+        size: the number of ranks.
+        device: ``None`` (host buffers).
+        local_rank / local_size: position among, and number of, ranks on this host.
+    """
+
+    def __init__(self, boot: Bootstrap, transport: Transport, listener: Listener,
+                 infos: list[dict[str, Any]], timeout: float, check: bool) -> None:
+        self._boot = boot
+        self.rank = boot.rank
+        self.size = boot.nranks
+        self.device: int | None = None
+        self.timeout = timeout
+        self.check = check
+        self._transport = transport
+        self._listener = listener
+        self._handles = [bytes(info["handle"]) for info in infos]
+        hosts = [info["host_hash"] for info in infos]
+        self.local_rank = hosts[: self.rank].count(hosts[self.rank])
+        self.local_size = hosts.count(hosts[self.rank])
+        self.chunk_bytes = algos.CHUNK.resolve()
+        self._algo = algos.ALGO.resolve()
+        self._small = algos.SMALL.resolve()
+        self._loop = asyncio.get_running_loop()
+        self._conns: dict[int, Connection] = {}
+        self._connecting: dict[int, asyncio.Future[Connection]] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._seq = 0
+        self._p2p_send: defaultdict[int, int] = defaultdict(int)
+        self._p2p_recv: defaultdict[int, int] = defaultdict(int)
+        self._lock = asyncio.Lock()
+        self._group: list[tuple[int, Descriptor, int, Callable[[OpContext], _Algo]]] | None
+        self._group = None
+        self._error: AcollError | None = None
+        self._closed = False
+        self._scratch_bufs: dict[int, np.ndarray[Any, Any]] = {}
+        self._split_seq = 0
+        boot.on_failure = self._on_boot_failure
+        self._spawn(self._accept_loop())
+
+    # ------------------------------------------------------------------ formation
+    @classmethod
+    async def _form(cls, boot: Bootstrap, sockaddr: tuple[Any, ...],
+                    family: socket.AddressFamily, timeout: float, *, net: str | None,
+                    check: bool | None) -> Communicator:
+        transport = select_transport(sockaddr, family, timeout=timeout, net=net)
+        listener = await transport.listen()
+        try:
+            mine = {"rank": boot.rank, "host_hash": _host_hash() & 0x7FFFFFFFFFFFFFFF,
+                    "pid": os.getpid(), "net": transport.name, "handle": listener.handle,
+                    "boot": list(boot.addr)}
+            raw = await boot.allgather(msgpack.packb(mine))
+            infos = [msgpack.unpackb(item) for item in raw]
+            for info in infos:
+                if info["net"] != transport.name:
+                    raise InvalidUsage(f"rank {info['rank']} uses network {info['net']!r} "
+                                       f"but rank {boot.rank} uses {transport.name!r}")
+            boot.set_peer_addrs([tuple(info["boot"]) for info in infos])  # type: ignore[misc]
+            comm = cls(boot, transport, listener, infos, timeout, CHECK.resolve(check))
+        except BaseException:
+            listener.close()
+            raise
+        try:
+            if comm.size > 1:
+                ring = {(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size}
+                await wait_until(asyncio.gather(*(comm._conn(p) for p in ring)),
+                                 deadline_after(timeout), "ring connections")
+        except BaseException as exc:
+            comm.abort()
+            if isinstance(exc, AcollError) and not isinstance(exc, ClosedError):
+                raise
+            raise
+        return comm
+
+    def _spawn(self, coro: Any) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[Any]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.warning("rank %d: background task failed: %r", self.rank, exc)
+            if isinstance(exc, AcollError):
+                self.fail(exc)
+
+    # ------------------------------------------------------------------ connections
+    def _hello(self) -> bytes:
+        return msgpack.packb({"key": self._boot.key, "rank": self.rank})
+
+    async def _accept_loop(self) -> None:
+        while True:
+            try:
+                hello, conn = await self._listener.accept()
+            except ClosedError:
+                return
+            try:
+                info = msgpack.unpackb(hello)
+                key, peer = info["key"], info["rank"]
+            except Exception:  # noqa: BLE001 - any garbage is refused the same way
+                key, peer = None, -1
+            if key != self._boot.key or not isinstance(peer, int) or not (
+                    0 <= peer < self.size) or peer == self.rank or peer in self._conns:
+                log.warning("rank %d: refused a data connection (hello from rank %s)",
+                            self.rank, peer)
+                conn.abort()
+                continue
+            self._register(peer, conn)
+
+    def _register(self, peer: int, conn: Connection) -> None:
+        if self._error is not None or self._closed:
+            conn.abort()
+            return
+        self._conns[peer] = conn
+        conn.set_failure_callback(lambda lost: self._on_conn_lost(peer, lost))
+        fut = self._connecting.pop(peer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(conn)
+
+    async def _conn(self, peer: int) -> Connection:
+        conn = self._conns.get(peer)
+        if conn is not None:
+            return conn
+        self._check_usable()
+        fut = self._connecting.get(peer)
+        if fut is None:
+            fut = self._loop.create_future()
+            self._connecting[peer] = fut
+            if self.rank < peer:
+                self._spawn(self._dial(peer, fut))
+        return await fut
+
+    async def _dial(self, peer: int, fut: asyncio.Future[Connection]) -> None:
+        try:
+            conn = await self._transport.connect(self._handles[peer], self._hello(),
+                                                 deadline_after(self.timeout))
+        except AcollError as exc:
+            err = RemoteError(f"rank {self.rank} cannot connect to rank {peer}: {exc}", peer)
+            if not fut.done():
+                fut.set_exception(err)
+            self.fail(err)
+            return
+        self._register(peer, conn)
+
+    def _on_conn_lost(self, peer: int, lost: ConnectionLost) -> None:
+        if self._closed or self._error is not None:
+            return
+        if lost.orderly and not lost.notice:
+            log.info("rank %d: rank %d closed the communicator", self.rank, peer)
+            return
+        if lost.notice:
+            try:
+                body = msgpack.unpackb(lost.notice)
+                err = error_from_wire(WireError(str(body["kind"]), str(body["message"]),
+                                                int(body["rank"])), via=peer)
+            except Exception:  # noqa: BLE001
+                err = RemoteError(f"rank {peer} failed (unreadable notice)", peer)
+        else:
+            err = RemoteError(f"rank {peer} is gone: {lost} (process died, aborted, or the "
+                              "network failed)", peer)
+        self.fail(err)
+
+    def _on_boot_failure(self, err: AcollError) -> None:
+        self.fail(err)
+
+    def _peer_error(self, peer: int, exc: ConnectionLost) -> AcollError:
+        if self._error is not None:
+            return self._error
+        if exc.orderly:
+            err: AcollError = RemoteError(f"rank {peer} closed the communicator", peer)
+        else:
+            err = RemoteError(f"rank {peer} is gone: {exc}", peer)
+        self.fail(err)
+        return err
+
+    # ------------------------------------------------------------------ failure
+    def _check_usable(self) -> None:
+        if self._error is not None:
+            raise self._error
+        if self._closed:
+            raise ClosedError("the communicator is closed")
+
+    def fail(self, error: AcollError) -> None:
+        """Put the communicator in the failed state and tell every peer (idempotent)."""
+        if self._error is not None or self._closed:
+            return
+        self._error = error
+        log.info("rank %d: communicator failed: %s", self.rank, error)
+        wire = error_to_wire(error, self.rank)
+        notice = msgpack.packb({"kind": wire.kind, "message": wire.message,
+                                "rank": wire.rank})
+        for conn in list(self._conns.values()):
+            conn.close(notice)
+        for fut in self._connecting.values():
+            if not fut.done():
+                fut.set_exception(error)
+        self._connecting.clear()
+        self._listener.close()
+        self._boot.fail(error)
+
+    @property
+    def error(self) -> AcollError | None:
+        """The error that failed this communicator, or ``None``."""
+        return self._error
+
+    def abort(self) -> None:
+        """Drop every connection now. Local and immediate; peers see :class:`RemoteError`."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._error is None:
+            self._error = ClosedError("the communicator was aborted")
+        for conn in self._conns.values():
+            conn.abort()
+        for fut in self._connecting.values():
+            if not fut.done():
+                fut.set_exception(self._error)
+        self._listener.close()
+        self._boot.abort()
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def close(self) -> None:
+        """Orderly close: wait for in-flight ops on every rank, then release everything.
+
+        Every rank must call it. A failed communicator is released without waiting.
+        """
+        if self._closed:
+            return
+        if self._error is None:
+            with contextlib.suppress(AcollError):
+                await self.barrier()
+        self._closed = True
+        for conn in self._conns.values():
+            conn.close()
+        self._listener.close()
+        waits = [conn.wait_closed() for conn in self._conns.values()]
+        if waits:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), _LINGER)
+        for conn in self._conns.values():
+            conn.abort()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._boot.close()
+
+    async def __aenter__(self) -> Communicator:
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: object) -> None:
+        if exc is not None and not isinstance(exc, AcollError):
+            self.abort()  # peers must not wait in close() for a rank that crashed
+        else:
+            await self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else "failed" if self._error else "ok"
+        return f"<acoll.Communicator rank {self.rank}/{self.size} {state}>"
+
+    # ------------------------------------------------------------------ execution
+    def _scratch(self, count: int, dtype: np.dtype[Any], slot: int) -> npt.NDArray[Any]:
+        nbytes = count * dtype.itemsize
+        buf = self._scratch_bufs.get(slot)
+        if buf is None or buf.size < nbytes:
+            buf = np.empty(max(nbytes, 64), np.uint8)
+            self._scratch_bufs[slot] = buf
+        return buf[:nbytes].view(dtype)
+
+    async def _execute(self, desc: Descriptor, make: Callable[[OpContext], _Algo],
+                       tag_base: int | None = None) -> None:
+        self._check_usable()
+        if tag_base is None:
+            tag_base = (self._seq & 0x7FFFFFFF) << 32
+            self._seq += 1
+        if self._group is not None:
+            self._group.append((tag_base >> 32, desc, tag_base, make))
+            return
+        async with self._lock:
+            self._check_usable()
+            await self._run(OpContext(self, tag_base >> 32, desc, False, tag_base), make)
+
+    async def _run(self, ctx: OpContext, make: Callable[[OpContext], _Algo]) -> None:
+        name = ctx.desc.coll.name.lower()
+        timer = self._loop.call_later(self.timeout, self._timed_out, name, ctx.seq)
+        try:
+            await make(ctx).run()
+        except asyncio.CancelledError:
+            self.fail(RemoteError(f"rank {self.rank} cancelled {name} #{ctx.seq}; the "
+                                  "communicator was aborted", self.rank))
+            raise
+        except AcollError as exc:
+            first = self._error
+            self.fail(exc)
+            raise (first or exc) from None
+        finally:
+            timer.cancel()
+
+    def _timed_out(self, name: str, seq: int) -> None:
+        self.fail(AcollTimeoutError(f"{name} #{seq} did not complete within "
+                                    f"{self.timeout:g} s on rank {self.rank}"))
+
+    @contextlib.asynccontextmanager
+    async def group(self) -> AsyncIterator[None]:
+        """Run the operations issued inside together (``ncclGroupStart/End``).
+
+        Calls inside the block return at once; their buffers hold results only after the
+        block exits. Nested groups join the outermost one.
+        """
+        self._check_usable()
+        if self._group is not None:
+            yield
+            return
+        self._group = []
+        try:
+            yield
+        except BaseException:
+            self._group = None
+            raise
+        ops, self._group = self._group, None
+        if not ops:
+            return
+        async with self._lock:
+            self._check_usable()
+            results = await asyncio.gather(
+                *(self._run(OpContext(self, seq, desc, True, tag), make)
+                  for seq, desc, tag, make in ops), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+
+    # ------------------------------------------------------------------ collectives
+    def _desc(self, coll: Coll, arr: npt.NDArray[Any], op: int = 0, root: int = 0,
+              count: int | None = None) -> Descriptor:
+        return Descriptor(coll, dtype_code(arr.dtype), op, root,
+                          arr.size if count is None else count)
+
+    def _root(self, root: int) -> int:
+        if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
+            raise InvalidUsage(f"root must be in [0, {self.size}), got {root!r}")
+        return root
+
+    @staticmethod
+    def _same(a: npt.NDArray[Any], b: npt.NDArray[Any]) -> bool:
+        return bool(a.__array_interface__["data"][0] == b.__array_interface__["data"][0]
+                    and a.nbytes == b.nbytes)
+
+    def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
+              ratio_recv: int = 1) -> tuple[npt.NDArray[Any], npt.NDArray[Any], Any]:
+        s = as_host_array(send, "send")
+        if recv is None:
+            if ratio_send != ratio_recv:
+                raise InvalidUsage(f"{what} needs a recv buffer")
+            r = as_host_array(send, "send", writable=True)
+            recv = send
+        else:
+            r = as_host_array(recv, "recv", writable=True)
+        if s.dtype != r.dtype:
+            raise InvalidUsage(f"{what}: send has dtype {s.dtype}, recv has {r.dtype}")
+        if s.size * ratio_recv != r.size * ratio_send:
+            raise InvalidUsage(f"{what}: send holds {s.size} elements and recv {r.size}; "
+                               f"recv must hold {s.size * ratio_recv // ratio_send}")
+        if not self._same(s, r) and np.shares_memory(s, r) and not (
+                what == "all_gather" and self._inside(s, r)):
+            raise InvalidUsage(f"{what}: send and recv overlap without being the same buffer")
+        return s, r, recv
+
+    def _inside(self, s: npt.NDArray[Any], r: npt.NDArray[Any]) -> bool:
+        base = r.__array_interface__["data"][0]
+        return bool(s.__array_interface__["data"][0] == base + self.rank * s.nbytes)
+
+    async def _small_or_empty(self, desc: Descriptor, count: int) -> bool:
+        """Handle 0 elements (check only) and reserve no network for 1 rank."""
+        if count == 0:
+            if self.size > 1 and self.check:
+                await self._execute(desc, algos.EmptyExchange)
+            elif self.size > 1:
+                self._seq += 1
+            return True
+        return False
+
+    async def all_reduce(self, send: Any, recv: Any = None,
+                         op: ReduceOp | str = ReduceOp.SUM) -> Any:
+        """Reduce ``send`` across ranks into ``recv`` on every rank (in place if ``None``)."""
+        rop = ReduceOp.coerce(op)
+        s, r, out = self._pair(send, recv, "all_reduce")
+        desc = self._desc(Coll.ALL_REDUCE, s, rop)
+        if await self._small_or_empty(desc, s.size):
+            return out
+        if self.size == 1:
+            self._check_usable()
+            if not self._same(s, r):
+                r[...] = s
+            return out
+        cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self._small)
+        await self._execute(desc, lambda ctx: cls(ctx, s, r, rop))
+        return out
+
+    async def broadcast(self, buf: Any, root: int = 0) -> Any:
+        """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
+        b = as_host_array(buf, "buf", writable=True)
+        root = self._root(root)
+        desc = self._desc(Coll.BROADCAST, b, 0, root)
+        if await self._small_or_empty(desc, b.size) or self.size == 1:
+            return buf
+        cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self._small)
+        await self._execute(desc, lambda ctx: cls(ctx, b, root))
+        return buf
+
+    async def reduce(self, send: Any, recv: Any = None, op: ReduceOp | str = ReduceOp.SUM,
+                     root: int = 0) -> Any:
+        """Reduce ``send`` across ranks into ``recv`` on ``root`` (``recv`` unused elsewhere).
+
+        ``recv=None`` means in place on the root; non-root ranks' buffers are not changed.
+        """
+        rop = ReduceOp.coerce(op)
+        root = self._root(root)
+        if self.rank == root:
+            s, r, out = self._pair(send, recv, "reduce")
+        else:
+            s = as_host_array(send, "send")
+            r, out = None, recv if recv is not None else send
+        desc = self._desc(Coll.REDUCE, s, rop, root)
+        if await self._small_or_empty(desc, s.size):
+            return out
+        if self.size == 1:
+            assert r is not None
+            if not self._same(s, r):
+                r[...] = s
+            return out
+        cls = algos.choose("reduce", s.nbytes, self.size, self._algo, self._small)
+        await self._execute(desc, lambda ctx: cls(ctx, s, r, root, rop))
+        return out
+
+    async def all_gather(self, send: Any, recv: Any) -> Any:
+        """Concatenate every rank's ``send`` into ``recv`` (``size * len(send)``, rank order).
+
+        In place when ``send`` is this rank's block of ``recv``.
+        """
+        s, r, out = self._pair(send, recv, "all_gather", 1, self.size)
+        desc = self._desc(Coll.ALL_GATHER, s)
+        if await self._small_or_empty(desc, s.size):
+            return out
+        if self.size == 1:
+            if not self._same(s, r):
+                r[...] = s
+            return out
+        await self._execute(desc, lambda ctx: algos.RingAllGather(ctx, s, r))
+        return out
+
+    async def reduce_scatter(self, send: Any, recv: Any,
+                             op: ReduceOp | str = ReduceOp.SUM) -> Any:
+        """Reduce ``send`` (``size`` blocks) across ranks; block ``rank`` lands in ``recv``."""
+        rop = ReduceOp.coerce(op)
+        s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
+        desc = self._desc(Coll.REDUCE_SCATTER, r, rop)
+        if await self._small_or_empty(desc, r.size):
+            return out
+        if self.size == 1:
+            if not self._same(s, r):
+                r[...] = s
+            return out
+        await self._execute(desc, lambda ctx: algos.RingReduceScatter(ctx, s, r, rop))
+        return out
+
+    async def all_to_all(self, send: Any, recv: Any) -> Any:
+        """Block ``p`` of ``send`` goes to rank ``p``; block ``q`` of ``recv`` comes from ``q``."""
+        s, r, out = self._pair(send, recv, "all_to_all")
+        if s.size % self.size:
+            raise InvalidUsage(f"all_to_all: {s.size} elements do not split into "
+                               f"{self.size} equal blocks")
+        desc = self._desc(Coll.ALL_TO_ALL, s, count=s.size // self.size)
+        if await self._small_or_empty(desc, s.size):
+            return out
+        if self.size == 1:
+            if not self._same(s, r):
+                r[...] = s
+            return out
+        await self._execute(desc, lambda ctx: algos.DirectAllToAll(ctx, s, r))
+        return out
+
+    async def barrier(self) -> None:
+        """Return once every rank has entered the barrier."""
+        self._check_usable()
+        if self.size == 1:
+            return
+        desc = Descriptor(Coll.BARRIER, 0, 0, 0, 0)
+        await self._execute(desc, algos.DisseminationBarrier)
+
+    def _peer(self, peer: int) -> int:
+        if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size:
+            raise InvalidUsage(f"peer must be in [0, {self.size}), got {peer!r}")
+        if peer == self.rank:
+            raise InvalidUsage("send/recv to self: use a local copy")
+        return peer
+
+    async def send(self, buf: Any, peer: int) -> Any:
+        """Send ``buf`` to ``peer``, matched in order with ``peer``'s ``recv`` from us."""
+        b = as_host_array(buf, "buf")
+        peer = self._peer(peer)
+        seq = self._p2p_send[peer]
+        self._p2p_send[peer] = seq + 1
+        tag = _P2P | ((seq & 0x7FFFFFFF) << 32)
+        desc = self._desc(Coll.SEND_RECV, b)
+        await self._execute(desc, lambda ctx: _Send(ctx, peer, b), tag_base=tag)
+        return buf
+
+    async def recv(self, buf: Any, peer: int) -> Any:
+        """Receive into ``buf`` the next message ``peer`` sends us; sizes must match."""
+        b = as_host_array(buf, "buf", writable=True)
+        peer = self._peer(peer)
+        seq = self._p2p_recv[peer]
+        self._p2p_recv[peer] = seq + 1
+        tag = _P2P | ((seq & 0x7FFFFFFF) << 32)
+        desc = self._desc(Coll.SEND_RECV, b)
+        await self._execute(desc, lambda ctx: _Recv(ctx, peer, b), tag_base=tag)
+        return buf
+
+    # ------------------------------------------------------------------ split
+    async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
+        """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
+
+        Ranks are ordered by ``key`` (then by parent rank). ``color=None`` joins none and
+        returns ``None``. Every rank of this communicator must call it.
+        """
+        self._check_usable()
+        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
+                                  or color < 0):
+            raise InvalidUsage(f"color must be a non-negative int or None, got {color!r}")
+        key = self.rank if key is None else key
+        self._split_seq += 1
+        from ._bootstrap.root import listen_socket as _listen
+
+        addr: list[Any] = []
+        sock = None
+        if color is not None:
+            host = self._boot.addr[0]
+            fam = socket.AF_INET6 if ":" in host else socket.AF_INET
+            sockaddr: tuple[Any, ...] = (host, 0, 0, self._boot.addr[2]) if fam == \
+                socket.AF_INET6 else (host, 0)
+            sock = _listen(sockaddr, fam)
+            name = sock.getsockname()
+            addr = [name[0], name[1], self._boot.addr[2]]
+        try:
+            async with self._lock:
+                items = await self._boot.allgather(msgpack.packb([color, key, addr]))
+        except BaseException:
+            if sock is not None:
+                sock.close()
+            raise
+        if color is None:
+            return None
+        assert sock is not None
+        members = sorted((k, r, a) for r, (c, k, a) in
+                         ((r, msgpack.unpackb(it)) for r, it in enumerate(items)) if c == color)
+        new_rank = next(i for i, (_, r, _) in enumerate(members) if r == self.rank)
+        nkey = hashlib.blake2b(self._boot.key + f"/{self._split_seq}/{color}".encode(),
+                               digest_size=16).digest()
+        boot = await Bootstrap.from_peers(
+            rank=new_rank, nranks=len(members), key=nkey, sock=sock,
+            peer_addrs=[(a[0], a[1], a[2]) for _, _, a in members], timeout=self.timeout)
+        try:
+            return await Communicator._form(boot, sockaddr, fam, self.timeout, net=None,
+                                            check=self.check)
+        except BaseException:
+            boot.abort()
+            raise
+
+
+class _Send:
+    def __init__(self, ctx: OpContext, peer: int, arr: npt.NDArray[Any]) -> None:
+        self.ctx, self.peer, self.arr = ctx, peer, arr
+
+    async def run(self) -> None:
+        await self.ctx.connect(self.peer)
+        await self.ctx.wait_send(self.ctx.post_send(self.peer, self.arr, 0), self.peer)
+
+
+class _Recv:
+    def __init__(self, ctx: OpContext, peer: int, arr: npt.NDArray[Any]) -> None:
+        self.ctx, self.peer, self.arr = ctx, peer, arr
+
+    async def run(self) -> None:
+        await self.ctx.connect(self.peer)
+        await self.ctx.wait_recv(self.ctx.post_recv(self.peer, self.arr, 0), self.peer)
+
+
+def raise_nofile_limit() -> None:
+    """Raise the soft open-files limit to the hard one (many ranks in one process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+_ = TransportError

@@ -1,0 +1,157 @@
+"""Reduction ops, data types and buffer adaptation (host side).
+
+:class:`ReduceOp` numbers match NCCL's ``ncclRedOp_t``. Host reductions use NumPy ufuncs
+with ``out=`` into preallocated memory (no temporaries per chunk). Float16 and bfloat16
+are reduced by converting each pair to float32, combining, and rounding back (NumPy's and
+ml_dtypes' own loops), as NCCL does; AVG divides the sum in float32 for them.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+import numpy.typing as npt
+
+from .errors import InvalidUsage
+
+__all__ = ["AVG", "MAX", "MIN", "PROD", "SUM", "ReduceOp", "as_host_array", "dtype_code"]
+
+
+class ReduceOp(enum.IntEnum):
+    """Reduction operators (NCCL numbering). Strings like ``"sum"`` are accepted too."""
+
+    SUM = 0
+    PROD = 1
+    MAX = 2
+    MIN = 3
+    AVG = 4
+
+    @classmethod
+    def coerce(cls, op: ReduceOp | str | int) -> ReduceOp:
+        """Turn ``op`` into a :class:`ReduceOp` or raise :class:`InvalidUsage`."""
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls[op.strip().upper()]
+            except KeyError:
+                pass
+        elif isinstance(op, int):
+            try:
+                return cls(op)
+            except ValueError:
+                pass
+        raise InvalidUsage(f"unknown reduction op {op!r}: use SUM, PROD, MAX, MIN or AVG")
+
+
+SUM, PROD, MAX, MIN, AVG = ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN, ReduceOp.AVG
+
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)
+#: Wire codes of the supported dtypes (also the order tests iterate in).
+DTYPES: dict[np.dtype[Any], int] = {
+    np.dtype(np.int8): 0, np.dtype(np.uint8): 1, np.dtype(np.int32): 2,
+    np.dtype(np.uint32): 3, np.dtype(np.int64): 4, np.dtype(np.uint64): 5,
+    np.dtype(np.float16): 6, BFLOAT16: 7, np.dtype(np.float32): 8, np.dtype(np.float64): 9,
+}
+DTYPE_BY_CODE = {code: dt for dt, code in DTYPES.items()}
+DTYPE_NAMES = {dt: ("bfloat16" if dt == BFLOAT16 else dt.name) for dt in DTYPES}
+_LOW_PRECISION = (np.dtype(np.float16), BFLOAT16)
+
+_UFUNCS: dict[ReduceOp, np.ufunc] = {
+    ReduceOp.SUM: np.add, ReduceOp.AVG: np.add, ReduceOp.PROD: np.multiply,
+    ReduceOp.MAX: np.maximum, ReduceOp.MIN: np.minimum,
+}
+
+
+def parse_dtype(name: str | np.dtype[Any] | type) -> np.dtype[Any]:
+    """A supported dtype from a name (``float32``, ``bf16``, ``half``...) or dtype."""
+    aliases = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32",
+               "double": "float64", "int": "int32", "fp32": "float32", "fp64": "float64"}
+    try:
+        if isinstance(name, str):
+            name = aliases.get(name.lower(), name.lower())
+            dt = BFLOAT16 if name == "bfloat16" else np.dtype(name)
+        else:
+            dt = np.dtype(name)
+    except TypeError as exc:
+        raise InvalidUsage(f"unknown dtype {name!r}") from exc
+    if dt not in DTYPES:
+        raise InvalidUsage(f"dtype {dt} is not supported; use one of "
+                           f"{', '.join(DTYPE_NAMES.values())}")
+    return dt
+
+
+def dtype_code(dt: np.dtype[Any]) -> int:
+    """Wire code of a supported dtype; :class:`InvalidUsage` names unsupported ones."""
+    code = DTYPES.get(dt)
+    if code is None:
+        raise InvalidUsage(f"dtype {dt} is not supported; use one of "
+                           f"{', '.join(DTYPE_NAMES.values())}")
+    return code
+
+
+def reduce_into(out: npt.NDArray[Any], a: npt.NDArray[Any], b: npt.NDArray[Any],
+                op: ReduceOp) -> None:
+    """``out[:] = a (op) b`` elementwise, without temporaries. ``out`` may alias a or b."""
+    _UFUNCS[op](a, b, out=out)
+
+
+def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
+    """Divide a sum by ``n`` in place (float32 for 16-bit floats, truncating for ints)."""
+    if n == 1 or arr.size == 0:
+        return
+    if arr.dtype in _LOW_PRECISION:
+        arr[...] = (arr.astype(np.float32) / np.float32(n)).astype(arr.dtype)
+    elif arr.dtype.kind == "f":
+        np.divide(arr, arr.dtype.type(n), out=arr)
+    elif arr.dtype.kind == "u":
+        np.floor_divide(arr, arr.dtype.type(n), out=arr)
+    else:  # C-style truncation toward zero, as NCCL's integer average
+        q = np.abs(arr.astype(np.int64)) // n
+        arr[...] = (np.sign(arr) * q).astype(arr.dtype)
+
+
+def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray[Any]:
+    """A 1-D view (no copy) of a contiguous host buffer with a supported dtype.
+
+    Accepts NumPy arrays, objects with ``__dlpack__`` on the CPU (torch tensors...), and
+    anything with the buffer protocol.
+
+    Raises:
+        InvalidUsage: not contiguous, read-only where ``writable``, a device buffer, or an
+            unsupported dtype; the message names the argument (``what``).
+    """
+    if isinstance(obj, np.ndarray):
+        arr = obj
+    elif hasattr(obj, "__cuda_array_interface__"):
+        raise InvalidUsage(f"{what} is a GPU buffer; this communicator moves host memory "
+                           "(GPU buffers need a communicator created with device=...)")
+    elif hasattr(obj, "__dlpack__"):
+        try:
+            arr = np.from_dlpack(obj)
+        except (BufferError, TypeError, RuntimeError) as exc:
+            raise InvalidUsage(f"{what}: cannot view it as host memory: {exc}") from exc
+    else:
+        try:
+            arr = np.asarray(memoryview(obj))
+        except TypeError as exc:
+            raise InvalidUsage(f"{what} is not a buffer (got {type(obj).__name__})") from exc
+    if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise InvalidUsage(f"{what} is not contiguous")
+    if writable and not arr.flags.writeable:
+        raise InvalidUsage(f"{what} is read-only")
+    dtype_code(arr.dtype) if arr.dtype in DTYPES else _bad_dtype(arr.dtype, what)
+    return arr.reshape(-1, order="A")
+
+
+def _bad_dtype(dt: np.dtype[Any], what: str) -> None:
+    raise InvalidUsage(f"{what} has dtype {dt}, which is not supported; use one of "
+                       f"{', '.join(DTYPE_NAMES.values())}")
+
+
+def byte_view(arr: npt.NDArray[Any]) -> memoryview:
+    """A flat unsigned-byte memoryview of a contiguous array (no copy)."""
+    return memoryview(arr.view(np.uint8).reshape(-1) if arr.size else np.empty(0, np.uint8))

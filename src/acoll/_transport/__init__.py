@@ -1,0 +1,1 @@
+"""Data transports behind one small interface (see :mod:`.base`)."""

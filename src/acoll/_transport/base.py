@@ -1,0 +1,156 @@
+"""The transport interface: what every data network (TCP, RDMA, ...) provides.
+
+Modelled on NCCL's net plugin (listen / connect / accept / isend / irecv / test), shaped
+for asyncio: posting an operation returns a future, and the transport completes it from
+the event loop. The communicator never touches sockets or verbs itself.
+
+Contracts shared by every implementation (checked by ``tests/transport_conformance.py``):
+
+- A :class:`Connection` joins two endpoints and carries *messages* both ways. Each message
+  has a ``tag`` (an int below 2**64) and a 16-byte ``meta`` chosen by the sender. Messages
+  are matched to receives by tag, not by order: a message that arrives before its receive
+  is posted is kept until it is (an extra copy); one posted first is filled in place.
+- At most one message per tag may be in flight per direction; reusing a tag before the
+  previous message with it was received is a caller bug.
+- ``isend`` may return before the bytes left the machine; the buffer must stay untouched
+  until the returned future completes. ``irecv`` completes once the whole message is in
+  the buffer, with the sender's ``meta``. A message whose size differs from the receive
+  buffer fails that receive with :class:`MessageSizeError` (the connection stays usable).
+- When the connection breaks (peer died, reset, protocol violation, or the peer closed it)
+  every pending and later operation fails with :class:`ConnectionLost`, and the callback
+  given to :meth:`Connection.set_failure_callback` runs once.
+- :meth:`Connection.close` is orderly: queued sends are flushed, then the peer learns that
+  the connection ended on purpose (``ConnectionLost.orderly``), with an optional notice.
+  Cancelling a posted operation's future is not supported: close or abort instead.
+- All methods are called from the event loop thread; none blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import ClassVar
+
+from ..errors import ProtocolError, TransportError
+
+__all__ = [
+    "META_SIZE",
+    "Connection",
+    "ConnectionLost",
+    "Listener",
+    "MessageSizeError",
+    "Transport",
+]
+
+META_SIZE = 16
+
+
+class ConnectionLost(TransportError):
+    """The connection ended.
+
+    Attributes:
+        orderly: the peer closed it on purpose (``Connection.close``), not a crash.
+        notice: the bytes the peer passed to ``close(notice=...)`` (empty otherwise).
+    """
+
+    def __init__(self, message: str, *, orderly: bool = False, notice: bytes = b"") -> None:
+        super().__init__(message)
+        self.orderly = orderly
+        self.notice = notice
+
+
+class MessageSizeError(ProtocolError):
+    """A message's size differs from the buffer posted for it."""
+
+    def __init__(self, tag: int, expected: int, got: int, meta: bytes) -> None:
+        super().__init__(f"message tag {tag:#x}: receive buffer holds {expected} bytes, "
+                         f"the sender sent {got}")
+        self.tag = tag
+        self.expected = expected
+        self.got = got
+        self.meta = meta
+
+
+class Connection(ABC):
+    """A bidirectional, tag-matched message connection to one peer."""
+
+    @abstractmethod
+    def isend(self, buf: memoryview, tag: int, meta: bytes) -> asyncio.Future[None]:
+        """Post a send of ``buf`` (contiguous bytes) under ``tag`` with 16-byte ``meta``."""
+
+    @abstractmethod
+    def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
+        """Post a receive into writable ``buf``; the future gives the sender's ``meta``."""
+
+    @abstractmethod
+    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
+        """Call ``callback`` once when the connection breaks or the peer closes it."""
+
+    @abstractmethod
+    def close(self, notice: bytes = b"") -> None:
+        """Flush queued sends, tell the peer (with ``notice``), then release everything.
+
+        Idempotent. Pending receives fail with :class:`ConnectionLost`.
+        """
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Release everything now; queued sends are dropped. Idempotent."""
+
+    @abstractmethod
+    async def wait_closed(self) -> None:
+        """Return once every resource of the connection is released (after close/abort)."""
+
+    @property
+    @abstractmethod
+    def failed(self) -> ConnectionLost | None:
+        """The error that ended the connection, or ``None`` while it works."""
+
+    async def send(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)) -> None:
+        """``await isend(...)``."""
+        await self.isend(buf, tag, meta)
+
+    async def recv(self, buf: memoryview, tag: int) -> bytes:
+        """``await irecv(...)``."""
+        return await self.irecv(buf, tag)
+
+
+class Listener(ABC):
+    """Accepts connections. ``handle`` is the opaque address peers pass to ``connect``."""
+
+    handle: bytes
+
+    @abstractmethod
+    async def accept(self) -> tuple[bytes, Connection]:
+        """Wait for the next connection; return the connector's hello bytes and it.
+
+        Raises:
+            ClosedError: the listener was closed.
+        """
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop accepting (idempotent). Connections already returned stay open."""
+
+
+class Transport(ABC):
+    """A data network: makes listeners and outgoing connections.
+
+    Class attributes:
+        name: what ``ACOLL_NET`` calls it (``socket``, ``ib``, ...).
+    """
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    async def listen(self) -> Listener:
+        """Start listening on this rank's interface."""
+
+    @abstractmethod
+    async def connect(self, handle: bytes, hello: bytes, deadline: float) -> Connection:
+        """Connect to the listener behind ``handle``; the acceptor receives ``hello``.
+
+        Raises:
+            TransportError: the peer could not be reached before ``deadline``.
+        """

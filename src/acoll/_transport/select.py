@@ -1,0 +1,113 @@
+"""Choosing the data network, in NCCL's ``initNet`` order.
+
+1. A network plugin: any installed package exposing an ``acoll.net`` entry point, whose
+   object is called as ``factory(sockaddr, family, timeout)`` and returns a
+   :class:`~.base.Transport`, or ``None`` when it cannot run here.
+2. InfiniBand/RoCE through pyverbs (``ib``), unless ``ACOLL_IB_DISABLE=1``: used when
+   pyverbs imports and an active port matches ``ACOLL_IB_HCA``.
+3. TCP sockets (``socket``), always available.
+
+``ACOLL_NET`` names one of them and makes its absence an error instead of a fallback.
+"""
+
+from __future__ import annotations
+
+import socket
+from importlib.metadata import entry_points
+from typing import Any
+
+from .._config import Setting, get_logger, parse_bool
+from ..errors import InvalidUsage
+from .base import Transport
+from .tcp import TcpTransport
+
+__all__ = ["NET", "ib_devices", "select_transport"]
+
+log = get_logger("NET")
+
+NET = Setting("NET", str, "", "Force the data network: socket, ib, or a plugin's name.",
+              "NET")
+IB_DISABLE = Setting("IB_DISABLE", parse_bool, False, "Never use InfiniBand/RoCE.", "NET")
+IB_HCA = Setting("IB_HCA", str, "",
+                 "RDMA devices/ports to use: [^][=]dev[:port],... (NCCL_IB_HCA rules).", "NET")
+
+
+def ib_devices(hca_spec: str = "") -> tuple[list[tuple[str, int]], str]:
+    """Active RDMA ``(device, port)`` pairs matching ``hca_spec``, and why none if empty.
+
+    Uses pyverbs when it is installed; never raises for a missing stack.
+    """
+    try:
+        import pyverbs.device as vdev
+        from pyverbs.device import Context
+    except ImportError:
+        return [], "pyverbs is not installed"
+    from .._net.interfaces import match_hca, parse_hca_spec
+
+    spec = parse_hca_spec(hca_spec) if hca_spec else None
+    found: list[tuple[str, int]] = []
+    try:
+        devices = vdev.get_device_list()
+    except Exception as exc:  # noqa: BLE001 - any verbs failure means "no RDMA here"
+        return [], f"listing RDMA devices failed: {exc}"
+    for dev in devices:
+        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+        try:
+            with Context(name=name) as ctx:
+                nports = ctx.query_device().phys_port_cnt
+                for port in range(1, nports + 1):
+                    attr = ctx.query_port(port)
+                    if attr.state != 4:  # IBV_PORT_ACTIVE
+                        continue
+                    if spec is None or match_hca(name, port, spec):
+                        found.append((name, port))
+        except Exception as exc:  # noqa: BLE001
+            log.info("RDMA device %s skipped: %s", name, exc)
+    return found, "" if found else "no active RDMA port matches ACOLL_IB_HCA" if spec else (
+        "no RDMA device with an active port")
+
+
+def _plugins() -> list[tuple[str, Any]]:
+    try:
+        eps = entry_points(group="acoll.net")
+    except TypeError:  # pragma: no cover - Python 3.9 API
+        eps = entry_points().get("acoll.net", [])  # type: ignore[attr-defined]
+    return [(ep.name, ep) for ep in eps]
+
+
+def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
+                     timeout: float, net: str | None = None) -> Transport:
+    """Return the data transport for this rank (see the module docstring)."""
+    forced = NET.resolve(net).strip().lower()
+    for name, ep in _plugins():
+        if forced and forced != name.lower():
+            continue
+        try:
+            transport = ep.load()(sockaddr, family, timeout)
+        except Exception as exc:  # noqa: BLE001 - a broken plugin must not stop the job
+            log.warning("net plugin %s failed to load: %s", name, exc)
+            transport = None
+        if transport is not None:
+            log.info("NET/Plugin: using %s", name)
+            return transport  # type: ignore[no-any-return]
+        if forced:
+            raise InvalidUsage(f"ACOLL_NET={forced}: the plugin cannot run here")
+    if forced not in ("", "ib", "socket"):
+        raise InvalidUsage(f"ACOLL_NET={forced!r}: no such network (socket, ib, or an "
+                           "installed acoll.net plugin)")
+    if forced in ("", "ib"):
+        if IB_DISABLE.resolve() and forced != "ib":
+            log.info("NET/IB: disabled by ACOLL_IB_DISABLE")
+        else:
+            devs, why = ib_devices(IB_HCA.resolve())
+            if forced == "ib":
+                raise InvalidUsage(f"ACOLL_NET=ib: {why or 'the verbs transport is not part of this release'}")
+            if devs:
+                log.info("NET/IB: found %s, but this release has no verbs transport yet; "
+                         "using sockets", devs)
+            else:
+                log.info("NET/IB: not used (%s)", why)
+    transport = TcpTransport(sockaddr, family, timeout=timeout)
+    log.info("NET/Socket: using TCP on %s with %d socket(s) per peer", sockaddr[0],
+             transport.nsocks)
+    return transport

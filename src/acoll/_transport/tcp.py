@@ -1,0 +1,616 @@
+"""TCP transport on the event loop, with zero-copy receive into the caller's buffer.
+
+Each connection is one or more non-blocking TCP sockets driven by ``loop.add_reader`` and
+``loop.add_writer`` (plain asyncio and uvloop alike). Nothing goes through asyncio's
+``Transport`` buffers: sends hand the caller's memoryview straight to ``sendmsg`` (header
+and payload in one call, several queued messages per call), and receives ``recv_into``
+the destination buffer directly once a header has said where the payload goes. Only
+what arrives in the same read as a header (at most one staging buffer) is copied.
+
+Data frame header (little endian, 48 bytes)::
+
+    H magic 0xAC0D | B kind (1 data, 2 close) | B flags | I part length
+    Q tag | Q message total size | Q offset of this part | 16s meta
+
+A message larger than ``stripe`` bytes is cut into one part per socket, so with
+``ACOLL_SOCKET_NSOCKS > 1`` a large message travels over several sockets at once.
+
+Connection handshake, first bytes on every socket (little endian, 24 bytes + hello)::
+
+    4s b"ACTC" | H version | H socket index | H socket count | 2x | Q connection id
+    I hello length, then the hello bytes (checked by the layer above)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import struct
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from .._config import Setting, get_logger, parse_size
+from .._deadline import remaining, wait_until
+from ..errors import AcollError, ClosedError, ProtocolError, TransportError
+from ..errors import TimeoutError as AcollTimeoutError
+from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
+
+__all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
+
+log = get_logger("NET")
+
+NSOCKS = Setting("SOCKET_NSOCKS", int, 1, "TCP sockets per peer connection (1-16).", "NET")
+STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
+                 "Messages above this size are split across the sockets of a connection.",
+                 "NET")
+BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
+                  "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
+
+_HDR = struct.Struct("<HBBIQQQ16s")
+_MAGIC = 0xAC0D
+_DATA, _CLOSE = 1, 2
+_HS = struct.Struct("<4sHHH2xQI")
+_HS_MAGIC = b"ACTC"
+_HS_VERSION = 1
+_MAX_HELLO = 1 << 16
+_MAX_NOTICE = 1 << 20
+_STAGE = 1 << 18  # staging buffer for headers and small payloads
+_READ_BUDGET = 16  # reads per readiness callback before yielding to other sockets
+_IOV = 64  # queued buffers per sendmsg call
+_LINGER = 5.0  # how long a closing socket waits for the peer's EOF
+
+
+class _RecvEntry:
+    """One message being received: into a posted buffer, or into storage until posted."""
+
+    __slots__ = ("buf", "fut", "meta", "received", "storage", "table", "tag", "total")
+
+    def __init__(self, buf: memoryview | None, fut: asyncio.Future[bytes] | None,
+                 total: int, tag: int, table: dict[int, _RecvEntry]) -> None:
+        self.buf = buf
+        self.fut = fut
+        self.total = total
+        self.tag = tag
+        self.table = table  # the dict of the connection that holds this entry
+        self.received = 0
+        self.meta = b""
+        self.storage: bytearray | None = None
+
+
+class _SendOp:
+    __slots__ = ("fut", "parts_left")
+
+    def __init__(self, fut: asyncio.Future[None], parts: int) -> None:
+        self.fut = fut
+        self.parts_left = parts
+
+
+class _Sock:
+    """One socket of a connection, with its reader and writer state."""
+
+    __slots__ = ("direct_entry", "direct_left", "direct_view", "fd", "queue", "sock",
+                 "stage", "stage_len", "stage_view", "writing")
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.fd = sock.fileno()
+        # queue items: [header bytes, payload memoryview, bytes sent so far, op or None]
+        self.queue: deque[list[Any]] = deque()
+        self.writing = False
+        self.stage = bytearray(_STAGE)
+        self.stage_view = memoryview(self.stage)
+        self.stage_len = 0
+        self.direct_view: memoryview | None = None
+        self.direct_left = 0
+        self.direct_entry: _RecvEntry | None = None
+
+
+def _tune(sock: socket.socket, bufsize: int) -> None:
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if bufsize:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, bufsize)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, bufsize)
+    sock.setblocking(False)
+
+
+class TcpConnection(Connection):
+    """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
+
+    def __init__(self, socks: list[socket.socket], peer: str, stripe: int) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._socks = [_Sock(s) for s in socks]
+        self.peer = peer
+        self._stripe = max(stripe, 1 << 12)
+        self._rr = 0
+        self._posted: dict[int, _RecvEntry] = {}
+        self._unexpected: dict[int, _RecvEntry] = {}
+        self._discard: dict[int, _RecvEntry] = {}
+        self._failed: ConnectionLost | None = None
+        self._on_failure: Callable[[ConnectionLost], None] | None = None
+        self._closing = False
+        self._released: asyncio.Future[None] = self._loop.create_future()
+        for s in self._socks:
+            self._loop.add_reader(s.fd, self._on_readable, s)
+
+    # ------------------------------------------------------------------ public
+    @property
+    def failed(self) -> ConnectionLost | None:
+        return self._failed
+
+    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
+        self._on_failure = callback
+        if self._failed is not None:
+            self._loop.call_soon(callback, self._failed)
+
+    def isend(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)
+              ) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = self._loop.create_future()
+        if self._failed is not None or self._closing:
+            fut.set_exception(self._failed or ConnectionLost("connection is closing"))
+            return fut
+        if buf.ndim != 1 or buf.itemsize != 1:
+            buf = buf.cast("B")
+        total = buf.nbytes
+        nsocks = len(self._socks)
+        if nsocks == 1 or total <= self._stripe:
+            parts = [(0, total)]
+        else:
+            per = -(-total // nsocks)
+            per = -(-per // 4096) * 4096
+            parts = [(o, min(per, total - o)) for o in range(0, total, per)]
+        op = _SendOp(fut, len(parts))
+        for offset, length in parts:
+            s = self._socks[self._rr]
+            self._rr = (self._rr + 1) % nsocks
+            hdr = _HDR.pack(_MAGIC, _DATA, 0, length, tag, total, offset, meta)
+            s.queue.append([hdr, buf[offset:offset + length], 0, op])
+            if len(s.queue) == 1:
+                self._flush(s)
+        return fut
+
+    def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        if self._failed is not None:
+            fut.set_exception(self._failed)
+            return fut
+        if buf.ndim != 1 or buf.itemsize != 1:
+            buf = buf.cast("B")
+        if tag in self._posted:
+            fut.set_exception(ProtocolError(f"a receive for tag {tag:#x} is already posted"))
+            return fut
+        entry = self._unexpected.pop(tag, None)
+        if entry is None:
+            self._posted[tag] = _RecvEntry(buf, fut, buf.nbytes, tag, self._posted)
+            return fut
+        if entry.total != buf.nbytes:
+            fut.set_exception(MessageSizeError(tag, buf.nbytes, entry.total, entry.meta))
+            if entry.received < entry.total:
+                entry.table = self._discard
+                self._discard[tag] = entry
+            return fut
+        if entry.received == entry.total:
+            assert entry.storage is not None
+            buf[:] = entry.storage
+            fut.set_result(entry.meta)
+        else:  # still arriving into storage: copy when complete
+            entry.buf, entry.fut = buf, fut
+            self._unexpected[tag] = entry
+        return fut
+
+    def close(self, notice: bytes = b"") -> None:
+        if self._closing or self._failed is not None:
+            return
+        self._closing = True
+        notice = notice[:_MAX_NOTICE]
+        lost = ConnectionLost("the connection was closed locally")
+        self._fail_pending(lost, sends=False)
+        for s in self._socks:
+            hdr = _HDR.pack(_MAGIC, _CLOSE, 0, len(notice), 0, 0, 0, bytes(META_SIZE))
+            s.queue.append([hdr, memoryview(notice), 0, None])
+            if len(s.queue) == 1:
+                self._flush(s)
+        self._loop.call_later(_LINGER, self._release)
+
+    def abort(self) -> None:
+        if self._failed is None:
+            self._failed = ConnectionLost("the connection was aborted locally")
+            self._fail_pending(self._failed, sends=True)
+        self._release()
+
+    # ------------------------------------------------------------------ failure
+    def _fail_pending(self, exc: ConnectionLost, *, sends: bool) -> None:
+        # Futures failed here are marked retrieved: the owner learns of the failure through
+        # the failure callback, and ops that were abandoned must not log "never retrieved".
+        for table in (self._posted, self._unexpected):
+            for entry in table.values():
+                if entry.fut is not None and not entry.fut.done():
+                    entry.fut.set_exception(exc)
+                    entry.fut.exception()
+            table.clear()
+        self._discard.clear()
+        if sends:
+            for s in self._socks:
+                for item in s.queue:
+                    op = item[3]
+                    if op is not None and not op.fut.done():
+                        op.fut.set_exception(exc)
+                        op.fut.exception()
+                s.queue.clear()
+
+    def _lost(self, exc: ConnectionLost) -> None:
+        if self._failed is not None:
+            return
+        self._failed = exc
+        if self._closing and not exc.orderly:
+            exc = ConnectionLost(str(exc), orderly=True)
+        self._fail_pending(exc, sends=True)
+        self._release()
+        if self._on_failure is not None and not self._closing:
+            # Synchronously, so the owner's state is updated before waiters resume.
+            try:
+                self._on_failure(exc)
+            except Exception:  # noqa: BLE001 - a callback bug must not break the loop
+                log.exception("connection failure callback raised")
+
+    def _release(self) -> None:
+        for s in self._socks:
+            if s.fd < 0:
+                continue
+            self._loop.remove_reader(s.fd)
+            if s.writing:
+                self._loop.remove_writer(s.fd)
+                s.writing = False
+            s.sock.close()
+            s.fd = -1
+        if self._failed is None:
+            self._failed = ConnectionLost("the connection was closed locally", orderly=True)
+        if not self._released.done():
+            self._released.set_result(None)
+
+    async def wait_closed(self) -> None:
+        await asyncio.shield(self._released)
+
+    # ------------------------------------------------------------------ writing
+    def _on_writable(self, s: _Sock) -> None:
+        self._flush(s)
+
+    def _flush(self, s: _Sock) -> None:
+        queue = s.queue
+        sock = s.sock
+        while queue:
+            bufs: list[Any] = []
+            for item in queue:
+                hdr, view, sent = item[0], item[1], item[2]
+                if sent < len(hdr):
+                    bufs.append(hdr[sent:] if sent else hdr)
+                    bufs.append(view)
+                else:
+                    bufs.append(view[sent - len(hdr):])
+                if len(bufs) >= _IOV:
+                    break
+            try:
+                n = sock.sendmsg(bufs)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError as exc:
+                self._lost(ConnectionLost(f"send to {self.peer} failed: {exc}"))
+                return
+            while n and queue:
+                item = queue[0]
+                size = len(item[0]) + item[1].nbytes
+                take = min(n, size - item[2])
+                item[2] += take
+                n -= take
+                if item[2] < size:
+                    break
+                queue.popleft()
+                op = item[3]
+                if op is None:  # the close frame went out: half-close, wait for the EOF
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_WR)
+                    continue
+                op.parts_left -= 1
+                if op.parts_left == 0 and not op.fut.done():
+                    op.fut.set_result(None)
+            if queue and queue[0][2] > 0:
+                break  # partial write: the kernel buffer is full
+        if s.fd < 0:
+            return
+        if queue and not s.writing:
+            self._loop.add_writer(s.fd, self._on_writable, s)
+            s.writing = True
+        elif not queue and s.writing:
+            self._loop.remove_writer(s.fd)
+            s.writing = False
+
+    # ------------------------------------------------------------------ reading
+    def _on_readable(self, s: _Sock) -> None:
+        sock = s.sock
+        try:
+            for _ in range(_READ_BUDGET):
+                if s.direct_left:
+                    assert s.direct_view is not None and s.direct_entry is not None
+                    want = s.direct_left
+                    n = sock.recv_into(s.direct_view, want)
+                    if n == 0:
+                        return self._eof(s)
+                    entry = s.direct_entry
+                    entry.received += n
+                    s.direct_left -= n
+                    if s.direct_left:
+                        s.direct_view = s.direct_view[n:]
+                    else:
+                        s.direct_view = s.direct_entry = None
+                        self._maybe_complete(entry)
+                    if n < want:
+                        return
+                else:
+                    room = _STAGE - s.stage_len
+                    n = sock.recv_into(s.stage_view[s.stage_len:], room)
+                    if n == 0:
+                        return self._eof(s)
+                    s.stage_len += n
+                    self._parse(s)
+                    if n < room or s.fd < 0:
+                        return
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            self._lost(ConnectionLost(f"receive from {self.peer} failed: {exc}"))
+        except ProtocolError as exc:
+            self._lost(ConnectionLost(f"{self.peer} broke the protocol: {exc}"))
+
+    def _eof(self, s: _Sock) -> None:
+        if self._closing:
+            self._release()
+            return
+        self._lost(ConnectionLost(f"{self.peer} closed the connection unexpectedly"))
+
+    def _parse(self, s: _Sock) -> None:
+        stage = s.stage
+        pos = 0
+        end = s.stage_len
+        hsize = _HDR.size
+        while end - pos >= hsize:
+            magic, kind, _flags, length, tag, total, offset, meta = _HDR.unpack_from(stage, pos)
+            if magic != _MAGIC:
+                raise ProtocolError(f"bad data frame magic {magic:#x}")
+            if kind == _CLOSE:
+                if length > _MAX_NOTICE:
+                    raise ProtocolError(f"close notice of {length} bytes is too large")
+                if end - pos - hsize < length:
+                    break
+                notice = bytes(stage[pos + hsize:pos + hsize + length])
+                s.stage_len = 0
+                if self._closing:
+                    self._release()
+                else:
+                    self._lost(ConnectionLost(f"{self.peer} closed the connection",
+                                              orderly=True, notice=notice))
+                return
+            if kind != _DATA:
+                raise ProtocolError(f"unknown data frame kind {kind}")
+            if offset + length > total:
+                raise ProtocolError(f"frame part {offset}+{length} exceeds message size {total}")
+            entry = self._entry_for(tag, total, meta)
+            pos += hsize
+            avail = end - pos
+            take = length if length <= avail else avail
+            dest = self._dest(entry, offset, length)
+            if take:
+                dest[:take] = s.stage_view[pos:pos + take]
+                pos += take
+            if take < length:
+                s.direct_view = dest[take:]
+                s.direct_left = length - take
+                s.direct_entry = entry
+                entry.received += take
+                break
+            entry.received += length
+            self._maybe_complete(entry)
+        if pos:
+            rest = end - pos
+            if rest:
+                stage[:rest] = stage[pos:end]
+            s.stage_len = rest
+
+    def _entry_for(self, tag: int, total: int, meta: bytes) -> _RecvEntry:
+        entry = self._posted.get(tag)
+        if entry is not None:
+            if entry.total != total:
+                del self._posted[tag]
+                assert entry.fut is not None
+                if not entry.fut.done():
+                    entry.fut.set_exception(MessageSizeError(tag, entry.total, total, meta))
+                entry = _RecvEntry(None, None, total, tag, self._discard)
+                self._discard[tag] = entry
+        else:
+            entry = self._unexpected.get(tag) or self._discard.get(tag)
+            if entry is None:
+                entry = _RecvEntry(None, None, total, tag, self._unexpected)
+                self._unexpected[tag] = entry
+            elif entry.total != total:
+                raise ProtocolError(f"parts of message {tag:#x} disagree on its size")
+        entry.meta = meta
+        return entry
+
+    @staticmethod
+    def _dest(entry: _RecvEntry, offset: int, length: int) -> memoryview:
+        if entry.buf is not None and entry.storage is None:
+            return entry.buf[offset:offset + length]
+        if entry.storage is None:
+            entry.storage = bytearray(entry.total)
+        return memoryview(entry.storage)[offset:offset + length]
+
+    def _maybe_complete(self, entry: _RecvEntry) -> None:
+        if entry.received < entry.total:
+            return
+        if entry.table is self._unexpected and entry.fut is None:
+            return  # complete; waits in storage for its receive to be posted
+        entry.table.pop(entry.tag, None)
+        fut = entry.fut
+        if fut is None or fut.done():
+            return
+        if entry.storage is not None and entry.buf is not None:
+            entry.buf[:] = entry.storage
+        fut.set_result(entry.meta)
+
+
+class TcpListener(Listener):
+    """Accepts TCP connections and assembles multi-socket ones by connection id."""
+
+    def __init__(self, sock: socket.socket, handle: bytes, stripe: int, bufsize: int,
+                 handshake_timeout: float) -> None:
+        self._sock = sock
+        self.handle = handle
+        self._stripe = stripe
+        self._bufsize = bufsize
+        self._timeout = handshake_timeout
+        self._ready: asyncio.Queue[tuple[bytes, TcpConnection] | None] = asyncio.Queue()
+        self._partial: dict[int, dict[int, socket.socket]] = {}
+        self._closed = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+
+    async def _accept_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            try:
+                conn, addr = await loop.sock_accept(self._sock)
+            except asyncio.CancelledError:
+                raise
+            except OSError as exc:
+                if self._closed:
+                    return
+                log.warning("data listener accept failed: %s", exc)
+                await asyncio.sleep(0.01)
+                continue
+            task = loop.create_task(self._handshake(conn, addr))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _handshake(self, sock: socket.socket, addr: Any) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            _tune(sock, self._bufsize)
+            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size), self._timeout)
+            magic, version, index, nsocks, conn_id, hello_len = _HS.unpack(head)
+            if magic != _HS_MAGIC or version != _HS_VERSION:
+                raise ProtocolError("not an acoll data connection")
+            if not (0 <= index < nsocks <= 16) or hello_len > _MAX_HELLO:
+                raise ProtocolError("bad handshake fields")
+            hello = await asyncio.wait_for(_recv_exactly(loop, sock, hello_len), self._timeout)
+        except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
+            log.warning("refused data connection from %s: %s", addr, exc)
+            sock.close()
+            return
+        group = self._partial.setdefault(conn_id, {})
+        group[index] = sock
+        if len(group) == nsocks:
+            del self._partial[conn_id]
+            socks = [group[i] for i in range(nsocks)]
+            conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe)
+            self._ready.put_nowait((hello, conn))
+
+    async def accept(self) -> tuple[bytes, Connection]:
+        if self._closed:
+            raise ClosedError("listener is closed")
+        item = await self._ready.get()
+        if item is None:
+            raise ClosedError("listener is closed")
+        return item
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._accept_task.cancel()
+        for task in self._tasks:
+            task.cancel()
+        for group in self._partial.values():
+            for sock in group.values():
+                sock.close()
+        self._partial.clear()
+        self._sock.close()
+        self._ready.put_nowait(None)
+
+
+async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    view = memoryview(buf)
+    got = 0
+    while got < n:
+        k = await loop.sock_recv_into(sock, view[got:])
+        if k == 0:
+            raise ConnectionResetError("connection closed during handshake")
+        got += k
+    return bytes(buf)
+
+
+class TcpTransport(Transport):
+    """Plain TCP sockets on the event loop (NCCL's ``Socket`` net)."""
+
+    name = "socket"
+
+    def __init__(self, sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
+                 nsocks: int | None = None, stripe: int | None = None,
+                 bufsize: int | None = None, timeout: float = 30.0) -> None:
+        self.sockaddr = (sockaddr[0], 0, *sockaddr[2:])
+        self.family = family
+        self.nsocks = NSOCKS.resolve(nsocks)
+        if not 1 <= self.nsocks <= 16:
+            from ..errors import InvalidUsage
+
+            raise InvalidUsage(f"ACOLL_SOCKET_NSOCKS={self.nsocks}: must be 1..16")
+        self.stripe = STRIPE.resolve(stripe)
+        self.bufsize = BUFSIZE.resolve(bufsize)
+        self.timeout = timeout
+
+    async def listen(self) -> TcpListener:
+        sock = socket.socket(self.family, socket.SOCK_STREAM)
+        try:
+            sock.bind(self.sockaddr)
+            sock.listen(socket.SOMAXCONN)
+            sock.setblocking(False)
+        except OSError as exc:
+            sock.close()
+            raise TransportError(f"cannot listen on {self.sockaddr[0]}: {exc}") from exc
+        name = sock.getsockname()
+        handle = msgpack.packb([name[0], name[1], name[3] if len(name) == 4 else 0])
+        return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout)
+
+    async def connect(self, handle: bytes, hello: bytes, deadline: float) -> TcpConnection:
+        try:
+            host, port, scope = msgpack.unpackb(handle)
+        except Exception as exc:
+            raise ProtocolError(f"bad socket handle: {exc}") from exc
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        addr: tuple[Any, ...] = (host, port, 0, scope) if family == socket.AF_INET6 else (
+            host, port)
+        loop = asyncio.get_running_loop()
+        conn_id = int.from_bytes(os.urandom(8), "little")
+        socks: list[socket.socket] = []
+        try:
+            for index in range(self.nsocks):
+                sock = socket.socket(family, socket.SOCK_STREAM)
+                socks.append(sock)
+                _tune(sock, self.bufsize)
+                await wait_until(loop.sock_connect(sock, addr), deadline,
+                                 f"connecting to {host}:{port}")
+                head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.nsocks, conn_id,
+                                len(hello))
+                await wait_until(loop.sock_sendall(sock, head + hello), deadline,
+                                 f"handshake with {host}:{port}")
+        except (OSError, AcollTimeoutError) as exc:
+            for sock in socks:
+                sock.close()
+            if isinstance(exc, AcollError):
+                raise
+            raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
+        _ = remaining
+        return TcpConnection(socks, f"{host}:{port}", self.stripe)
