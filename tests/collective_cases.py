@@ -1,0 +1,108 @@
+"""Shared reference checks for collective tests (in one loop and across processes).
+
+Inputs are small integers that every dtype represents exactly, chosen so that sums and
+products of up to 5 ranks stay exact: results are compared bit for bit with NumPy.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+import acoll
+from acoll._dtypes import DTYPES, finish_avg, reduce_into
+
+ALL_DTYPES = list(DTYPES)
+ALL_OPS = [acoll.SUM, acoll.PROD, acoll.MAX, acoll.MIN, acoll.AVG]
+COUNTS = [0, 1, 7, 1000, 100003]
+
+
+def make_input(rank: int, count: int, dtype: np.dtype[Any], op: acoll.ReduceOp,
+               salt: int = 0) -> npt.NDArray[Any]:
+    idx = np.arange(count, dtype=np.int64)
+    if op == acoll.PROD:
+        vals = 1 + (idx + rank + salt) % 2  # 1 or 2: products <= 32
+    elif dtype.kind == "u":
+        vals = (idx * 7 + rank * 3 + salt) % 4
+    else:
+        vals = (idx * 7 + rank * 3 + salt) % 7 - 3
+    return vals.astype(dtype)
+
+
+def reference(inputs: list[npt.NDArray[Any]], op: acoll.ReduceOp) -> npt.NDArray[Any]:
+    acc = inputs[0].copy()
+    for x in inputs[1:]:
+        reduce_into(acc, acc, x, op)
+    if op == acoll.AVG:
+        finish_avg(acc, len(inputs))
+    return acc
+
+
+def assert_same(got: npt.NDArray[Any], want: npt.NDArray[Any], what: str) -> None:
+    assert got.dtype == want.dtype, what
+    if not np.array_equal(got.view(np.uint8), want.view(np.uint8)):
+        bad = np.flatnonzero(got.astype(np.float64) != want.astype(np.float64))
+        raise AssertionError(f"{what}: {bad.size} wrong elements, first at {bad[:5]}: "
+                             f"got {got[bad[:5]]} want {want[bad[:5]]}")
+
+
+async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[Any],
+                    ops: list[acoll.ReduceOp]) -> int:
+    """Run every collective over the matrix on ``comm``; return the number of checks."""
+    n, r = comm.size, comm.rank
+    checks = 0
+    for count in counts:
+        for dt in dtypes:
+            for op in ops:
+                tag = f"n={n} count={count} dtype={dt} op={op.name} rank={r}"
+                ins = [make_input(q, count, dt, op) for q in range(n)]
+                want = reference(ins, op)
+                # all_reduce, out of place and in place
+                out = np.empty_like(ins[r])
+                await comm.all_reduce(ins[r], out, op=op)
+                assert_same(out, want, "all_reduce " + tag)
+                buf = ins[r].copy()
+                await comm.all_reduce(buf, op=op)
+                assert_same(buf, want, "all_reduce in-place " + tag)
+                # reduce to a root that moves with the case
+                root = (count + int(op)) % n
+                out = np.zeros_like(ins[r])
+                await comm.reduce(ins[r], out, op=op, root=root)
+                if r == root:
+                    assert_same(out, want, f"reduce root={root} " + tag)
+                # reduce_scatter: every rank contributes n blocks of `count`
+                big = [make_input(q, n * count, dt, op, salt=1) for q in range(n)]
+                rs_want = reference(big, op)[r * count:(r + 1) * count]
+                rs_out = np.empty(count, dt)
+                await comm.reduce_scatter(big[r], rs_out, op=op)
+                assert_same(rs_out, rs_want, "reduce_scatter " + tag)
+                checks += 4
+            # data movement (no op)
+            ins = [make_input(q, count, dt, acoll.SUM, salt=2) for q in range(n)]
+            root = count % n
+            buf = ins[r].copy()
+            await comm.broadcast(buf, root=root)
+            assert_same(buf, ins[root], f"broadcast root={root} n={n} count={count} {dt}")
+            gathered = np.empty(n * count, dt)
+            await comm.all_gather(ins[r], gathered)
+            assert_same(gathered, np.concatenate(ins), f"all_gather n={n} count={count} {dt}")
+            inplace = np.zeros(n * count, dt)
+            inplace[r * count:(r + 1) * count] = ins[r]
+            await comm.all_gather(inplace[r * count:(r + 1) * count], inplace)
+            assert_same(inplace, np.concatenate(ins), f"all_gather in-place n={n} {count}")
+            a2a_in = [make_input(q, n * count, dt, acoll.SUM, salt=3) for q in range(n)]
+            a2a_out = np.empty(n * count, dt)
+            await comm.all_to_all(a2a_in[r], a2a_out)
+            a2a_want = np.concatenate([a2a_in[q][r * count:(r + 1) * count] for q in range(n)])
+            assert_same(a2a_out, a2a_want, f"all_to_all n={n} count={count} {dt}")
+            if n > 1:
+                got = np.empty(count, dt)
+                async with comm.group():
+                    await comm.send(ins[r], (r + 1) % n)
+                    await comm.recv(got, (r - 1) % n)
+                assert_same(got, ins[(r - 1) % n], f"send/recv n={n} count={count} {dt}")
+            checks += 5
+    await comm.barrier()
+    return checks

@@ -1,0 +1,106 @@
+"""Collective correctness against NumPy: ranks {1..5} x counts x dtypes x ops."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll.testing import run_ranks
+from collective_cases import (ALL_DTYPES, ALL_OPS, COUNTS, assert_same, check_all,
+                              make_input, reference)
+
+HERE = Path(__file__).parent
+
+
+@pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5])
+async def test_full_matrix_one_loop(nranks: int) -> None:
+    async def fn(comm: acoll.Communicator) -> int:
+        return await check_all(comm, COUNTS, ALL_DTYPES, ALL_OPS)
+
+    results = await run_ranks(nranks, fn)
+    assert len(set(results)) == 1 and results[0] > 0
+
+
+@pytest.mark.parametrize("algo", ["ring", "rd"])
+@pytest.mark.parametrize("nranks", [2, 3, 5, 6, 8])
+async def test_allreduce_each_algorithm_any_size(algo: str, nranks: int,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both all-reduce algorithms give exact results, whatever the size would pick."""
+    monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo},broadcast:chain,reduce:tree")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")  # many chunks: exercises pipelining
+
+    async def fn(comm: acoll.Communicator) -> None:
+        for count in (0, 1, 5, 1023, 50001):
+            for op in ALL_OPS:
+                dt = np.dtype(np.float32)
+                ins = [make_input(q, count, dt, op) for q in range(nranks)]
+                out = np.empty(count, dt)
+                await comm.all_reduce(ins[comm.rank], out, op=op)
+                assert_same(out, reference(ins, op), f"{algo} n={nranks} c={count} {op}")
+                root = count % nranks
+                buf = ins[comm.rank].copy()
+                await comm.broadcast(buf, root=root)
+                assert_same(buf, ins[root], f"broadcast n={nranks} c={count} root={root}")
+
+    await run_ranks(nranks, fn)
+
+
+async def test_results_identical_on_every_rank_for_random_floats() -> None:
+    """All ranks must hold bit-identical all-reduce results (as NCCL guarantees)."""
+
+    async def fn(comm: acoll.Communicator) -> bytes:
+        rng = np.random.default_rng(comm.rank)
+        out = []
+        for count in (3, 4097, 300001):
+            x = rng.standard_normal(count).astype(np.float32)
+            await comm.all_reduce(x)
+            out.append(x.tobytes())
+        return b"".join(out)
+
+    results = await run_ranks(5, fn)
+    assert all(r == results[0] for r in results)
+
+
+async def test_fp16_bf16_sum_close_to_float32_reference() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        for dt in (np.float16, acoll._dtypes.BFLOAT16):
+            rng = np.random.default_rng(7)
+            base = [rng.standard_normal(5000).astype(np.float32) for _ in range(comm.size)]
+            x = base[comm.rank].astype(dt)
+            await comm.all_reduce(x)
+            want = sum(b.astype(dt).astype(np.float32) for b in base)
+            err = np.max(np.abs(x.astype(np.float32) - want) / (1 + np.abs(want)))
+            assert err < (2e-2 if dt is np.float16 else 5e-2)
+
+    await run_ranks(4, fn)
+
+
+async def test_buffers_other_than_numpy() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        import array
+
+        a = array.array("f", [comm.rank + 1.0] * 10)
+        await comm.all_reduce(a)
+        assert list(a) == [3.0] * 10
+        b = bytearray([comm.rank + 1] * 6)
+        await comm.all_reduce(b, op="max")
+        assert list(b) == [2] * 6
+
+    await run_ranks(2, fn)
+
+
+def test_full_matrix_across_processes() -> None:
+    """The same checks with every rank in its own process (acoll-run)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "acoll.run", "-n", "3", "--", sys.executable,
+         str(HERE / "mp_collectives.py")],
+        env=env, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("checks passed") == 3, proc.stdout
