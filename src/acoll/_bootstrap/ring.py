@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from .._config import get_logger
+from .._config import Setting, get_logger
 from .._deadline import deadline_after, remaining, wait_until
 from ..errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, ProtocolError,
                       RemoteError)
@@ -38,7 +38,9 @@ __all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
 log = get_logger("BOOTSTRAP")
 
 _INTERNAL_TAG = 1 << 48  # tags at or above this belong to allgather/barrier/broadcast
-_CONNECT_ATTEMPTS = 60  # bounded retries while the root (or a peer) is not listening yet
+CONNECT_RETRIES = Setting("CONNECT_RETRIES", int, 60,
+                          "Connection attempts to the root or a peer before giving up.",
+                          "BOOTSTRAP")
 
 
 def error_to_wire(exc: BaseException, rank: int) -> Error:
@@ -70,15 +72,20 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
                              ) -> FramedConnection:
     """Connect, retrying refused/unreachable attempts with backoff, within bounds.
 
+    Gives up after ``ACOLL_CONNECT_RETRIES`` attempts or at ``deadline``, whichever is first.
+
     Raises:
-        BootstrapError: still failing after ``_CONNECT_ATTEMPTS`` attempts or the deadline.
+        BootstrapError: naming the address, the attempts made and the last error.
     """
     delay = 0.01
     last: OSError | None = None
-    for _attempt in range(_CONNECT_ATTEMPTS):
+    limit = CONNECT_RETRIES.resolve()
+    attempts = 0
+    while attempts < limit:
         left = remaining(deadline)
         if left <= 0:
             break
+        attempts += 1
         try:
             return await asyncio.wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
         except (OSError, asyncio.TimeoutError) as exc:
@@ -86,7 +93,7 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
         await asyncio.sleep(min(delay, remaining(deadline)))
         delay = min(delay * 1.5, 1.0)
     raise BootstrapError(f"{what} at {sockaddr[0]}:{sockaddr[1]} unreachable after "
-                         f"{_CONNECT_ATTEMPTS} attempts or the deadline: {last}") from last
+                         f"{attempts} attempts: {last}") from last
 
 
 class Bootstrap:
@@ -134,7 +141,11 @@ class Bootstrap:
         self._server = await asyncio.start_server(self._on_connect, sock=sock)
         name = sock.getsockname()
         self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
-        root_conn = await connect_with_retry(root, deadline, "the root")
+        try:
+            root_conn = await connect_with_retry(root, deadline, "the root")
+        except BaseException:
+            self._close_all()
+            raise
         try:
             root_conn.send(Hello(key, rank, nranks, self.addr, host_hash, os.getpid()))
             try:

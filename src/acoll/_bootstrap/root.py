@@ -92,10 +92,16 @@ class RootServer:
                     with contextlib.suppress(asyncio.TimeoutError):
                         await asyncio.wait_for(asyncio.Event().wait(), self.timeout)
         finally:
+            # Also reached when the loop shuts down and cancels this task: release every
+            # socket before returning so nothing outlives the loop.
             for task in list(self._handlers):
                 task.cancel()
+            if self._handlers:
+                await asyncio.gather(*self._handlers, return_exceptions=True)
             for conn in self.conns.values():
                 conn.close()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(server.wait_closed(), 1.0)
             log.info("root %s stopped", self.where)
 
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -160,8 +166,8 @@ class RootServer:
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
         self._finish()
 
-    def _finish(self) -> None:
-        for conn in self.conns.values():
+    def _finish(self, extra: FramedConnection | None = None) -> None:
+        for conn in {*self.conns.values(), *([extra] if extra else [])}:
             task = asyncio.get_running_loop().create_task(self._drain_and_close(conn))
             self._handlers.add(task)
             task.add_done_callback(self._handlers.discard)
@@ -176,7 +182,7 @@ class RootServer:
         for conn in {*self.conns.values(), *([extra] if extra else [])}:
             with contextlib.suppress(AcollError):
                 conn.send(error)
-        self._finish()
+        self._finish(extra)
 
     async def _send_and_close(self, conn: FramedConnection, msg: Error) -> None:
         with contextlib.suppress(AcollError):
@@ -189,7 +195,10 @@ class RootServer:
             await wait_until(conn.drain(), deadline_after(_HELLO_TIMEOUT), "root reply")
         except (AcollError, AcollTimeoutError, OSError):
             pass
-        conn.close()
+        finally:
+            conn.close()
+            with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
 
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.timeout)
@@ -234,3 +243,6 @@ def start_root(server: RootServer) -> None:
     task = loop.create_task(server.serve(), name=f"acoll-root-{server.where}")
     _root_tasks.add(task)
     task.add_done_callback(_root_tasks.discard)
+    # A task cancelled before it first ran (loop shutting down) never reaches serve()'s
+    # cleanup: close the listening socket here too (closing twice is harmless).
+    task.add_done_callback(lambda _t: server.sock.close())

@@ -152,5 +152,6 @@ class Transport(ABC):
         """Connect to the listener behind ``handle``; the acceptor receives ``hello``.
 
         Raises:
-            TransportError: the peer could not be reached before ``deadline``.
+            TransportError: the peer could not be reached (refused, unreachable, bad handle).
+            acoll.TimeoutError: ``deadline`` passed before the connection was made.
         """

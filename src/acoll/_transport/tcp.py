@@ -37,7 +37,6 @@ import msgpack
 from .._config import Setting, get_logger, parse_size
 from .._deadline import remaining, wait_until
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
-from ..errors import TimeoutError as AcollTimeoutError
 from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
 
 __all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
@@ -68,7 +67,8 @@ _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 class _RecvEntry:
     """One message being received: into a posted buffer, or into storage until posted."""
 
-    __slots__ = ("buf", "fut", "meta", "received", "storage", "table", "tag", "total")
+    __slots__ = ("buf", "error", "fut", "meta", "received", "storage", "table", "tag",
+                 "total")
 
     def __init__(self, buf: memoryview | None, fut: asyncio.Future[bytes] | None,
                  total: int, tag: int, table: dict[int, _RecvEntry]) -> None:
@@ -80,6 +80,9 @@ class _RecvEntry:
         self.received = 0
         self.meta = b""
         self.storage: bytearray | None = None
+        # set when the receive fails on a size mismatch: raised once the whole message has
+        # been drained, so the caller may post the same tag again without catching its tail
+        self.error: MessageSizeError | None = None
 
 
 class _SendOp:
@@ -93,8 +96,8 @@ class _SendOp:
 class _Sock:
     """One socket of a connection, with its reader and writer state."""
 
-    __slots__ = ("direct_entry", "direct_left", "direct_view", "fd", "queue", "sock",
-                 "stage", "stage_len", "stage_view", "writing")
+    __slots__ = ("direct_entry", "direct_left", "direct_view", "fd", "peer_done", "queue",
+                 "sent_close", "sock", "stage", "stage_len", "stage_view", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -108,6 +111,8 @@ class _Sock:
         self.direct_view: memoryview | None = None
         self.direct_left = 0
         self.direct_entry: _RecvEntry | None = None
+        self.peer_done = False  # the peer's close frame (or, once we are closing, EOF) came
+        self.sent_close = False  # our close frame went out (and SHUT_WR)
 
 
 def _tune(sock: socket.socket, bufsize: int) -> None:
@@ -133,6 +138,7 @@ class TcpConnection(Connection):
         self._failed: ConnectionLost | None = None
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
+        self._peer_notice = b""
         self._released: asyncio.Future[None] = self._loop.create_future()
         for s in self._socks:
             self._loop.add_reader(s.fd, self._on_readable, s)
@@ -175,12 +181,13 @@ class TcpConnection(Connection):
 
     def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
-        if self._failed is not None:
-            fut.set_exception(self._failed)
+        if self._failed is not None or self._closing:
+            fut.set_exception(self._failed or ConnectionLost("connection is closing"))
             return fut
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
-        if tag in self._posted:
+        draining = self._discard.get(tag)
+        if tag in self._posted or (draining is not None and draining.fut is not None):
             fut.set_exception(ProtocolError(f"a receive for tag {tag:#x} is already posted"))
             return fut
         entry = self._unexpected.pop(tag, None)
@@ -188,10 +195,13 @@ class TcpConnection(Connection):
             self._posted[tag] = _RecvEntry(buf, fut, buf.nbytes, tag, self._posted)
             return fut
         if entry.total != buf.nbytes:
-            fut.set_exception(MessageSizeError(tag, buf.nbytes, entry.total, entry.meta))
-            if entry.received < entry.total:
+            error = MessageSizeError(tag, buf.nbytes, entry.total, entry.meta)
+            if entry.received < entry.total:  # fail it once the rest has been drained
+                entry.fut, entry.error = fut, error
                 entry.table = self._discard
                 self._discard[tag] = entry
+            else:
+                fut.set_exception(error)
             return fut
         if entry.received == entry.total:
             assert entry.storage is not None
@@ -226,13 +236,16 @@ class TcpConnection(Connection):
     def _fail_pending(self, exc: ConnectionLost, *, sends: bool) -> None:
         # Futures failed here are marked retrieved: the owner learns of the failure through
         # the failure callback, and ops that were abandoned must not log "never retrieved".
-        for table in (self._posted, self._unexpected):
+        for table in (self._posted, self._unexpected, self._discard):
             for entry in table.values():
                 if entry.fut is not None and not entry.fut.done():
                     entry.fut.set_exception(exc)
                     entry.fut.exception()
             table.clear()
-        self._discard.clear()
+        for s in self._socks:
+            # a part still arriving must not keep writing into a buffer whose receive failed
+            if s.direct_left and s.direct_entry is not None and s.direct_entry.buf is not None:
+                s.direct_view = memoryview(bytearray(s.direct_left))
         if sends:
             for s in self._socks:
                 for item in s.queue:
@@ -313,6 +326,10 @@ class TcpConnection(Connection):
                 if op is None:  # the close frame went out: half-close, wait for the EOF
                     with contextlib.suppress(OSError):
                         sock.shutdown(socket.SHUT_WR)
+                    s.sent_close = True
+                    self._closed_socket(s)
+                    if s.fd < 0:
+                        return
                     continue
                 op.parts_left -= 1
                 if op.parts_left == 0 and not op.fut.done():
@@ -356,7 +373,7 @@ class TcpConnection(Connection):
                         return self._eof(s)
                     s.stage_len += n
                     self._parse(s)
-                    if n < room or s.fd < 0:
+                    if n < room or s.fd < 0 or s.peer_done:
                         return
         except (BlockingIOError, InterruptedError):
             return
@@ -367,9 +384,28 @@ class TcpConnection(Connection):
 
     def _eof(self, s: _Sock) -> None:
         if self._closing:
-            self._release()
+            s.peer_done = True
+            self._closed_socket(s)
             return
         self._lost(ConnectionLost(f"{self.peer} closed the connection unexpectedly"))
+
+    def _closed_socket(self, s: _Sock) -> None:
+        """One socket finished its part of an orderly close; end the connection when all have.
+
+        The peer's close frame travels behind its data on every socket, so the close is only
+        complete (and data sent before it all received) once each socket has carried one.
+        Closing ourselves, we also wait until our own close frame left on every socket.
+        """
+        if s.peer_done and s.fd >= 0:
+            self._loop.remove_reader(s.fd)  # only the EOF can follow
+        if not all(x.peer_done for x in self._socks):
+            return
+        if self._closing:
+            if all(x.sent_close for x in self._socks):
+                self._release()
+        else:
+            self._lost(ConnectionLost(f"{self.peer} closed the connection", orderly=True,
+                                      notice=self._peer_notice))
 
     def _parse(self, s: _Sock) -> None:
         stage = s.stage
@@ -385,13 +421,10 @@ class TcpConnection(Connection):
                     raise ProtocolError(f"close notice of {length} bytes is too large")
                 if end - pos - hsize < length:
                     break
-                notice = bytes(stage[pos + hsize:pos + hsize + length])
+                self._peer_notice = bytes(stage[pos + hsize:pos + hsize + length])
                 s.stage_len = 0
-                if self._closing:
-                    self._release()
-                else:
-                    self._lost(ConnectionLost(f"{self.peer} closed the connection",
-                                              orderly=True, notice=notice))
+                s.peer_done = True
+                self._closed_socket(s)
                 return
             if kind != _DATA:
                 raise ProtocolError(f"unknown data frame kind {kind}")
@@ -420,17 +453,19 @@ class TcpConnection(Connection):
             s.stage_len = rest
 
     def _entry_for(self, tag: int, total: int, meta: bytes) -> _RecvEntry:
-        entry = self._posted.get(tag)
-        if entry is not None:
+        # A message being drained owns its tag until its last part is in: a receive posted
+        # for the same tag meanwhile waits for the next message.
+        entry = self._discard.get(tag) or self._posted.get(tag)
+        if entry is not None and entry.table is self._posted and entry.total != total:
+            del self._posted[tag]
+            drain = _RecvEntry(None, entry.fut, total, tag, self._discard)
+            drain.error = MessageSizeError(tag, entry.total, total, meta)
+            self._discard[tag] = entry = drain
+        elif entry is not None:
             if entry.total != total:
-                del self._posted[tag]
-                assert entry.fut is not None
-                if not entry.fut.done():
-                    entry.fut.set_exception(MessageSizeError(tag, entry.total, total, meta))
-                entry = _RecvEntry(None, None, total, tag, self._discard)
-                self._discard[tag] = entry
+                raise ProtocolError(f"parts of message {tag:#x} disagree on its size")
         else:
-            entry = self._unexpected.get(tag) or self._discard.get(tag)
+            entry = self._unexpected.get(tag)
             if entry is None:
                 entry = _RecvEntry(None, None, total, tag, self._unexpected)
                 self._unexpected[tag] = entry
@@ -452,9 +487,13 @@ class TcpConnection(Connection):
             return
         if entry.table is self._unexpected and entry.fut is None:
             return  # complete; waits in storage for its receive to be posted
-        entry.table.pop(entry.tag, None)
+        if entry.table.get(entry.tag) is entry:
+            del entry.table[entry.tag]
         fut = entry.fut
         if fut is None or fut.done():
+            return
+        if entry.error is not None:
+            fut.set_exception(entry.error)
             return
         if entry.storage is not None and entry.buf is not None:
             entry.buf[:] = entry.storage
@@ -472,7 +511,8 @@ class TcpListener(Listener):
         self._bufsize = bufsize
         self._timeout = handshake_timeout
         self._ready: asyncio.Queue[tuple[bytes, TcpConnection] | None] = asyncio.Queue()
-        self._partial: dict[int, dict[int, socket.socket]] = {}
+        # connection id -> (socket count, sockets by index) while the sockets arrive
+        self._partial: dict[int, tuple[int, dict[int, socket.socket]]] = {}
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
@@ -509,7 +549,15 @@ class TcpListener(Listener):
             log.warning("refused data connection from %s: %s", addr, exc)
             sock.close()
             return
-        group = self._partial.setdefault(conn_id, {})
+        except BaseException:  # cancelled by close()
+            sock.close()
+            raise
+        expected, group = self._partial.setdefault(conn_id, (nsocks, {}))
+        if expected != nsocks or index in group:
+            log.warning("refused data connection from %s: socket %d/%d does not fit "
+                        "connection %#x", addr, index, nsocks, conn_id)
+            sock.close()
+            return
         group[index] = sock
         if len(group) == nsocks:
             del self._partial[conn_id]
@@ -522,6 +570,7 @@ class TcpListener(Listener):
             raise ClosedError("listener is closed")
         item = await self._ready.get()
         if item is None:
+            self._ready.put_nowait(None)  # for the next waiter
             raise ClosedError("listener is closed")
         return item
 
@@ -532,11 +581,15 @@ class TcpListener(Listener):
         self._accept_task.cancel()
         for task in self._tasks:
             task.cancel()
-        for group in self._partial.values():
+        for _, group in self._partial.values():
             for sock in group.values():
                 sock.close()
         self._partial.clear()
         self._sock.close()
+        while not self._ready.empty():  # assembled but never accepted: nobody owns them
+            item = self._ready.get_nowait()
+            if item is not None:
+                item[1].abort()
         self._ready.put_nowait(None)
 
 
@@ -606,11 +659,11 @@ class TcpTransport(Transport):
                                 len(hello))
                 await wait_until(loop.sock_sendall(sock, head + hello), deadline,
                                  f"handshake with {host}:{port}")
-        except (OSError, AcollTimeoutError) as exc:
+        except BaseException as exc:
             for sock in socks:
                 sock.close()
-            if isinstance(exc, AcollError):
-                raise
-            raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
+            if isinstance(exc, OSError) and not isinstance(exc, AcollError):
+                raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
+            raise
         _ = remaining
         return TcpConnection(socks, f"{host}:{port}", self.stripe)

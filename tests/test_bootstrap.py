@@ -1,0 +1,204 @@
+"""Bootstrap: the root, the ring, and every failure the issue names."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll._bootstrap.root import RootServer, listen_socket, start_root
+from acoll._uid import UniqueId
+from acoll.testing import run_ranks
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _gather_all(coros: list) -> list:  # type: ignore[type-arg]
+    return await asyncio.gather(*coros, return_exceptions=True)
+
+
+async def _close_ok(results: list) -> None:  # type: ignore[type-arg]
+    for r in results:
+        if isinstance(r, acoll.Communicator):
+            await r.close()
+
+
+async def test_ranks_arrive_in_any_order() -> None:
+    uid = acoll.get_unique_id()
+
+    async def late(rank: int) -> acoll.Communicator:
+        await asyncio.sleep(random.random() * 0.2)
+        return await acoll.init_rank(6, uid, rank)
+
+    comms = await asyncio.gather(*(late(r) for r in reversed(range(6))))
+    assert sorted(c.rank for c in comms) == list(range(6))
+    await asyncio.gather(*(c.barrier() for c in comms))
+    await asyncio.gather(*(c.close() for c in comms))
+
+
+async def test_several_ids_served_at_once() -> None:
+    async def fn(comm: acoll.Communicator) -> int:
+        x = np.ones(10, np.int64)
+        await comm.all_reduce(x)
+        return int(x[0])
+
+    a, b, c = await asyncio.gather(run_ranks(3, fn), run_ranks(4, fn), run_ranks(2, fn))
+    assert a == [3] * 3 and b == [4] * 4 and c == [2] * 2
+
+
+async def test_bootstrap_network_collectives() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        boot = comm._boot
+        items = await boot.allgather(f"rank{comm.rank}".encode())
+        assert items == [f"rank{i}".encode() for i in range(comm.size)]
+        got = await boot.broadcast(b"hello" if comm.rank == 2 else None, root=2)
+        assert got == b"hello"
+        await boot.barrier()
+        # tagged messages that arrive before their receive are kept by (peer, tag)
+        peer = (comm.rank + 1) % comm.size
+        await boot.send(peer, 7, b"seven")
+        await boot.send(peer, 5, b"five")
+        src = (comm.rank - 1) % comm.size
+        assert await boot.recv(src, 5) == b"five"
+        assert await boot.recv(src, 7) == b"seven"
+
+    await run_ranks(5, fn)
+
+
+async def test_root_unreachable_is_bootstrap_error() -> None:
+    uid = UniqueId.new("127.0.0.1", _free_port())
+    t = time.monotonic()
+    with pytest.raises(acoll.BootstrapError, match="unreachable after"):
+        await acoll.init_rank(2, uid, 0, timeout=1.5)
+    assert time.monotonic() - t < 5
+
+
+async def test_wrong_secret_is_refused_and_job_unaffected() -> None:
+    uid = acoll.get_unique_id()
+    stranger = UniqueId.new(uid.host, uid.port)  # same address, another secret
+    results = await _gather_all([acoll.init_rank(2, stranger, 0, timeout=3),
+                                 acoll.init_rank(2, uid, 0), acoll.init_rank(2, uid, 1)])
+    assert isinstance(results[0], acoll.BootstrapError)
+    assert all(isinstance(r, acoll.Communicator) for r in results[1:])
+    await asyncio.gather(*(r.barrier() for r in results[1:]))
+    await _close_ok(results)
+
+
+async def test_rank_claimed_twice_fails_every_rank() -> None:
+    uid = acoll.get_unique_id()
+    results = await _gather_all([acoll.init_rank(3, uid, r, timeout=10) for r in (0, 1, 1, 2)])
+    await _close_ok(results)
+    assert all(isinstance(r, acoll.InvalidUsage) for r in results), results
+    assert all("claimed twice" in str(r) for r in results)
+
+
+async def test_ranks_disagreeing_on_nranks_fail_every_rank() -> None:
+    uid = acoll.get_unique_id()
+    results = await _gather_all([acoll.init_rank(3, uid, 0, timeout=10),
+                                 acoll.init_rank(3, uid, 1, timeout=10),
+                                 acoll.init_rank(4, uid, 2, timeout=10)])
+    await _close_ok(results)
+    assert all(isinstance(r, acoll.InvalidUsage) for r in results), results
+    assert all("nranks" in str(r) for r in results)
+
+
+async def test_missing_rank_times_out_everywhere() -> None:
+    uid = acoll.get_unique_id()
+    t = time.monotonic()
+    results = await _gather_all([acoll.init_rank(3, uid, r, timeout=1.0) for r in (0, 2)])
+    elapsed = time.monotonic() - t
+    assert all(isinstance(r, acoll.TimeoutError) for r in results), results
+    assert all(isinstance(r, TimeoutError) for r in results)
+    assert elapsed < 5
+
+
+async def test_bad_arguments() -> None:
+    uid = acoll.get_unique_id()
+    with pytest.raises(acoll.InvalidUsage, match="rank must be"):
+        await acoll.init_rank(2, uid, 2)
+    with pytest.raises(acoll.InvalidUsage, match="nranks"):
+        await acoll.init_rank(0, uid, 0)
+    with pytest.raises(acoll.InvalidUsage, match="UniqueId"):
+        await acoll.init_rank(2, b"\0" * 128, 0)
+    with pytest.raises(acoll.InvalidUsage):
+        await acoll.init_rank(2, "not an id", 0)  # type: ignore[arg-type]
+
+
+def test_get_unique_id_from_sync_code_uses_a_background_root() -> None:
+    uid = acoll.get_unique_id()  # no running loop here
+    assert any(t.name == "acoll-root" for t in threading.enumerate())
+    results: list[object] = [None, None]
+
+    def rank(r: int) -> None:
+        async def main() -> None:
+            comm = await acoll.init_rank(2, bytes(uid), r)
+            x = np.full(4, r + 1, np.int32)
+            await comm.all_reduce(x)
+            results[r] = int(x[0])
+            await comm.close()
+
+        asyncio.run(main())
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert results == [3, 3]
+
+
+def test_comm_id_rank0_hosts_root_and_others_wait_for_it() -> None:
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{port}"
+    code = ("import asyncio, sys, acoll\n"
+            "async def main(r):\n"
+            "    uid = acoll.get_unique_id()\n"
+            "    comm = await acoll.init_rank(3, uid, r)\n"
+            "    await comm.barrier(); print('ok', comm.rank); await comm.close()\n"
+            "asyncio.run(main(int(sys.argv[1])))\n")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env,
+                              stdout=subprocess.PIPE, text=True) for r in (2, 1)]
+    time.sleep(0.5)  # the root is not up yet: ranks 1 and 2 must retry
+    procs.append(subprocess.Popen([sys.executable, "-c", code, "0"], env=env,
+                                  stdout=subprocess.PIPE, text=True))
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], outs
+    assert sorted(o.strip() for o in outs) == ["ok 0", "ok 1", "ok 2"]
+
+
+async def test_root_server_stops_after_one_communicator() -> None:
+    uid = UniqueId.new("127.0.0.1", 1)  # placeholder; real one below
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    uid = UniqueId.new("127.0.0.1", sock.getsockname()[1])
+    server = RootServer(sock, uid.job_key, 10)
+    task = asyncio.ensure_future(server.serve())
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r) for r in range(2)))
+    await asyncio.wait_for(task, 5)  # served its communicator, then stopped
+    with pytest.raises(OSError):
+        await asyncio.open_connection("127.0.0.1", uid.port)
+    await asyncio.gather(*(c.close() for c in comms))
+    _ = start_root
+
+
+@pytest.mark.parametrize("n", [64, 256])
+async def test_hundreds_of_ranks_in_one_loop(n: int) -> None:
+    async def fn(comm: acoll.Communicator) -> int:
+        x = np.ones(8, np.int32)
+        await comm.all_reduce(x)
+        return int(x[0])
+
+    assert await run_ranks(n, fn, timeout=60) == [n] * n

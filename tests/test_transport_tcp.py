@@ -1,0 +1,293 @@
+"""TcpTransport: the conformance battery (one and three sockets per connection, with a small
+stripe so that messages are split across sockets), plus TCP-specific checks: hostile
+handshakes on the listener, striping, handles, settings and IPv6."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import Callable
+
+import msgpack
+import pytest
+
+from acoll._transport import tcp
+from acoll._transport.tcp import TcpConnection, TcpTransport
+from acoll.errors import InvalidUsage, ProtocolError
+from acoll.errors import TimeoutError as AcollTimeoutError
+from transport_conformance import (
+    DEADLINE,
+    GarbageCase,
+    TransportConformance,
+    TransportHarness,
+    connect_pair,
+    meta_for,
+    payload,
+    within,
+)
+
+HANDSHAKE_TIMEOUT = 1.0  # how long the listener waits for a silent connection's handshake
+
+
+def _transport(nsocks: int, stripe: int | None = None, host: str = "127.0.0.1",
+               family: socket.AddressFamily = socket.AF_INET) -> TcpTransport:
+    return TcpTransport((host, 0), family, nsocks=nsocks, stripe=stripe, bufsize=0,
+                        timeout=HANDSHAKE_TIMEOUT)
+
+
+def _sockaddr(handle: bytes) -> tuple[socket.AddressFamily, tuple[str, int]]:
+    host, port, _scope = msgpack.unpackb(handle)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return family, (host, port)
+
+
+def _hs(index: int = 0, nsocks: int = 1, conn_id: int = 1, hello: bytes = b"",
+        *, magic: bytes = tcp._HS_MAGIC, version: int = tcp._HS_VERSION,
+        hello_len: int | None = None) -> bytes:
+    size = len(hello) if hello_len is None else hello_len
+    return tcp._HS.pack(magic, version, index, nsocks, conn_id, size) + hello
+
+
+async def _raw(handle: bytes, data: bytes, *, eof: bool = False) -> socket.socket:
+    """A raw TCP connection to the listener that has sent ``data`` (then EOF if asked)."""
+    loop = asyncio.get_running_loop()
+    family, addr = _sockaddr(handle)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, addr)
+        if data:
+            await loop.sock_sendall(sock, data)
+        if eof:
+            sock.shutdown(socket.SHUT_WR)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+async def _refused(sock: socket.socket) -> None:
+    """Return once the listener has closed ``sock``'s connection; close it."""
+    loop = asyncio.get_running_loop()
+    try:
+        while True:
+            try:
+                if not await loop.sock_recv(sock, 4096):
+                    return
+            except ConnectionResetError:
+                return
+    finally:
+        sock.close()
+
+
+def _one(data: bytes, *, eof: bool = False) -> GarbageCase:
+    async def attack(handle: bytes) -> None:
+        await _refused(await _raw(handle, data, eof=eof))
+
+    return attack
+
+
+def _group(first: bytes, second: bytes) -> GarbageCase:
+    """Two sockets claiming the same connection id; the second must be refused."""
+
+    async def attack(handle: bytes) -> None:
+        keep = await _raw(handle, first)
+        try:
+            await asyncio.sleep(0.05)  # let the listener file the first socket
+            await _refused(await _raw(handle, second))
+        finally:
+            keep.close()
+
+    return attack
+
+
+GARBAGE: dict[str, GarbageCase] = {
+    "http": _one(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n" + b"\0" * 16),
+    "short-then-eof": _one(b"ACTC", eof=True),
+    "bad-magic": _one(_hs(magic=b"ACBS")),
+    "bad-version": _one(_hs(version=99)),
+    "index-out-of-range": _one(_hs(index=2, nsocks=2)),
+    "zero-sockets": _one(_hs(index=0, nsocks=0)),
+    "too-many-sockets": _one(_hs(index=0, nsocks=17)),
+    "huge-hello": _one(_hs(hello_len=1 << 20)),
+    "truncated-hello": _one(_hs(hello_len=100) + b"x" * 10, eof=True),
+    "silent": _one(b""),
+    "socket-count-mismatch": _group(_hs(index=2, nsocks=3, conn_id=7),
+                                    _hs(index=0, nsocks=2, conn_id=7)),
+    "duplicate-index": _group(_hs(index=0, nsocks=2, conn_id=8),
+                              _hs(index=0, nsocks=2, conn_id=8)),
+}
+
+
+def _harness(name: str, nsocks: int, stripe: int | None = None) -> TransportHarness:
+    return TransportHarness(name, lambda: _transport(nsocks, stripe), GARBAGE)
+
+
+HARNESSES = [_harness("nsocks1", 1), _harness("nsocks3-stripe64k", 3, 64 << 10)]
+
+
+@pytest.fixture(params=HARNESSES, ids=str)
+def harness(request: pytest.FixtureRequest) -> TransportHarness:
+    return request.param  # type: ignore[no-any-return]
+
+
+class TestTcpConformance(TransportConformance):
+    """The shared battery, on TCP."""
+
+
+# ------------------------------------------------------------------ TCP specifics
+async def test_striping_uses_every_socket(monkeypatch: pytest.MonkeyPatch) -> None:
+    harness = _harness("striped", 3, 4096)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        assert [len(p.a._socks), len(p.b._socks)] == [3, 3]
+        used: list[int] = []
+        original: Callable[[TcpConnection, tcp._Sock], None] = TcpConnection._flush
+
+        def spy(self: TcpConnection, s: tcp._Sock) -> None:
+            used.append(self._socks.index(s))
+            original(self, s)
+
+        monkeypatch.setattr(TcpConnection, "_flush", spy)
+        data = payload(3 * 4096 * 5 + 11, 1)
+        out = bytearray(len(data))
+        rfut = p.b.irecv(memoryview(out), 1)
+        await within(p.a.isend(memoryview(data), 1, meta_for(1)))
+        await within(rfut)
+        assert out == data
+        assert set(used) == {0, 1, 2}
+        # small messages are not split: one part each, spread round-robin
+        used.clear()
+        for tag in range(2, 8):
+            await within(p.a.isend(memoryview(b"s" * 100), tag, meta_for(tag)))
+            assert await within(p.b.irecv(memoryview(bytearray(100)), tag)) == meta_for(tag)
+        assert set(used) == {0, 1, 2}
+    finally:
+        await p.aclose()
+
+
+async def test_connector_decides_socket_count() -> None:
+    listener = await within(_transport(1).listen())
+    try:
+        conn = await within(_transport(4, 4096).connect(
+            listener.handle, b"four", asyncio.get_running_loop().time() + DEADLINE))
+        hello, peer = await within(listener.accept())
+        assert hello == b"four"
+        assert isinstance(peer, TcpConnection)
+        assert len(peer._socks) == 4
+        data = payload(100_000, 3)
+        out = bytearray(len(data))
+        rfut = peer.irecv(memoryview(out), 1)
+        await within(conn.isend(memoryview(data), 1, meta_for(1)))
+        await within(rfut)
+        assert out == data
+        for c in (conn, peer):
+            c.abort()
+            await within(c.wait_closed())
+    finally:
+        listener.close()
+
+
+async def test_handle_is_msgpack_address() -> None:
+    listener = await within(_transport(1).listen())
+    try:
+        host, port, scope = msgpack.unpackb(listener.handle)
+        assert (host, scope) == ("127.0.0.1", 0)
+        assert 0 < port < 65536
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("handle", [b"", b"\xc1", msgpack.packb([1, 2]),
+                                    msgpack.packb("127.0.0.1:1")])
+async def test_bad_handle(handle: bytes) -> None:
+    with pytest.raises(ProtocolError, match="bad socket handle"):
+        await within(_transport(1).connect(handle, b"",
+                                           asyncio.get_running_loop().time() + 5))
+
+
+async def test_connect_deadline_in_the_past() -> None:
+    listener = await within(_transport(1).listen())
+    deadline = asyncio.get_running_loop().time() - 1
+    try:
+        with pytest.raises(AcollTimeoutError, match="connecting to"):
+            await within(_transport(1).connect(listener.handle, b"", deadline))
+    finally:
+        listener.close()
+
+
+@pytest.mark.parametrize("nsocks", [0, 17, -1])
+def test_nsocks_range(nsocks: int) -> None:
+    with pytest.raises(InvalidUsage, match="NSOCKS"):
+        _transport(nsocks)
+
+
+def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_SOCKET_NSOCKS", "5")
+    monkeypatch.setenv("ACOLL_SOCKET_STRIPE", "128K")
+    t = TcpTransport(("127.0.0.1", 0), socket.AF_INET)
+    assert (t.nsocks, t.stripe) == (5, 128 << 10)
+    # an explicit argument wins over the environment
+    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, nsocks=2).nsocks == 2
+
+
+async def test_listener_close_with_handshakes_in_progress() -> None:
+    """Closing a listener while connections are half-way through their handshake."""
+    listener = await within(_transport(3).listen())
+    socks = [await _raw(listener.handle, b"AC"),  # head incomplete
+             await _raw(listener.handle, _hs(index=0, nsocks=3, conn_id=5)),  # group partial
+             await _raw(listener.handle, _hs(hello_len=10) + b"abc")]  # hello incomplete
+    await asyncio.sleep(0.05)
+    listener.close()
+    try:
+        for sock in socks:
+            await within(_refused(sock))
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+async def test_unaccepted_connections_released_by_listener_close() -> None:
+    listener = await within(_transport(1).listen())
+    conn = await within(_transport(1).connect(listener.handle, b"never accepted",
+                                              asyncio.get_running_loop().time() + DEADLINE))
+    pending = conn.irecv(memoryview(bytearray(1)), 1)
+    await asyncio.sleep(0.05)  # the handshake completes; the connection waits in the queue
+    listener.close()
+    try:
+        with pytest.raises(tcp.ConnectionLost):
+            await within(pending)
+    finally:
+        conn.abort()
+        await within(conn.wait_closed())
+
+
+def _have_ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _have_ipv6_loopback(), reason="no IPv6 loopback")
+async def test_ipv6_loopback() -> None:
+    harness = TransportHarness(
+        "v6", lambda: _transport(2, 4096, "::1", socket.AF_INET6), GARBAGE)
+    p = await connect_pair(harness, b"v6")
+    try:
+        assert p.hello == b"v6"
+        data = payload(50_000, 6)
+        out = bytearray(len(data))
+        rfut = p.b.irecv(memoryview(out), 1)
+        await within(p.a.isend(memoryview(data), 1, meta_for(1)))
+        await within(rfut)
+        assert out == data
+    finally:
+        await p.aclose()
+
