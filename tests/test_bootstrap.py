@@ -31,9 +31,8 @@ async def _gather_all(coros: list) -> list:  # type: ignore[type-arg]
 
 
 async def _close_ok(results: list) -> None:  # type: ignore[type-arg]
-    for r in results:
-        if isinstance(r, acoll.Communicator):
-            await r.close()
+    """Close the communicators among ``results`` (concurrently: close is collective)."""
+    await asyncio.gather(*(r.close() for r in results if isinstance(r, acoll.Communicator)))
 
 
 async def test_ranks_arrive_in_any_order() -> None:

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 from acoll._transport import tcp
+from acoll._transport.base import ConnectionLost
 from acoll._transport.tcp import TcpConnection, TcpTransport
 from acoll.errors import InvalidUsage, ProtocolError
 from acoll.errors import TimeoutError as AcollTimeoutError
@@ -257,7 +258,7 @@ async def test_unaccepted_connections_released_by_listener_close() -> None:
     await asyncio.sleep(0.05)  # the handshake completes; the connection waits in the queue
     listener.close()
     try:
-        with pytest.raises(tcp.ConnectionLost):
+        with pytest.raises(ConnectionLost):
             await within(pending)
     finally:
         conn.abort()

@@ -58,6 +58,9 @@ CHECK = Setting("CHECK", parse_bool, True,
                 "COLL")
 
 _P2P = 1 << 63
+_ROOTED = (Coll.BROADCAST, Coll.REDUCE)
+_CHECK_STEP = 0xFFFFFFFF
+_EMPTY = np.empty(0, np.uint8)
 _LINGER = 5.0
 
 
@@ -446,8 +449,13 @@ class Communicator:
     async def _run(self, ctx: OpContext, make: Callable[[OpContext], _Algo]) -> None:
         name = ctx.desc.coll.name.lower()
         timer = self._loop.call_later(self.timeout, self._timed_out, name, ctx.seq)
+        check: asyncio.Task[None] | None = None
         try:
+            if ctx.check and ctx.desc.coll in _ROOTED and self.size > 1:
+                check = await self._start_agreement(ctx)
             await make(ctx).run()
+            if check is not None:
+                await check
         except asyncio.CancelledError:
             self.fail(RemoteError(f"rank {self.rank} cancelled {name} #{ctx.seq}; the "
                                   "communicator was aborted", self.rank))
@@ -458,6 +466,60 @@ class Communicator:
             raise (first or exc) from None
         finally:
             timer.cancel()
+            if check is not None and not check.done():
+                check.cancel()
+                with contextlib.suppress(BaseException):
+                    await check
+
+    async def _start_agreement(self, ctx: OpContext) -> asyncio.Task[None]:
+        """Check that every rank runs the same rooted op, alongside the op itself.
+
+        In a broadcast the root, and in a reduce the leaves, receive nothing, so the
+        descriptor carried by data messages cannot reach them. Instead every rank computes
+        the smallest and largest descriptor over all ranks with a dissemination exchange
+        (ceil(log2 n) rounds of 40-byte messages, concurrent with the op): when they differ,
+        every rank raises the same :class:`InvalidUsage`, naming the field. Failing the
+        communicator also wakes an op that is stuck because of the disagreement.
+        """
+        n, r = self.size, self.rank
+        peers = []
+        dist = 1
+        while dist < n:
+            peers.append(((r + dist) % n, (r - dist) % n))
+            dist <<= 1
+        await ctx.connect(*{p for pair in peers for p in pair})
+        state = bytearray(ctx.desc.packed + r.to_bytes(4, "little") + ctx.desc.packed
+                          + r.to_bytes(4, "little"))
+        inbox = [np.empty(40, np.uint8) for _ in peers]
+        recvs = [ctx.post_recv(frm, inbox[i], _CHECK_STEP - i)
+                 for i, (_, frm) in enumerate(peers)]
+
+        async def run() -> None:
+            try:
+                for i, (to, frm) in enumerate(peers):
+                    send = ctx.post_send(to, np.frombuffer(bytes(state), np.uint8),
+                                         _CHECK_STEP - i)
+                    try:
+                        await recvs[i]
+                        await send
+                    except ConnectionLost as exc:
+                        raise self._peer_error(frm, exc) from None
+                    got = inbox[i].tobytes()
+                    if got[:16] < state[:16]:
+                        state[:20] = got[:20]
+                    if got[20:36] > state[20:36]:
+                        state[20:] = got[20:]
+                if state[:16] != state[20:36]:
+                    low, high = Descriptor.unpack(bytes(state[:16])), Descriptor.unpack(
+                        bytes(state[20:36]))
+                    raise InvalidUsage(low.describe_difference(
+                        high, int.from_bytes(state[16:20], "little"),
+                        int.from_bytes(state[36:40], "little")))
+            except AcollError as exc:
+                self.fail(exc)
+                raise
+
+        return self._loop.create_task(run())
 
     def _timed_out(self, name: str, seq: int) -> None:
         self.fail(AcollTimeoutError(f"{name} #{seq} did not complete within "

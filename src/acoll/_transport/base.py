@@ -15,12 +15,14 @@ Contracts shared by every implementation (checked by ``tests/transport_conforman
 - ``isend`` may return before the bytes left the machine; the buffer must stay untouched
   until the returned future completes. ``irecv`` completes once the whole message is in
   the buffer, with the sender's ``meta``. A message whose size differs from the receive
-  buffer fails that receive with :class:`MessageSizeError` (the connection stays usable).
+  buffer fails that receive with :class:`MessageSizeError` (the connection stays usable),
+  once the whole message has arrived and been dropped, so the tag may be posted again.
 - When the connection breaks (peer died, reset, protocol violation, or the peer closed it)
   every pending and later operation fails with :class:`ConnectionLost`, and the callback
   given to :meth:`Connection.set_failure_callback` runs once.
 - :meth:`Connection.close` is orderly: queued sends are flushed, then the peer learns that
-  the connection ended on purpose (``ConnectionLost.orderly``), with an optional notice.
+  the connection ended on purpose (``ConnectionLost.orderly``), with an optional notice;
+  receives the peer posted in time for those messages complete first.
   Cancelling a posted operation's future is not supported: close or abort instead.
 - All methods are called from the event loop thread; none blocks.
 """

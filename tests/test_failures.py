@@ -1,0 +1,258 @@
+"""Failures turn into exceptions on every rank, quickly; nothing hangs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll.testing import run_ranks
+
+HERE = Path(__file__).parent
+
+
+async def _ranks(n: int, **kw: Any) -> list[acoll.Communicator]:
+    uid = acoll.get_unique_id()
+    return list(await asyncio.gather(*(acoll.init_rank(n, uid, r, **kw) for r in range(n))))
+
+
+async def _settle(comms: list[acoll.Communicator]) -> None:
+    for c in comms:
+        c.abort()
+    await asyncio.sleep(0)
+
+
+@pytest.mark.parametrize("n", [3, 5])
+async def test_abort_during_allreduce_is_remote_error_everywhere(n: int) -> None:
+    comms = await _ranks(n)
+    victim = n - 1
+    bufs = [np.ones(1 << 20, np.float32) for _ in range(n)]
+    tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs)
+             if c.rank != victim]
+    await asyncio.sleep(0.001)
+    comms[victim].abort()
+    t = time.monotonic()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert time.monotonic() - t < 5
+    for res in results:
+        if isinstance(res, np.ndarray):  # finished before the abort reached it
+            continue
+        assert isinstance(res, acoll.RemoteError), res
+        assert res.rank == victim and f"rank {victim}" in str(res)
+    # every later op fails at once, naming the same rank
+    for c in comms[:victim]:
+        with pytest.raises(acoll.RemoteError, match=f"rank {victim}"):
+            await c.all_reduce(np.ones(4, np.float32))
+    with pytest.raises(acoll.ClosedError):
+        await comms[victim].barrier()
+    await _settle(comms)
+
+
+async def test_idle_peer_death_fails_later_ops_immediately() -> None:
+    comms = await _ranks(4)
+    comms[1].abort()
+    await asyncio.sleep(0.05)
+    for c in (comms[0], comms[2], comms[3]):
+        t = time.monotonic()
+        with pytest.raises(acoll.RemoteError, match="rank 1"):
+            await c.all_reduce(np.ones(100, np.int32))
+        assert time.monotonic() - t < 2
+    await _settle(comms)
+
+
+def test_killed_process_is_remote_error_on_survivors() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{_free_port()}"
+    env["ACOLL_TIMEOUT"] = "60"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3"],
+                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for r in range(3)]
+    t = time.monotonic()
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    elapsed = time.monotonic() - t
+    assert procs[2].returncode == 9, outs[2]
+    for r in (0, 1):
+        assert procs[r].returncode == 0, outs[r]
+        assert "RemoteError" in outs[r] and "rank 2" in outs[r], outs[r]
+    assert elapsed < 30
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(("field", "coll"), [
+    ("count", "all_reduce"), ("dtype", "all_reduce"), ("op", "all_reduce"),
+    ("count", "broadcast"), ("root", "broadcast"), ("root", "reduce"), ("op", "reduce"),
+    ("dtype", "all_gather"), ("count", "reduce_scatter"), ("count", "all_to_all"),
+    ("operation", "mixed"),
+])
+async def test_mismatch_is_invalid_usage_naming_it_on_every_rank(field: str, coll: str
+                                                                  ) -> None:
+    n = 3
+
+    async def fn(comm: acoll.Communicator) -> None:
+        odd = comm.rank == 1
+        count = 12 if odd and field == "count" else 6
+        dtype = np.int32 if odd and field == "dtype" else np.float32
+        op = acoll.MAX if odd and field == "op" else acoll.SUM
+        root = 1 if odd and field == "root" else 0
+        x = np.ones(count, dtype)
+        if coll == "all_reduce":
+            await comm.all_reduce(x, op=op)
+        elif coll == "broadcast":
+            await comm.broadcast(x, root=root)
+        elif coll == "reduce":
+            await comm.reduce(x, np.empty_like(x), op=op, root=root)
+        elif coll == "all_gather":
+            await comm.all_gather(x, np.empty(n * count, dtype))
+        elif coll == "reduce_scatter":
+            await comm.reduce_scatter(np.ones(n * count, dtype), x)
+        elif coll == "all_to_all":
+            await comm.all_to_all(np.ones(n * count, dtype), np.empty(n * count, dtype))
+        elif odd:
+            await comm.broadcast(x)
+        else:
+            await comm.all_reduce(x)
+
+    comms = await _ranks(n, timeout=10)
+    t = time.monotonic()
+    results = await asyncio.gather(*(fn(c) for c in comms), return_exceptions=True)
+    assert time.monotonic() - t < 5
+    for res in results:
+        assert isinstance(res, acoll.InvalidUsage), results
+        assert field in str(res), str(res)
+    await _settle(comms)
+
+
+async def test_rank_skipping_a_collective_times_out_everywhere() -> None:
+    comms = await _ranks(3, timeout=1.0)
+    t = time.monotonic()
+    results = await asyncio.gather(*(c.all_reduce(np.ones(4)) for c in comms[:2]),
+                                   return_exceptions=True)
+    assert time.monotonic() - t < 4
+    assert all(isinstance(r, acoll.TimeoutError) for r in results), results
+    with pytest.raises(acoll.AcollError):  # the third rank learns too
+        await comms[2].all_reduce(np.ones(4))
+    await _settle(comms)
+
+
+async def test_cancelled_op_aborts_and_peers_see_remote_error() -> None:
+    comms = await _ranks(2)
+    task = asyncio.ensure_future(comms[0].all_reduce(np.ones(1 << 22, np.float32)))
+    await asyncio.sleep(0.002)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    with pytest.raises(acoll.RemoteError, match="rank 0"):
+        await comms[1].all_reduce(np.ones(1 << 22, np.float32))
+    await _settle(comms)
+
+
+async def test_p2p_size_mismatch_is_invalid_usage() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        if comm.rank == 0:
+            await comm.send(np.ones(10, np.float32), 1)
+        else:
+            with pytest.raises(acoll.InvalidUsage, match="count 5 vs 10"):
+                await comm.recv(np.ones(5, np.float32), 0)
+            raise acoll.InvalidUsage("expected")
+
+    with pytest.raises(acoll.InvalidUsage):
+        await run_ranks(2, fn)
+
+
+async def test_argument_errors_name_the_argument() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        with pytest.raises(acoll.InvalidUsage, match="recv"):
+            await comm.all_reduce(np.ones(4, np.float32), np.ones(5, np.float32))
+        with pytest.raises(acoll.InvalidUsage, match="dtype"):
+            await comm.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64))
+        with pytest.raises(acoll.InvalidUsage, match="not contiguous"):
+            await comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])
+        with pytest.raises(acoll.InvalidUsage, match="read-only"):
+            ro = np.ones(4, np.float32)
+            ro.flags.writeable = False
+            await comm.all_reduce(ro)
+        with pytest.raises(acoll.InvalidUsage, match="complex128"):
+            await comm.all_reduce(np.ones(4, np.complex128))
+        with pytest.raises(acoll.InvalidUsage, match="reduction op"):
+            await comm.all_reduce(np.ones(4), op="xor")
+        with pytest.raises(acoll.InvalidUsage, match="root"):
+            await comm.broadcast(np.ones(4), root=5)
+        with pytest.raises(acoll.InvalidUsage, match="overlap"):
+            a = np.ones(8, np.float32)
+            await comm.all_reduce(a[:6], a[2:])
+        with pytest.raises(acoll.InvalidUsage, match="to self"):
+            await comm.send(np.ones(4), comm.rank)
+        with pytest.raises(acoll.InvalidUsage, match="equal blocks"):
+            await comm.all_to_all(np.ones(5), np.ones(5))
+        await comm.barrier()  # still usable: argument errors do not fail the communicator
+
+    await run_ranks(2, fn)
+
+
+async def test_concurrent_calls_run_in_call_order() -> None:
+    async def fn(comm: acoll.Communicator) -> list[float]:
+        xs = [np.full(1000, comm.rank + i, np.float64) for i in range(5)]
+        await asyncio.gather(*(comm.all_reduce(x) for x in xs))
+        return [float(x[0]) for x in xs]
+
+    res = await run_ranks(3, fn)
+    assert res[0] == res[1] == res[2] == [3.0 + 3 * i for i in range(5)]
+
+
+async def test_closed_communicator_raises_closed_error() -> None:
+    comms = await _ranks(2)
+    await asyncio.gather(*(c.close() for c in comms))
+    with pytest.raises(acoll.ClosedError):
+        await comms[0].all_reduce(np.ones(3))
+    await asyncio.gather(*(c.close() for c in comms))  # idempotent
+
+
+async def test_async_with_aborts_on_user_error_so_peers_do_not_wait() -> None:
+    comms = await _ranks(2)
+
+    async def crashing() -> None:
+        async with comms[0]:
+            raise RuntimeError("user bug")
+
+    with pytest.raises(RuntimeError):
+        await crashing()
+    t = time.monotonic()
+    with pytest.raises(acoll.RemoteError):
+        async with comms[1]:
+            await comms[1].barrier()
+    assert time.monotonic() - t < 3
+
+
+async def test_split() -> None:
+    async def fn(comm: acoll.Communicator) -> tuple[int, int, float] | None:
+        color = None if comm.rank == 4 else comm.rank % 2
+        sub = await comm.split(color, key=-comm.rank)
+        if sub is None:
+            await comm.barrier()
+            return None
+        x = np.array([float(comm.rank)])
+        await sub.all_reduce(x)
+        await comm.barrier()  # the parent still works
+        await sub.close()
+        return sub.rank, sub.size, float(x[0])
+
+    res = await run_ranks(5, fn)
+    assert res[4] is None
+    # color 0: ranks 0, 2 (keys 0, -2 -> rank 2 first); color 1: ranks 1, 3
+    assert res[0] == (1, 2, 2.0) and res[2] == (0, 2, 2.0)
+    assert res[1] == (1, 2, 4.0) and res[3] == (0, 2, 4.0)
