@@ -253,14 +253,12 @@ def test_from_address_reports_parse_errors() -> None:
         UniqueId.from_address("just-a-host")
 
 
-@pytest.mark.xfail(reason="parse_host_port uses str.isdigit, which accepts non-ASCII digits")
 @pytest.mark.parametrize("text", ["host:\u00b2", "host:\uff11\uff12"])
 def test_parse_host_port_non_ascii_digits(text: str) -> None:
     with pytest.raises(InvalidUsage, match="is not host:port"):
         parse_host_port(text)
 
 
-@pytest.mark.xfail(reason="from_address lets if_nametoindex's OSError escape")
 def test_from_address_unknown_scope_interface() -> None:
     with pytest.raises(InvalidUsage):
         UniqueId.from_address("[fe80::1%no-such-if0]:29500")

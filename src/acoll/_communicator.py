@@ -710,7 +710,8 @@ class Communicator:
         if self.size == 1:
             return
         desc = Descriptor(Coll.BARRIER, 0, 0, 0, 0)
-        await self._execute(desc, algos.DisseminationBarrier)
+        algo = algos.DisseminationBarrier if self.size <= 64 else algos.TreeBarrier
+        await self._execute(desc, algo)
 
     def _peer(self, peer: int) -> int:
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size:
@@ -813,6 +814,11 @@ class _Recv:
 def raise_nofile_limit() -> None:
     """Raise the soft open-files limit to the hard one (many ranks in one process)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:  # a privileged process may also lift the hard limit
+        resource.setrlimit(resource.RLIMIT_NOFILE, (max(hard, 1 << 20), max(hard, 1 << 20)))
+        return
+    except (ValueError, OSError):
+        pass
     if soft < hard:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))

@@ -56,7 +56,7 @@ def parse_host_port(text: str) -> tuple[str, int]:
         host, sep, port_text = text.rpartition(":")
         if ":" in host:
             raise InvalidUsage(f"{text!r}: write IPv6 addresses as [addr]:port")
-    if not sep or not host or not port_text.isdigit():
+    if not sep or not host or not (port_text.isascii() and port_text.isdigit()):
         raise InvalidUsage(f"{text!r} is not host:port or [v6addr]:port")
     port = int(port_text)
     if not 0 < port < 65536:
@@ -83,6 +83,11 @@ class UniqueId:
             raise InvalidUsage("UniqueId secret must be 32 bytes")
         if not 0 < self.port < 65536:
             raise InvalidUsage(f"UniqueId port {self.port} out of range")
+        try:
+            ipaddress.ip_address(self.host)
+        except ValueError:
+            raise InvalidUsage(f"UniqueId host must be an IP address, not {self.host!r} "
+                               "(use UniqueId.from_address to resolve names)") from None
 
     @property
     def family(self) -> socket.AddressFamily:
@@ -116,7 +121,11 @@ class UniqueId:
         scope = 0
         if "%" in host:
             host, _, scope_name = host.partition("%")
-            scope = int(scope_name) if scope_name.isdigit() else socket.if_nametoindex(scope_name)
+            try:
+                scope = (int(scope_name) if scope_name.isascii() and scope_name.isdigit()
+                         else socket.if_nametoindex(scope_name))
+            except OSError as exc:
+                raise InvalidUsage(f"{text!r}: unknown interface {scope_name!r}") from exc
         try:
             ip = ipaddress.ip_address(host)
         except ValueError:

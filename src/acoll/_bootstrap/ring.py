@@ -25,10 +25,18 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
+import msgpack
+
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, remaining, wait_until
-from ..errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, ProtocolError,
-                      RemoteError)
+from ..errors import (
+    AcollError,
+    BootstrapError,
+    ClosedError,
+    InvalidUsage,
+    ProtocolError,
+    RemoteError,
+)
 from ..errors import TimeoutError as AcollTimeoutError
 from .stream import FramedConnection, PeerClosed
 from .wire import Address, Error, Hello, PeerHello, RingInfo, Tagged
@@ -118,6 +126,7 @@ class Bootstrap:
         self.closing = False
         self.on_failure: Callable[[AcollError], None] | None = None
         self.next_addr: Address = ("", 0, 0)
+        self._known: dict[int, Address] = {}
         self.peer_addrs: list[Address] = []
 
     # ------------------------------------------------------------------ set-up
@@ -138,7 +147,7 @@ class Bootstrap:
         from .root import listen_socket
 
         sock = listen_socket(listen, family)
-        self._server = await asyncio.start_server(self._on_connect, sock=sock)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock, backlog=socket.SOMAXCONN)
         name = sock.getsockname()
         self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
         try:
@@ -164,6 +173,7 @@ class Bootstrap:
             self._close_all()
             raise BootstrapError(f"root sent an unexpected reply {type(reply).__name__}")
         self.next_addr = reply.next_addr
+        self._known = {(rank + 1) % nranks: reply.next_addr, **dict(reply.peers)}
         log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
                  self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])
         return self
@@ -176,7 +186,7 @@ class Bootstrap:
         ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``.
         """
         self = cls(rank, nranks, key, timeout)
-        self._server = await asyncio.start_server(self._on_connect, sock=sock)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock, backlog=socket.SOMAXCONN)
         self.addr = peer_addrs[rank]
         self.next_addr = peer_addrs[(rank + 1) % nranks]
         self.peer_addrs = list(peer_addrs)
@@ -201,7 +211,7 @@ class Bootstrap:
                          writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
         try:
-            hello = await wait_until(conn.recv(), deadline_after(min(self.timeout, 30.0)),
+            hello = await wait_until(conn.recv(), deadline_after(self.timeout),
                                      "a peer hello")
         except (AcollError, OSError) as exc:
             log.warning("rank %d: dropped connection from %s: %s", self.rank, conn.peer, exc)
@@ -236,6 +246,10 @@ class Bootstrap:
             self.fail(RemoteError(f"rank {peer} broke the bootstrap protocol: {exc}", peer))
         except asyncio.CancelledError:
             raise
+        except Exception as exc:  # a bug here must fail the job loudly, not silently
+            log.exception("rank %d: bootstrap reader for rank %d failed", self.rank, peer)
+            self.fail(RemoteError(f"rank {self.rank} failed reading from rank {peer}: "
+                                  f"{exc!r}", self.rank))
         finally:
             conn.close()
 
@@ -264,10 +278,10 @@ class Bootstrap:
         async with lock:
             conn = self._out.get(peer)
             if conn is None:
-                if peer == (self.rank + 1) % self.nranks:
-                    addr = self.next_addr
-                elif self.peer_addrs:
+                if self.peer_addrs:
                     addr = self.peer_addrs[peer]
+                elif peer in self._known:
+                    addr = self._known[peer]
                 else:
                     raise BootstrapError(f"rank {self.rank} does not know rank {peer}'s "
                                          "address yet")
@@ -331,20 +345,29 @@ class Bootstrap:
         return _INTERNAL_TAG + self._op
 
     async def allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order (ring algorithm, ``nranks - 1`` steps).
+        """Every rank's ``data``, in rank order (Bruck's algorithm, ceil(log2 n) steps).
 
-        At step ``s`` each rank forwards to ``rank + 1`` the item it received at step
-        ``s - 1`` (its own at step 0), and receives item ``rank - s - 1`` from ``rank - 1``.
+        At step ``k`` (distance ``d = 2**k``) each rank sends the items it holds so far
+        (its own and the next ``d - 1`` ranks', at most ``n - d``) to rank ``r - d`` and
+        receives the same from rank ``r + d``. NCCL walks a ring instead (``n - 1`` steps);
+        with hundreds of ranks in one process that is n**2 messages, this is n log n.
         """
         n, r = self.nranks, self.rank
         tag = self._next_tag()
-        items: list[bytes] = [b""] * n
-        items[r] = data
-        nxt, prv = (r + 1) % n, (r - 1) % n
-        for step in range(n - 1):
-            await self.send(nxt, tag, items[(r - step) % n])
-            items[(r - step - 1) % n] = await self.recv(prv, tag)
-        return items
+        held = [data]
+        dist = 1
+        while dist < n:
+            count = min(dist, n - dist)
+            await self.send((r - dist) % n, tag, msgpack.packb(held[:count]))
+            got = msgpack.unpackb(await self.recv((r + dist) % n, tag))
+            if not isinstance(got, list) or len(got) != count or not all(
+                    isinstance(item, bytes) for item in got):
+                raise RemoteError(f"rank {(r + dist) % n} sent a malformed all-gather "
+                                  "message", (r + dist) % n)
+            held.extend(got)
+            dist <<= 1
+        # held[i] is rank (r + i) % n's item
+        return [held[(q - r) % n] for q in range(n)]
 
     async def barrier(self) -> None:
         """Return once every rank has called ``barrier`` (dissemination, log2 n rounds)."""

@@ -78,7 +78,7 @@ class RootServer:
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
         try:
-            server = await asyncio.start_server(self._on_connect, sock=self.sock)
+            server = await asyncio.start_server(self._on_connect, sock=self.sock, backlog=socket.SOMAXCONN)
         except OSError as exc:
             log.warning("root %s could not start: %s", self.where, exc)
             self.sock.close()
@@ -161,8 +161,14 @@ class RootServer:
         n = self.nranks
         for rank, conn in self.conns.items():
             nxt = self.hellos[(rank + 1) % n]
+            peers = []
+            dist = 1
+            while dist < n:
+                peer = (rank - dist) % n
+                peers.append((peer, self.hellos[peer].addr))
+                dist <<= 1
             with contextlib.suppress(AcollError):
-                conn.send(RingInfo(n, nxt.addr))
+                conn.send(RingInfo(n, nxt.addr, tuple(peers)))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
         self._finish()
 

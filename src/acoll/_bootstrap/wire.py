@@ -48,6 +48,7 @@ HEADER = struct.Struct("!4sBB2xI")
 #: Largest body accepted (bootstrap messages are small; 64 MiB leaves room for
 #: all-gathers of thousands of ranks' information and for split/bootstrap user payloads).
 DEFAULT_MAX_FRAME = 64 << 20
+_MAX_STR = 1 << 20
 
 
 class MsgType(IntEnum):
@@ -73,10 +74,23 @@ class _Msg:
 
 def _addr(value: object, name: str) -> Address:
     if (not isinstance(value, (list, tuple)) or len(value) != 3
-            or not isinstance(value[0], str) or not isinstance(value[1], int)
-            or not isinstance(value[2], int) or not 0 < value[1] < 65536):
+            or not isinstance(value[0], str) or type(value[1]) is not int
+            or type(value[2]) is not int or not 0 < value[1] < 65536
+            or not 0 <= value[2] < 1 << 32):
         raise ProtocolError(f"field {name!r} is not an address [host, port, scope]")
     return (value[0], value[1], value[2])
+
+
+def _peers(value: object) -> tuple[tuple[int, Address], ...]:
+    if not isinstance(value, (list, tuple)) or len(value) > 64:
+        raise ProtocolError("field 'peers' is not a list of at most 64 [rank, address]")
+    out = []
+    for item in value:
+        if (not isinstance(item, (list, tuple)) or len(item) != 2 or type(item[0]) is not int
+                or item[0] < 0):
+            raise ProtocolError("field 'peers' has an entry that is not [rank, address]")
+        out.append((item[0], _addr(item[1], "peers")))
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -94,11 +108,17 @@ class Hello(_Msg):
 
 @dataclass(frozen=True)
 class RingInfo(_Msg):
-    """Root -> rank: the address of the next rank on the ring (``rank + 1`` mod ``nranks``)."""
+    """Root -> rank: the next rank's address (``rank + 1`` mod ``nranks``), and ``peers``:
+    ``(rank, address)`` of ranks ``rank - 2**k``, the first all-gather's partners."""
 
     TYPE: ClassVar[MsgType] = MsgType.RING_INFO
     nranks: int
     next_addr: Address
+    peers: tuple[tuple[int, Address], ...] = ()
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"nranks": self.nranks, "next_addr": self.next_addr,
+                "peers": [[r, a] for r, a in self.peers]}
 
 
 @dataclass(frozen=True)
@@ -140,9 +160,23 @@ _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
 }
 
 
-def encode(msg: Message) -> bytes:
-    """Serialise one message to a complete frame."""
-    body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+def encode(msg: Message, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """Serialise one message to a complete frame.
+
+    Raises:
+        ProtocolError: the message could not be decoded by a peer (a field out of range,
+            a string over 1 MiB, or a body over ``max_frame``), so it is refused here.
+    """
+    try:
+        body = msgpack.packb(msg.to_wire(), use_bin_type=True)
+    except (OverflowError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"cannot encode {type(msg).__name__}: {exc}") from exc
+    if len(body) > max_frame:
+        raise ProtocolError(f"{type(msg).__name__} of {len(body)} bytes exceeds the frame "
+                            f"limit {max_frame}")
+    for name in ("message", "kind"):
+        if len(getattr(msg, name, "")) > _MAX_STR:
+            raise ProtocolError(f"{type(msg).__name__} field {name!r} is over 1 MiB")
     return HEADER.pack(MAGIC, VERSION, int(msg.TYPE), len(body)) + body
 
 
@@ -157,6 +191,8 @@ def _build(mtype: MsgType, body: object) -> Message:
         value = body[f.name]
         if f.name in ("addr", "next_addr"):
             value = _addr(value, f.name)
+        elif f.name == "peers":
+            value = _peers(value)
         else:
             want = _FIELD_TYPES[f.name]
             if not isinstance(value, want) or isinstance(value, bool):
@@ -184,7 +220,9 @@ class FrameDecoder:
         self._failed: ProtocolError | None = None
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Append received bytes."""
+        """Append received bytes (raises the earlier error if the decoder has failed)."""
+        if self._failed is not None:
+            raise self._failed
         self._buf += data
 
     @property
@@ -227,7 +265,7 @@ class FrameDecoder:
         del self._buf[:end]
         try:
             body = msgpack.unpackb(raw, raw=False, strict_map_key=True,
-                                   max_bin_len=self._max_frame, max_str_len=1 << 20)
+                                   max_bin_len=self._max_frame, max_str_len=_MAX_STR)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ProtocolError(f"{kind.name} frame body is not valid msgpack: {exc}") from exc
         return _build(kind, body)

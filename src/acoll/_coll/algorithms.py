@@ -440,6 +440,35 @@ class DisseminationBarrier:
             await ctx.wait_send(sf, to)
 
 
+class TreeBarrier:
+    """Binomial gather of empty messages to rank 0, then a binomial release.
+
+    2 * ceil(log2 n) hops but only ``n - 1`` connections in all, where the dissemination
+    barrier needs ``n * log2 n``: used for large communicators (each connection is a
+    socket pair, and hundreds of ranks may share one process).
+    """
+
+    def __init__(self, ctx: OpContext) -> None:
+        tree = TreeBroadcast(ctx, np.empty(0, np.uint8), 0)
+        self.ctx, self.parent, self.children = ctx, tree.parent, tree.children
+        self.empty = np.empty(0, np.uint8)
+
+    async def run(self) -> None:
+        ctx, parent, children, empty = self.ctx, self.parent, self.children, self.empty
+        await ctx.connect(*children, *([parent] if parent is not None else []))
+        ups = [ctx.post_recv(c, empty, 0) for c in children]
+        down = ctx.post_recv(parent, empty, 1) if parent is not None else None
+        for child, fut in zip(children, ups):
+            await ctx.wait_recv(fut, child)
+        if parent is not None and down is not None:
+            await ctx.wait_send(ctx.post_send(parent, empty, 0), parent)
+            await ctx.wait_recv(down, parent)
+        sends = _Sends(ctx)
+        for child in children:
+            sends.post(child, empty, 1)
+        await sends.wait()
+
+
 class EmptyExchange:
     """For zero-element collectives: one empty message around the ring, to check
     every rank agrees it is a zero-element call (and on the rest of the descriptor)."""
