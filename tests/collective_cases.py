@@ -78,6 +78,10 @@ async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[An
                 rs_out = np.empty(count, dt)
                 await comm.reduce_scatter(big[r], rs_out, op=op)
                 assert_same(rs_out, rs_want, "reduce_scatter " + tag)
+                whole = big[r].copy()  # in place: recv is this rank's block of send
+                mine = whole[r * count:(r + 1) * count]
+                await comm.reduce_scatter(whole, mine, op=op)
+                assert_same(mine, rs_want, "reduce_scatter in-place " + tag)
                 checks += 4
             # data movement (no op)
             ins = [make_input(q, count, dt, acoll.SUM, salt=2) for q in range(n)]

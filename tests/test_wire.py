@@ -41,8 +41,9 @@ SAMPLES: list[Message] = [
 
 VALID_BODIES: dict[MsgType, dict[str, Any]] = {
     MsgType.HELLO: {"key": b"k", "rank": 1, "nranks": 2, "addr": ["h", 1, 0], "host_hash": 0,
-                    "pid": 1},
-    MsgType.RING_INFO: {"nranks": 2, "next_addr": ["h", 1, 0], "peers": [[1, ["h", 2, 0]]]},
+                    "pid": 1, "info": b""},
+    MsgType.RING_INFO: {"nranks": 2, "next_addr": ["h", 1, 0], "peers": [[1, ["h", 2, 0]]],
+                        "infos": [b"i0", b"i1"]},
     MsgType.ERROR: {"kind": "usage", "message": "m", "rank": 0},
     MsgType.PEER_HELLO: {"key": b"k", "rank": 1, "nranks": 2},
     MsgType.TAGGED: {"tag": 1, "payload": b"p"},
@@ -101,7 +102,7 @@ def test_every_type_is_covered() -> None:
 
 
 def test_address_decodes_to_tuple() -> None:
-    [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", 9, 1], "peers": []}))
+    [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", 9, 1], "peers": [], "infos": []}))
     assert isinstance(msg, RingInfo)
     assert msg.next_addr == ("h", 9, 1)
     assert isinstance(msg.next_addr, tuple)
@@ -277,7 +278,7 @@ def test_bool_in_address(addr: object) -> None:
 
 def test_valid_address_edges() -> None:
     for port in (1, 65535):
-        [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", port, 0], "peers": []}))
+        [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", port, 0], "peers": [], "infos": []}))
         assert isinstance(msg, RingInfo)
         assert msg.next_addr[1] == port
 

@@ -15,8 +15,16 @@ from ._communicator import Communicator, get_unique_id, init_rank
 from ._dtypes import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ._env import init_from_env
 from ._uid import UniqueId
-from .errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, ProtocolError,
-                     RemoteError, TimeoutError, TransportError)
+from .errors import (
+                     AcollError,
+                     BootstrapError,
+                     ClosedError,
+                     InvalidUsage,
+                     ProtocolError,
+                     RemoteError,
+                     TimeoutError,
+                     TransportError,
+)
 
 __version__ = "0.1.0"
 

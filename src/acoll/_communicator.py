@@ -24,7 +24,7 @@ import resource
 import socket
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Protocol
 
 import msgpack
@@ -33,6 +33,7 @@ import numpy.typing as npt
 
 from ._bootstrap.ring import Bootstrap, error_from_wire, error_to_wire
 from ._bootstrap.root import RootServer, listen_socket, start_root
+from ._bootstrap.wire import Address
 from ._bootstrap.wire import Error as WireError
 from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
@@ -43,8 +44,14 @@ from ._net.interfaces import find_interfaces
 from ._transport.base import Connection, ConnectionLost, Listener, Transport
 from ._transport.select import select_transport
 from ._uid import UniqueId
-from .errors import (AcollError, BootstrapError, ClosedError, InvalidUsage, RemoteError,
-                     TransportError)
+from .errors import (
+    AcollError,
+    BootstrapError,
+    ClosedError,
+    InvalidUsage,
+    RemoteError,
+    TransportError,
+)
 from .errors import TimeoutError as AcollTimeoutError
 
 __all__ = ["Communicator", "get_unique_id", "init_rank"]
@@ -143,16 +150,22 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         except OSError as exc:
             raise BootstrapError(f"rank 0 cannot host the root at {uid!r}: {exc}") from exc
         start_root(RootServer(sock, uid.job_key, timeout))
-    boot = await Bootstrap.create(rank=rank, nranks=nranks, key=uid.job_key,
-                                  root=uid.sockaddr, listen=iface.sockaddr(0),
-                                  family=iface.family, host_hash=_host_hash(),
-                                  timeout=timeout)
-    try:
-        comm = await Communicator._form(boot, iface.sockaddr(0), iface.family, timeout,
-                                        net=net, check=check)
-    except BaseException:
-        boot.abort()
-        raise
+    sockaddr = iface.sockaddr(0)
+
+    async def join(make_info: Callable[[Address], bytes]) -> tuple[Bootstrap, list[bytes]]:
+        boot = await Bootstrap.create(rank=rank, nranks=nranks, key=uid.job_key,
+                                      root=uid.sockaddr, listen=sockaddr,
+                                      family=iface.family, host_hash=_host_hash(),
+                                      timeout=timeout, make_info=make_info)
+        try:
+            infos = boot.infos or await boot.allgather(make_info(boot.addr))
+        except BaseException:
+            boot.abort()
+            raise
+        return boot, infos
+
+    comm = await Communicator._form(join, sockaddr, iface.family, timeout, net=net,
+                                    check=check)
     log.info("rank %d/%d ready in %.1f ms", rank, nranks, (time.perf_counter() - start) * 1e3)
     return comm
 
@@ -203,35 +216,48 @@ class Communicator:
 
     # ------------------------------------------------------------------ formation
     @classmethod
-    async def _form(cls, boot: Bootstrap, sockaddr: tuple[Any, ...],
-                    family: socket.AddressFamily, timeout: float, *, net: str | None,
-                    check: bool | None) -> Communicator:
+    async def _form(cls, join: Callable[[Callable[[Address], bytes]],
+                                        Awaitable[tuple[Bootstrap, list[bytes]]]],
+                    sockaddr: tuple[Any, ...], family: socket.AddressFamily, timeout: float,
+                    *, net: str | None, check: bool | None) -> Communicator:
+        """Set up the data network, then ``join`` the bootstrap and learn every rank's info.
+
+        ``join(make_info)`` returns the bootstrap and all ranks' info records, in rank order
+        (from the root's table, or an all-gather); ``make_info(boot_addr)`` builds ours.
+        """
         transport = select_transport(sockaddr, family, timeout=timeout, net=net)
         listener = await transport.listen()
+        host_hash = _host_hash() & 0x7FFFFFFFFFFFFFFF
+
+        def make_info(boot_addr: Address) -> bytes:
+            return msgpack.packb({"host_hash": host_hash, "pid": os.getpid(),
+                                  "net": transport.name, "handle": listener.handle,
+                                  "boot": list(boot_addr)})
+
         try:
-            mine = {"rank": boot.rank, "host_hash": _host_hash() & 0x7FFFFFFFFFFFFFFF,
-                    "pid": os.getpid(), "net": transport.name, "handle": listener.handle,
-                    "boot": list(boot.addr)}
-            raw = await boot.allgather(msgpack.packb(mine))
+            boot, raw = await join(make_info)
+        except BaseException:
+            listener.close()
+            raise
+        try:
             infos = [msgpack.unpackb(item) for item in raw]
-            for info in infos:
+            for rank, info in enumerate(infos):
                 if info["net"] != transport.name:
-                    raise InvalidUsage(f"rank {info['rank']} uses network {info['net']!r} "
-                                       f"but rank {boot.rank} uses {transport.name!r}")
+                    raise InvalidUsage(f"rank {rank} uses network {info['net']!r} but rank "
+                                       f"{boot.rank} uses {transport.name!r}")
             boot.set_peer_addrs([tuple(info["boot"]) for info in infos])  # type: ignore[misc]
             comm = cls(boot, transport, listener, infos, timeout, CHECK.resolve(check))
         except BaseException:
             listener.close()
+            boot.abort()
             raise
         try:
             if comm.size > 1:
                 ring = {(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size}
                 await wait_until(asyncio.gather(*(comm._conn(p) for p in ring)),
                                  deadline_after(timeout), "ring connections")
-        except BaseException as exc:
+        except BaseException:
             comm.abort()
-            if isinstance(exc, AcollError) and not isinstance(exc, ClosedError):
-                raise
             raise
         return comm
 
@@ -261,7 +287,7 @@ class Communicator:
             try:
                 info = msgpack.unpackb(hello)
                 key, peer = info["key"], info["rank"]
-            except Exception:  # noqa: BLE001 - any garbage is refused the same way
+            except Exception:
                 key, peer = None, -1
             if key != self._boot.key or not isinstance(peer, int) or not (
                     0 <= peer < self.size) or peer == self.rank or peer in self._conns:
@@ -317,7 +343,7 @@ class Communicator:
                 body = msgpack.unpackb(lost.notice)
                 err = error_from_wire(WireError(str(body["kind"]), str(body["message"]),
                                                 int(body["rank"])), via=peer)
-            except Exception:  # noqa: BLE001
+            except Exception:
                 err = RemoteError(f"rank {peer} failed (unreadable notice)", peer)
         else:
             err = RemoteError(f"rank {peer} is gone: {lost} (process died, aborted, or the "
@@ -586,13 +612,15 @@ class Communicator:
             raise InvalidUsage(f"{what}: send holds {s.size} elements and recv {r.size}; "
                                f"recv must hold {s.size * ratio_recv // ratio_send}")
         if not self._same(s, r) and np.shares_memory(s, r) and not (
-                what == "all_gather" and self._inside(s, r)):
+                (what == "all_gather" and self._inside(s, r))
+                or (what == "reduce_scatter" and self._inside(r, s))):
             raise InvalidUsage(f"{what}: send and recv overlap without being the same buffer")
         return s, r, recv
 
-    def _inside(self, s: npt.NDArray[Any], r: npt.NDArray[Any]) -> bool:
-        base = r.__array_interface__["data"][0]
-        return bool(s.__array_interface__["data"][0] == base + self.rank * s.nbytes)
+    def _inside(self, block: npt.NDArray[Any], whole: npt.NDArray[Any]) -> bool:
+        """``block`` is exactly this rank's block of ``whole`` (NCCL's in-place layout)."""
+        base = whole.__array_interface__["data"][0]
+        return bool(block.__array_interface__["data"][0] == base + self.rank * block.nbytes)
 
     async def _small_or_empty(self, desc: Descriptor, count: int) -> bool:
         """Handle 0 elements (check only) and reserve no network for 1 rank."""
@@ -782,15 +810,21 @@ class Communicator:
         new_rank = next(i for i, (_, r, _) in enumerate(members) if r == self.rank)
         nkey = hashlib.blake2b(self._boot.key + f"/{self._split_seq}/{color}".encode(),
                                digest_size=16).digest()
-        boot = await Bootstrap.from_peers(
-            rank=new_rank, nranks=len(members), key=nkey, sock=sock,
-            peer_addrs=[(a[0], a[1], a[2]) for _, _, a in members], timeout=self.timeout)
-        try:
-            return await Communicator._form(boot, sockaddr, fam, self.timeout, net=None,
-                                            check=self.check)
-        except BaseException:
-            boot.abort()
-            raise
+        peer_addrs: list[Address] = [(a[0], a[1], a[2]) for _, _, a in members]
+
+        async def join(make_info: Callable[[Address], bytes]
+                       ) -> tuple[Bootstrap, list[bytes]]:
+            boot = await Bootstrap.from_peers(rank=new_rank, nranks=len(members), key=nkey,
+                                              sock=sock, peer_addrs=peer_addrs,
+                                              timeout=self.timeout)
+            try:
+                return boot, await boot.allgather(make_info(boot.addr))
+            except BaseException:
+                boot.abort()
+                raise
+
+        return await Communicator._form(join, sockaddr, fam, self.timeout, net=None,
+                                        check=self.check)
 
 
 class _Send:

@@ -71,7 +71,7 @@ class RemoteError(AcollError):
         return (type(self), (str(self), self.rank))
 
 
-class TimeoutError(AcollError, builtins.TimeoutError):  # noqa: A001 - public name by contract
+class TimeoutError(AcollError, builtins.TimeoutError):
     """A network wait passed its deadline (``ACOLL_TIMEOUT`` or a ``timeout=`` argument)."""
 
 

@@ -127,14 +127,15 @@ class Bootstrap:
         self.on_failure: Callable[[AcollError], None] | None = None
         self.next_addr: Address = ("", 0, 0)
         self._known: dict[int, Address] = {}
+        self.infos: list[bytes] | None = None  # every rank's info, when the root sent it
         self.peer_addrs: list[Address] = []
 
     # ------------------------------------------------------------------ set-up
     @classmethod
     async def create(cls, *, rank: int, nranks: int, key: bytes,
                      root: tuple[Any, ...], listen: tuple[Any, ...],
-                     family: socket.AddressFamily, host_hash: int, timeout: float
-                     ) -> Bootstrap:
+                     family: socket.AddressFamily, host_hash: int, timeout: float,
+                     make_info: Callable[[Address], bytes] | None = None) -> Bootstrap:
         """Join the job through the root at ``root`` and return the connected bootstrap.
 
         Raises:
@@ -147,7 +148,8 @@ class Bootstrap:
         from .root import listen_socket
 
         sock = listen_socket(listen, family)
-        self._server = await asyncio.start_server(self._on_connect, sock=sock, backlog=socket.SOMAXCONN)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock,
+                                                  backlog=socket.SOMAXCONN)
         name = sock.getsockname()
         self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
         try:
@@ -156,7 +158,8 @@ class Bootstrap:
             self._close_all()
             raise
         try:
-            root_conn.send(Hello(key, rank, nranks, self.addr, host_hash, os.getpid()))
+            info = make_info(self.addr) if make_info is not None else b""
+            root_conn.send(Hello(key, rank, nranks, self.addr, host_hash, os.getpid(), info))
             try:
                 reply = await wait_until(root_conn.recv(), deadline, "the root's ring info")
             except (PeerClosed, ProtocolError) as exc:
@@ -174,6 +177,7 @@ class Bootstrap:
             raise BootstrapError(f"root sent an unexpected reply {type(reply).__name__}")
         self.next_addr = reply.next_addr
         self._known = {(rank + 1) % nranks: reply.next_addr, **dict(reply.peers)}
+        self.infos = list(reply.infos) if len(reply.infos) == nranks else None
         log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
                  self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])
         return self
@@ -186,7 +190,8 @@ class Bootstrap:
         ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``.
         """
         self = cls(rank, nranks, key, timeout)
-        self._server = await asyncio.start_server(self._on_connect, sock=sock, backlog=socket.SOMAXCONN)
+        self._server = await asyncio.start_server(self._on_connect, sock=sock,
+                                                  backlog=socket.SOMAXCONN)
         self.addr = peer_addrs[rank]
         self.next_addr = peer_addrs[(rank + 1) % nranks]
         self.peer_addrs = list(peer_addrs)

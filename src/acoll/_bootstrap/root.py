@@ -26,7 +26,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
 
-from .._config import get_logger
+from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
@@ -36,6 +36,12 @@ from .wire import Error, Hello, RingInfo
 __all__ = ["RootServer", "listen_socket", "start_root"]
 
 log = get_logger("BOOTSTRAP")
+
+ROOT_TABLE_MAX = Setting(
+    "ROOT_TABLE_MAX", int, 4096,
+    "Up to this many ranks the root sends every rank all ranks' information (one message "
+    "each, no all-gather); above it ranks all-gather over the bootstrap network.",
+    "BOOTSTRAP")
 
 #: How long a connection may take to send its first frame before it is dropped.
 _HELLO_TIMEOUT = 10.0
@@ -159,6 +165,8 @@ class RootServer:
     def _hand_out_ring(self) -> None:
         assert self.nranks is not None
         n = self.nranks
+        table = tuple(self.hellos[r].info for r in range(n)) if n <= ROOT_TABLE_MAX.resolve(
+        ) else ()
         for rank, conn in self.conns.items():
             nxt = self.hellos[(rank + 1) % n]
             peers = []
@@ -168,7 +176,7 @@ class RootServer:
                 peers.append((peer, self.hellos[peer].addr))
                 dist <<= 1
             with contextlib.suppress(AcollError):
-                conn.send(RingInfo(n, nxt.addr, tuple(peers)))
+                conn.send(RingInfo(n, nxt.addr, tuple(peers), table))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
         self._finish()
 

@@ -85,5 +85,5 @@ class FramedConnection:
         """Close now (idempotent, never raises)."""
         try:
             self.writer.close()
-        except Exception:  # noqa: BLE001 - closing must not fail
+        except Exception:
             pass

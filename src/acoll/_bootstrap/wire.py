@@ -104,6 +104,7 @@ class Hello(_Msg):
     addr: Address
     host_hash: int
     pid: int
+    info: bytes = b""  # opaque rank information the root may hand to every rank
 
 
 @dataclass(frozen=True)
@@ -115,10 +116,11 @@ class RingInfo(_Msg):
     nranks: int
     next_addr: Address
     peers: tuple[tuple[int, Address], ...] = ()
+    infos: tuple[bytes, ...] = ()  # every rank's Hello.info, when the root sends the table
 
     def to_wire(self) -> dict[str, Any]:
         return {"nranks": self.nranks, "next_addr": self.next_addr,
-                "peers": [[r, a] for r, a in self.peers]}
+                "peers": [[r, a] for r, a in self.peers], "infos": list(self.infos)}
 
 
 @dataclass(frozen=True)
@@ -156,7 +158,7 @@ _CLASSES: dict[MsgType, type[_Msg]] = {
 }
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
     "key": bytes, "rank": int, "nranks": int, "host_hash": int, "pid": int,
-    "kind": str, "message": str, "tag": int, "payload": bytes,
+    "kind": str, "message": str, "tag": int, "payload": bytes, "info": bytes,
 }
 
 
@@ -193,6 +195,11 @@ def _build(mtype: MsgType, body: object) -> Message:
             value = _addr(value, f.name)
         elif f.name == "peers":
             value = _peers(value)
+        elif f.name == "infos":
+            if not isinstance(value, (list, tuple)) or not all(
+                    isinstance(item, bytes) for item in value):
+                raise ProtocolError("field 'infos' is not a list of bytes")
+            value = tuple(value)
         else:
             want = _FIELD_TYPES[f.name]
             if not isinstance(value, want) or isinstance(value, bool):

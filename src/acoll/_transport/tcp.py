@@ -267,7 +267,7 @@ class TcpConnection(Connection):
             # Synchronously, so the owner's state is updated before waiters resume.
             try:
                 self._on_failure(exc)
-            except Exception:  # noqa: BLE001 - a callback bug must not break the loop
+            except Exception:
                 log.exception("connection failure callback raised")
 
     def _release(self) -> None:
