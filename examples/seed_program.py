@@ -33,9 +33,14 @@ def host_hash(name: str) -> int:
     return h
 
 
+def id_path(job: str) -> Path:
+    """Where rank 0 publishes the unique id for this job."""
+    return Path(tempfile.gettempdir()) / f"acoll-seed-{job}.id"
+
+
 def share_id_out_of_band(rank: int, job: str) -> acoll.UniqueId:
     """Rank 0 makes the id and writes it; the others read it (our stand-in for MPI_Bcast)."""
-    path = Path(tempfile.gettempdir()) / f"acoll-seed-{job}.id"
+    path = id_path(job)
     if rank == 0:
         uid = acoll.get_unique_id()
         tmp = path.with_suffix(".tmp")
@@ -72,7 +77,7 @@ async def main() -> int:
           f"{'ok' if ok else 'WRONG'}")
     await comm.close()
     if rank == 0:
-        Path(tempfile.gettempdir(), f"acoll-seed-{job}.id").unlink(missing_ok=True)
+        await asyncio.to_thread(id_path(job).unlink, missing_ok=True)
     return 0 if ok else 1
 
 

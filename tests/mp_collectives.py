@@ -8,8 +8,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-import acoll  # noqa: E402
-from collective_cases import ALL_DTYPES, ALL_OPS, check_all  # noqa: E402
+import acoll
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all
 
 
 async def main() -> None:

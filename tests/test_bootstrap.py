@@ -55,7 +55,9 @@ async def test_several_ids_served_at_once() -> None:
         return int(x[0])
 
     a, b, c = await asyncio.gather(run_ranks(3, fn), run_ranks(4, fn), run_ranks(2, fn))
-    assert a == [3] * 3 and b == [4] * 4 and c == [2] * 2
+    assert a == [3] * 3
+    assert b == [4] * 4
+    assert c == [2] * 2
 
 
 async def test_bootstrap_network_collectives() -> None:

@@ -12,8 +12,15 @@ import pytest
 
 import acoll
 from acoll.testing import run_ranks
-from collective_cases import (ALL_DTYPES, ALL_OPS, COUNTS, assert_same, check_all,
-                              make_input, reference)
+from collective_cases import (
+    ALL_DTYPES,
+    ALL_OPS,
+    COUNTS,
+    assert_same,
+    check_all,
+    make_input,
+    reference,
+)
 
 HERE = Path(__file__).parent
 
@@ -24,7 +31,8 @@ async def test_full_matrix_one_loop(nranks: int) -> None:
         return await check_all(comm, COUNTS, ALL_DTYPES, ALL_OPS)
 
     results = await run_ranks(nranks, fn)
-    assert len(set(results)) == 1 and results[0] > 0
+    assert len(set(results)) == 1
+    assert results[0] > 0
 
 
 @pytest.mark.parametrize("algo", ["ring", "rd"])

@@ -35,7 +35,7 @@ async def test_abort_during_allreduce_is_remote_error_everywhere(n: int) -> None
     comms = await _ranks(n)
     victim = n - 1
     bufs = [np.ones(1 << 20, np.float32) for _ in range(n)]
-    tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs)
+    tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs, strict=True)
              if c.rank != victim]
     await asyncio.sleep(0.001)
     comms[victim].abort()
@@ -46,7 +46,8 @@ async def test_abort_during_allreduce_is_remote_error_everywhere(n: int) -> None
         if isinstance(res, np.ndarray):  # finished before the abort reached it
             continue
         assert isinstance(res, acoll.RemoteError), res
-        assert res.rank == victim and f"rank {victim}" in str(res)
+        assert res.rank == victim
+        assert f"rank {victim}" in str(res)
     # every later op fails at once, naming the same rank
     for c in comms[:victim]:
         with pytest.raises(acoll.RemoteError, match=f"rank {victim}"):
@@ -81,7 +82,8 @@ def test_killed_process_is_remote_error_on_survivors() -> None:
     assert procs[2].returncode == 9, outs[2]
     for r in (0, 1):
         assert procs[r].returncode == 0, outs[r]
-        assert "RemoteError" in outs[r] and "rank 2" in outs[r], outs[r]
+        assert "RemoteError" in outs[r], outs[r]
+        assert "rank 2" in outs[r], outs[r]
     assert elapsed < 30
 
 
@@ -182,9 +184,9 @@ async def test_argument_errors_name_the_argument() -> None:
             await comm.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64))
         with pytest.raises(acoll.InvalidUsage, match="not contiguous"):
             await comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])
+        ro = np.ones(4, np.float32)
+        ro.flags.writeable = False
         with pytest.raises(acoll.InvalidUsage, match="read-only"):
-            ro = np.ones(4, np.float32)
-            ro.flags.writeable = False
             await comm.all_reduce(ro)
         with pytest.raises(acoll.InvalidUsage, match="complex128"):
             await comm.all_reduce(np.ones(4, np.complex128))
@@ -192,8 +194,8 @@ async def test_argument_errors_name_the_argument() -> None:
             await comm.all_reduce(np.ones(4), op="xor")
         with pytest.raises(acoll.InvalidUsage, match="root"):
             await comm.broadcast(np.ones(4), root=5)
+        a = np.ones(8, np.float32)
         with pytest.raises(acoll.InvalidUsage, match="overlap"):
-            a = np.ones(8, np.float32)
             await comm.all_reduce(a[:6], a[2:])
         with pytest.raises(acoll.InvalidUsage, match="to self"):
             await comm.send(np.ones(4), comm.rank)
@@ -254,5 +256,7 @@ async def test_split() -> None:
     res = await run_ranks(5, fn)
     assert res[4] is None
     # color 0: ranks 0, 2 (keys 0, -2 -> rank 2 first); color 1: ranks 1, 3
-    assert res[0] == (1, 2, 2.0) and res[2] == (0, 2, 2.0)
-    assert res[1] == (1, 2, 4.0) and res[3] == (0, 2, 4.0)
+    assert res[0] == (1, 2, 2.0)
+    assert res[2] == (0, 2, 2.0)
+    assert res[1] == (1, 2, 4.0)
+    assert res[3] == (0, 2, 4.0)

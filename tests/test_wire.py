@@ -102,7 +102,8 @@ def test_every_type_is_covered() -> None:
 
 
 def test_address_decodes_to_tuple() -> None:
-    [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", 9, 1], "peers": [], "infos": []}))
+    body = {"nranks": 2, "next_addr": ["h", 9, 1], "peers": [], "infos": []}
+    [msg] = decode_all(frame(MsgType.RING_INFO, body))
     assert isinstance(msg, RingInfo)
     assert msg.next_addr == ("h", 9, 1)
     assert isinstance(msg.next_addr, tuple)
@@ -278,7 +279,8 @@ def test_bool_in_address(addr: object) -> None:
 
 def test_valid_address_edges() -> None:
     for port in (1, 65535):
-        [msg] = decode_all(frame(MsgType.RING_INFO, {"nranks": 2, "next_addr": ["h", port, 0], "peers": [], "infos": []}))
+        body = {"nranks": 2, "next_addr": ["h", port, 0], "peers": [], "infos": []}
+        [msg] = decode_all(frame(MsgType.RING_INFO, body))
         assert isinstance(msg, RingInfo)
         assert msg.next_addr[1] == port
 

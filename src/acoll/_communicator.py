@@ -245,7 +245,7 @@ class Communicator:
                 if info["net"] != transport.name:
                     raise InvalidUsage(f"rank {rank} uses network {info['net']!r} but rank "
                                        f"{boot.rank} uses {transport.name!r}")
-            boot.set_peer_addrs([tuple(info["boot"]) for info in infos])  # type: ignore[misc]
+            boot.set_peer_addrs([tuple(info["boot"]) for info in infos])
             comm = cls(boot, transport, listener, infos, timeout, CHECK.resolve(check))
         except BaseException:
             listener.close()

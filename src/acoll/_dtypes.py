@@ -154,4 +154,5 @@ def _bad_dtype(dt: np.dtype[Any], what: str) -> None:
 
 def byte_view(arr: npt.NDArray[Any]) -> memoryview:
     """A flat unsigned-byte memoryview of a contiguous array (no copy)."""
-    return memoryview(arr.view(np.uint8).reshape(-1) if arr.size else np.empty(0, np.uint8))
+    # ndarray.data is memoryview(arr); numpy only types __buffer__ for Python >= 3.12.
+    return (arr.view(np.uint8).reshape(-1) if arr.size else np.empty(0, np.uint8)).data

@@ -133,7 +133,7 @@ class UniqueId:
                 info = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
             except OSError as exc:
                 raise InvalidUsage(f"cannot resolve {host!r}: {exc}") from exc
-            ip = ipaddress.ip_address(info[0][4][0].partition("%")[0])
+            ip = ipaddress.ip_address(str(info[0][4][0]).partition("%")[0])
         secret = hashlib.blake2b(f"{ip}:{port}".encode(), digest_size=32,
                                  person=b"acoll-commid").digest()
         return cls(str(ip), port, secret, scope, from_env=True)

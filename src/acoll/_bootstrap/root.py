@@ -73,7 +73,7 @@ class RootServer:
         self.sock = sock
         self.key = key
         self.timeout = timeout
-        self.where = "%s:%s" % sock.getsockname()[:2]
+        self.where = "{}:{}".format(*sock.getsockname()[:2])
         self.hellos: dict[int, Hello] = {}
         self.conns: dict[int, FramedConnection] = {}
         self.nranks: int | None = None
@@ -84,7 +84,8 @@ class RootServer:
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
         try:
-            server = await asyncio.start_server(self._on_connect, sock=self.sock, backlog=socket.SOMAXCONN)
+            server = await asyncio.start_server(self._on_connect, sock=self.sock,
+                                                backlog=socket.SOMAXCONN)
         except OSError as exc:
             log.warning("root %s could not start: %s", self.where, exc)
             self.sock.close()

@@ -68,11 +68,7 @@ def ib_devices(hca_spec: str = "") -> tuple[list[tuple[str, int]], str]:
 
 
 def _plugins() -> list[tuple[str, Any]]:
-    try:
-        eps = entry_points(group="acoll.net")
-    except TypeError:  # pragma: no cover - Python 3.9 API
-        eps = entry_points().get("acoll.net", [])  # type: ignore[attr-defined]
-    return [(ep.name, ep) for ep in eps]
+    return [(ep.name, ep) for ep in entry_points(group="acoll.net")]
 
 
 def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
@@ -101,7 +97,8 @@ def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
         else:
             devs, why = ib_devices(IB_HCA.resolve())
             if forced == "ib":
-                raise InvalidUsage(f"ACOLL_NET=ib: {why or 'the verbs transport is not part of this release'}")
+                why = why or "the verbs transport is not part of this release"
+                raise InvalidUsage(f"ACOLL_NET=ib: {why}")
             if devs:
                 log.info("NET/IB: found %s, but this release has no verbs transport yet; "
                          "using sockets", devs)

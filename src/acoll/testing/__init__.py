@@ -53,7 +53,7 @@ async def run_ranks(n: int, fn: Callable[[Communicator], Awaitable[T]], *,
 
     tasks = [asyncio.ensure_future(one(r)) for r in range(n)]
     try:
-        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
         if failed:
             for t in pending:
