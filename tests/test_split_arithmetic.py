@@ -14,7 +14,8 @@ def test_split_even_covers_exactly_and_is_balanced(count: int, parts: int) -> No
     assert len(ranges) == parts
     start = 0
     for s, length in ranges:  # consecutive, no gap, no overlap
-        assert s == start and length >= 0
+        assert s == start
+        assert length >= 0
         start += length
     assert start == count
     lengths = [length for _, length in ranges]
@@ -29,7 +30,8 @@ def test_chunk_ranges_tile_the_range(start: int, length: int, chunk: int) -> Non
     assert sum(n for _, n in pieces) == length
     pos = start
     for s, n in pieces:
-        assert s == pos and 0 < n <= chunk
+        assert s == pos
+        assert 0 < n <= chunk
         pos += n
     assert len(pieces) == -(-length // chunk)
 

@@ -84,7 +84,7 @@ class RingAllReduce:
             self.rs.append(pieces)
         self.first_send = chunk_ranges(*segs[r], chunk)
         self.ag = [chunk_ranges(*segs[(r - s) % n], chunk) for s in range(n - 1)]
-        self.nchunks = max(len(p) for p in (self.first_send, *self.rs, *self.ag))
+        self.nchunks = max([len(self.first_send), *map(len, self.rs), *map(len, self.ag)])
 
     async def run(self) -> None:
         ctx, src, dst, op, nxt, prv = (self.ctx, self.src, self.dst, self.op, self.nxt,
@@ -112,8 +112,8 @@ class RingAllReduce:
                     if op == ReduceOp.AVG:
                         finish_avg(out, n)
                     sends.post(nxt, out, base + c)
-        for s, step in enumerate(self.ag):
-            for c, (cs, cl) in enumerate(step):
+        for s, ag_step in enumerate(self.ag):
+            for c, (cs, cl) in enumerate(ag_step):
                 await ctx.wait_recv(ag_futs[s][c], prv)
                 if s < last:
                     sends.post(nxt, dst[cs:cs + cl], base + (s + 1) * k + c)
@@ -262,10 +262,10 @@ class TreeReduce:
     async def run(self) -> None:
         ctx, acc, op = self.ctx, self.acc, self.op
         await ctx.connect(*self.children, *([self.parent] if self.parent is not None else []))
-        futs = [ctx.post_recv(c, t, 0) for c, t in zip(self.children, self.tmps)]
+        futs = [ctx.post_recv(c, t, 0) for c, t in zip(self.children, self.tmps, strict=True)]
         if acc is not self.src:
             acc[...] = self.src
-        for child, fut, tmp in zip(self.children, futs, self.tmps):
+        for child, fut, tmp in zip(self.children, futs, self.tmps, strict=True):
             await ctx.wait_recv(fut, child)
             reduce_into(acc, acc, tmp, op)
         if self.parent is not None:
@@ -458,7 +458,7 @@ class TreeBarrier:
         await ctx.connect(*children, *([parent] if parent is not None else []))
         ups = [ctx.post_recv(c, empty, 0) for c in children]
         down = ctx.post_recv(parent, empty, 1) if parent is not None else None
-        for child, fut in zip(children, ups):
+        for child, fut in zip(children, ups, strict=True):
             await ctx.wait_recv(fut, child)
         if parent is not None and down is not None:
             await ctx.wait_send(ctx.post_send(parent, empty, 0), parent)
@@ -488,7 +488,7 @@ class EmptyExchange:
 
 
 # --------------------------------------------------------------------------- tuner
-_CHOICES = {
+_CHOICES: dict[str, dict[str, type]] = {
     "all_reduce": {"ring": RingAllReduce, "rd": RecursiveDoublingAllReduce},
     "broadcast": {"tree": TreeBroadcast, "chain": ChainBroadcast},
     "reduce": {"tree": TreeReduce, "chain": ChainReduce},

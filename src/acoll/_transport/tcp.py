@@ -351,7 +351,8 @@ class TcpConnection(Connection):
         try:
             for _ in range(_READ_BUDGET):
                 if s.direct_left:
-                    assert s.direct_view is not None and s.direct_entry is not None
+                    assert s.direct_view is not None
+                    assert s.direct_entry is not None
                     want = s.direct_left
                     n = sock.recv_into(s.direct_view, want)
                     if n == 0:
@@ -525,7 +526,7 @@ class TcpListener(Listener):
             except asyncio.CancelledError:
                 raise
             except OSError as exc:
-                if self._closed:
+                if self._is_closed():  # close() may have run while we waited
                     return
                 log.warning("data listener accept failed: %s", exc)
                 await asyncio.sleep(0.01)
@@ -564,6 +565,9 @@ class TcpListener(Listener):
             socks = [group[i] for i in range(nsocks)]
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe)
             self._ready.put_nowait((hello, conn))
+
+    def _is_closed(self) -> bool:
+        return self._closed
 
     async def accept(self) -> tuple[bytes, Connection]:
         if self._closed:
