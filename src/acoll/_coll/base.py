@@ -144,7 +144,9 @@ class OpContext:
                   ) -> asyncio.Future[bytes]:
         return self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
 
-    async def wait_recv(self, fut: Awaitable[bytes], peer: int) -> None:
+    async def wait_recv(self, fut: asyncio.Future[bytes], peer: int) -> None:
+        if not fut.done():
+            self.conns[peer].poll()  # the data may be there already: skip the poller
         try:
             meta = await fut
         except MessageSizeError as exc:

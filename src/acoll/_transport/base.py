@@ -109,6 +109,14 @@ class Connection(ABC):
     def failed(self) -> ConnectionLost | None:
         """The error that ended the connection, or ``None`` while it works."""
 
+    def poll(self) -> None:  # noqa: B027 - optional hook, empty by default
+        """Make progress now without waiting for the event loop (optional; may do nothing).
+
+        Called by a waiter right before it would sleep: a transport that can check for
+        arrived data cheaply (one non-blocking read) completes receives here and saves a
+        trip through the loop's poller.
+        """
+
     async def send(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)) -> None:
         """``await isend(...)``."""
         await self.isend(buf, tag, meta)

@@ -212,6 +212,11 @@ class TcpConnection(Connection):
             self._unexpected[tag] = entry
         return fut
 
+    def poll(self) -> None:
+        for s in self._socks:
+            if s.fd >= 0:
+                self._on_readable(s)
+
     def close(self, notice: bytes = b"") -> None:
         if self._closing or self._failed is not None:
             return
