@@ -50,6 +50,7 @@ import tempfile
 import threading
 import time
 import warnings
+from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -251,7 +252,7 @@ class _Buf:
 _Op = Callable[[], Awaitable[None]]
 
 
-class _Runner:
+class _Runner(ABC):
     """What a sweep needs from a backend: buffers, ops, barrier and a scalar all-reduce."""
 
     name = "?"
@@ -263,22 +264,24 @@ class _Runner:
         arr = np.empty(count, dtype)
         return _Buf(arr, arr, lambda start, n: arr[start:start + n])
 
+    @abstractmethod
     def make_op(self, coll: str, inplace: bool, inp: Any, out: Any, op: ReduceOp,
                 root: int) -> _Op | None:
-        raise NotImplementedError
+        """The awaitable that runs ``coll`` once, or ``None`` if the mode is unsupported."""
 
     def unsupported(self, exc: BaseException) -> bool:
         """Whether ``exc`` (from an op's first call) means "mode not supported"."""
         return False
 
+    @abstractmethod
     async def barrier(self) -> None:
-        raise NotImplementedError
+        """Return once every rank got here."""
 
+    @abstractmethod
     async def combine(self, value: float, how: str) -> float:
         """``value`` combined over ranks: ``max``, ``min``, ``sum``, ``avg`` or ``rank0``."""
-        raise NotImplementedError
 
-    async def sync(self) -> None:
+    async def sync(self) -> None:  # noqa: B027 - optional hook, nothing to wait for on host
         """Wait until issued device work is done (GPU backends)."""
 
 
