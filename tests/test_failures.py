@@ -260,3 +260,16 @@ async def test_split() -> None:
     assert res[2] == (0, 2, 2.0)
     assert res[1] == (1, 2, 4.0)
     assert res[3] == (0, 2, 4.0)
+
+
+async def test_send_to_a_peer_that_stopped_reading_fails_at_the_deadline() -> None:
+    """A rank blocked on sending (peer's kernel buffers full) still gets its error in time."""
+    comms = await _ranks(2, timeout=1.0)
+    stalled = comms[1]._conns[0]
+    for s in stalled._socks:  # type: ignore[attr-defined]
+        asyncio.get_running_loop().remove_reader(s.fd)  # rank 1 stops reading
+    t = time.monotonic()
+    with pytest.raises(acoll.TimeoutError):
+        await comms[0].broadcast(np.ones(16 << 20, np.float32), root=0)
+    assert time.monotonic() - t < 4
+    await _settle(comms)

@@ -144,12 +144,14 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
     timeout = TIMEOUT.resolve(timeout)
     start = time.perf_counter()
     iface = find_interfaces(ifname, uid.family, uid.host if uid.from_env else None)[0]
+    root: RootServer | None = None
     if uid.from_env and rank == 0:
         try:
             sock = listen_socket(uid.sockaddr, uid.family, reuse=True)
         except OSError as exc:
             raise BootstrapError(f"rank 0 cannot host the root at {uid!r}: {exc}") from exc
-        start_root(RootServer(sock, uid.job_key, timeout))
+        root = RootServer(sock, uid.job_key, timeout)
+        start_root(root)
     sockaddr = iface.sockaddr(0)
 
     async def join(make_info: Callable[[Address], bytes]) -> tuple[Bootstrap, list[bytes]]:
@@ -164,8 +166,13 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
             raise
         return boot, infos
 
-    comm = await Communicator._form(join, sockaddr, iface.family, timeout, net=net,
-                                    check=check)
+    try:
+        comm = await Communicator._form(join, sockaddr, iface.family, timeout, net=net,
+                                        check=check)
+    except BaseException:
+        if root is not None:  # do not keep the fixed ACOLL_COMM_ID port busy
+            root.stop()
+        raise
     log.info("rank %d/%d ready in %.1f ms", rank, nranks, (time.perf_counter() - start) * 1e3)
     return comm
 
@@ -325,7 +332,8 @@ class Communicator:
             conn = await self._transport.connect(self._handles[peer], self._hello(),
                                                  deadline_after(self.timeout))
         except AcollError as exc:
-            err = RemoteError(f"rank {self.rank} cannot connect to rank {peer}: {exc}", peer)
+            err = exc if isinstance(exc, AcollTimeoutError) else RemoteError(
+                f"rank {self.rank} cannot connect to rank {peer}: {exc}", peer)
             if not fut.done():
                 fut.set_exception(err)
             self.fail(err)
@@ -380,7 +388,7 @@ class Communicator:
         notice = msgpack.packb({"kind": wire.kind, "message": wire.message,
                                 "rank": wire.rank})
         for conn in list(self._conns.values()):
-            conn.close(notice)
+            conn.close(notice, drop_queued=True)
         for fut in self._connecting.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -468,9 +476,21 @@ class Communicator:
         if self._group is not None:
             self._group.append((tag_base >> 32, desc, tag_base, make))
             return
-        async with self._lock:
+        try:
+            await self._lock.acquire()
+        except asyncio.CancelledError:
+            # The op already has its sequence number: peers will wait for it. Fail now.
+            self._cancelled(desc.coll.name.lower(), tag_base >> 32)
+            raise
+        try:
             self._check_usable()
             await self._run(OpContext(self, tag_base >> 32, desc, False, tag_base), make)
+        finally:
+            self._lock.release()
+
+    def _cancelled(self, name: str, seq: int) -> None:
+        self.fail(RemoteError(f"rank {self.rank} cancelled {name} #{seq}; the "
+                              "communicator was aborted", self.rank))
 
     async def _run(self, ctx: OpContext, make: Callable[[OpContext], _Algo]) -> None:
         name = ctx.desc.coll.name.lower()
@@ -483,8 +503,7 @@ class Communicator:
             if check is not None:
                 await check
         except asyncio.CancelledError:
-            self.fail(RemoteError(f"rank {self.rank} cancelled {name} #{ctx.seq}; the "
-                                  "communicator was aborted", self.rank))
+            self._cancelled(name, ctx.seq)
             raise
         except AcollError as exc:
             first = self._error
@@ -496,6 +515,8 @@ class Communicator:
                 check.cancel()
                 with contextlib.suppress(BaseException):
                     await check
+            elif check is not None and not check.cancelled():
+                check.exception()  # already raised through fail(); mark it retrieved
 
     async def _start_agreement(self, ctx: OpContext) -> asyncio.Task[None]:
         """Check that every rank runs the same rooted op, alongside the op itself.
@@ -566,16 +587,25 @@ class Communicator:
         try:
             yield
         except BaseException:
-            self._group = None
+            ops, self._group = self._group, None
+            if ops:  # enqueued ops hold sequence numbers the peers will wait for
+                self._cancelled("group", ops[0][0])
             raise
         ops, self._group = self._group, None
         if not ops:
             return
-        async with self._lock:
+        try:
+            await self._lock.acquire()
+        except asyncio.CancelledError:
+            self._cancelled("group", ops[0][0])
+            raise
+        try:
             self._check_usable()
             results = await asyncio.gather(
                 *(self._run(OpContext(self, seq, desc, True, tag), make)
                   for seq, desc, tag, make in ops), return_exceptions=True)
+        finally:
+            self._lock.release()
         for res in results:
             if isinstance(res, BaseException):
                 raise res

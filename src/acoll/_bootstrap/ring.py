@@ -147,7 +147,10 @@ class Bootstrap:
         deadline = deadline_after(timeout)
         from .root import listen_socket
 
-        sock = listen_socket(listen, family)
+        try:
+            sock = listen_socket(listen, family)
+        except OSError as exc:
+            raise BootstrapError(f"rank {rank} cannot listen on {listen[0]}: {exc}") from exc
         self._server = await asyncio.start_server(self._on_connect, sock=sock,
                                                   backlog=socket.SOMAXCONN)
         name = sock.getsockname()
@@ -222,6 +225,9 @@ class Bootstrap:
             log.warning("rank %d: dropped connection from %s: %s", self.rank, conn.peer, exc)
             conn.close()
             return
+        except BaseException:
+            conn.close()
+            raise
         if (not isinstance(hello, PeerHello) or hello.key != self.key
                 or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
             log.warning("rank %d: refused connection from %s (not of this job)", self.rank,
@@ -455,7 +461,9 @@ class Bootstrap:
         if self._readers:
             await asyncio.gather(*self._readers, return_exceptions=True)
         if self._server is not None:
-            await self._server.wait_closed()
+            # Python >= 3.12.1 waits here for every accepted connection: bound it.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), 5.0)
 
     def abort(self) -> None:
         """Close everything now, without telling peers (they see closed connections)."""

@@ -111,6 +111,10 @@ class RootServer:
                 await asyncio.wait_for(server.wait_closed(), 1.0)
             log.info("root %s stopped", self.where)
 
+    def stop(self) -> None:
+        """Stop serving now (call from the loop the server runs in)."""
+        self._done.set()
+
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
         self._handlers.add(task)

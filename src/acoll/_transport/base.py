@@ -90,10 +90,13 @@ class Connection(ABC):
         """Call ``callback`` once when the connection breaks or the peer closes it."""
 
     @abstractmethod
-    def close(self, notice: bytes = b"") -> None:
+    def close(self, notice: bytes = b"", *, drop_queued: bool = False) -> None:
         """Flush queued sends, tell the peer (with ``notice``), then release everything.
 
-        Idempotent. Pending receives fail with :class:`ConnectionLost`.
+        Idempotent. Pending receives fail with :class:`ConnectionLost`. With
+        ``drop_queued`` (the failure path) sends not yet started fail at once instead of
+        being flushed, so nothing waits on a peer that stopped reading. Sends still
+        pending when the connection is finally released fail too: none is left hanging.
         """
 
     @abstractmethod

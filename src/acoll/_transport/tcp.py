@@ -57,7 +57,7 @@ _HS = struct.Struct("<4sHHH2xQI")
 _HS_MAGIC = b"ACTC"
 _HS_VERSION = 1
 _MAX_HELLO = 1 << 16
-_MAX_NOTICE = 1 << 20
+_MAX_NOTICE = (1 << 16) - 64  # a close frame must fit the staging buffer
 _STAGE = 1 << 16  # staging buffer for headers and small payloads
 _READ_BUDGET = 16  # reads per readiness callback before yielding to other sockets
 _IOV = 64  # queued buffers per sendmsg call
@@ -202,6 +202,7 @@ class TcpConnection(Connection):
                 self._discard[tag] = entry
             else:
                 fut.set_exception(error)
+                fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
         if entry.received == entry.total:
             assert entry.storage is not None
@@ -214,16 +215,20 @@ class TcpConnection(Connection):
 
     def poll(self) -> None:
         for s in self._socks:
-            if s.fd >= 0:
+            if s.fd >= 0 and not s.peer_done:
                 self._on_readable(s)
 
-    def close(self, notice: bytes = b"") -> None:
+    def close(self, notice: bytes = b"", *, drop_queued: bool = False) -> None:
         if self._closing or self._failed is not None:
             return
         self._closing = True
         notice = notice[:_MAX_NOTICE]
         lost = ConnectionLost("the connection was closed locally")
         self._fail_pending(lost, sends=False)
+        if drop_queued:
+            # Failure path: queued data no longer matters and must not hold the notice (or
+            # the owner's waits) behind a peer that may have stopped reading.
+            self._drop_queued_sends(lost)
         for s in self._socks:
             hdr = _HDR.pack(_MAGIC, _CLOSE, 0, len(notice), 0, 0, 0, bytes(META_SIZE))
             s.queue.append([hdr, memoryview(notice), 0, None])
@@ -234,8 +239,22 @@ class TcpConnection(Connection):
     def abort(self) -> None:
         if self._failed is None:
             self._failed = ConnectionLost("the connection was aborted locally")
-            self._fail_pending(self._failed, sends=True)
+        self._fail_pending(self._failed, sends=True)
         self._release()
+
+    def _drop_queued_sends(self, exc: ConnectionLost) -> None:
+        """Fail every queued send now; a frame already half written is still finished
+        (the stream must stay well framed for the close frame that follows)."""
+        for s in self._socks:
+            keep: deque[list[Any]] = deque()
+            for i, item in enumerate(s.queue):
+                op = item[3]
+                if op is not None and not op.fut.done():
+                    op.fut.set_exception(exc)
+                    op.fut.exception()
+                if i == 0 and item[2] > 0:
+                    keep.append(item)
+            s.queue = keep
 
     # ------------------------------------------------------------------ failure
     def _fail_pending(self, exc: ConnectionLost, *, sends: bool) -> None:
@@ -276,6 +295,9 @@ class TcpConnection(Connection):
                 log.exception("connection failure callback raised")
 
     def _release(self) -> None:
+        # Whatever is still pending can no longer complete: fail it, never leave it hanging.
+        self._fail_pending(self._failed or ConnectionLost("the connection was closed locally",
+                                                          orderly=True), sends=True)
         for s in self._socks:
             if s.fd < 0:
                 continue
@@ -500,6 +522,7 @@ class TcpConnection(Connection):
             return
         if entry.error is not None:
             fut.set_exception(entry.error)
+            fut.exception()  # awaiting it still raises; abandoned, it must not log
             return
         if entry.storage is not None and entry.buf is not None:
             entry.buf[:] = entry.storage
