@@ -853,8 +853,12 @@ class Communicator:
                 boot.abort()
                 raise
 
-        return await Communicator._form(join, sockaddr, fam, self.timeout, net=None,
-                                        check=self.check)
+        try:
+            return await Communicator._form(join, sockaddr, fam, self.timeout, net=None,
+                                            check=self.check)
+        except BaseException:
+            sock.close()  # harmless if the bootstrap server already owns and closed it
+            raise
 
 
 class _Send:

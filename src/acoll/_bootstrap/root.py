@@ -128,6 +128,9 @@ class RootServer:
             log.warning("root %s: dropped connection from %s: %s", self.where, conn.peer, exc)
             conn.close()
             return
+        except BaseException:
+            conn.close()
+            raise
         if not isinstance(msg, Hello) or msg.key != self.key:
             log.warning("root %s: refused connection from %s: %s", self.where, conn.peer,
                         "wrong job key" if isinstance(msg, Hello) else "no hello")
