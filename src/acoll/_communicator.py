@@ -64,6 +64,11 @@ CHECK = Setting("CHECK", parse_bool, True,
                 "Check that every rank runs the same collective (count, dtype, op, root).",
                 "COLL")
 
+SPIN_US = Setting("SPIN_US", float, 25.0,
+                  "Microseconds to busy-poll for a small op's message before sleeping in the "
+                  "event loop (peers in other processes only, with a core per local rank).",
+                  "NET")
+
 _P2P = 1 << 63
 _ROOTED = (Coll.BROADCAST, Coll.REDUCE)
 _CHECK_STEP = 0xFFFFFFFF
@@ -202,6 +207,13 @@ class Communicator:
         self.local_rank = hosts[: self.rank].count(hosts[self.rank])
         self.local_size = hosts.count(hosts[self.rank])
         self.chunk_bytes = algos.CHUNK.resolve()
+        # Busy-poll budget per wait, per peer: only for peers in other processes, and only
+        # when this host has a core per local rank (spinning on a shared core slows the
+        # very peer we wait for; ranks in this process can never answer while we spin).
+        spin = SPIN_US.resolve()
+        spare = self.local_size <= (os.cpu_count() or 1)
+        self._spin_ns = [int(spin * 1000) if spare and info["pid"] != os.getpid() else 0
+                         for info in infos]
         self._algo = algos.ALGO.resolve()
         self._small = algos.SMALL.resolve()
         self._loop = asyncio.get_running_loop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import struct
+import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
@@ -116,7 +117,7 @@ class OpContext:
     :meth:`wait_recv`, which check the peer's descriptor and name failing peers.
     """
 
-    __slots__ = ("check", "comm", "conns", "desc", "in_group", "n", "rank", "seq",
+    __slots__ = ("check", "comm", "conns", "desc", "in_group", "n", "rank", "seq", "spin",
                  "tag_base")
 
     def __init__(self, comm: Communicator, seq: int, desc: Descriptor, in_group: bool,
@@ -130,6 +131,10 @@ class OpContext:
         self.in_group = in_group
         self.tag_base = tag_base
         self.conns: dict[int, Connection] = {}
+        # Busy-polling pays only for latency-bound (small) ops.
+        dtype = DTYPE_BY_CODE.get(desc.dtype_code)
+        nbytes = desc.count * (dtype.itemsize if dtype is not None else 1)
+        self.spin: list[int] | None = comm._spin_ns if nbytes <= comm._small else None
 
     async def connect(self, *peers: int) -> None:
         for peer in peers:
@@ -146,7 +151,15 @@ class OpContext:
 
     async def wait_recv(self, fut: asyncio.Future[bytes], peer: int) -> None:
         if not fut.done():
-            self.conns[peer].poll()  # the data may be there already: skip the poller
+            conn = self.conns[peer]
+            conn.poll()  # the data may be there already: skip the poller
+            spin = self.spin[peer] if self.spin else 0
+            if spin and not fut.done():
+                # Peer in another process on an idle core: its answer usually comes within
+                # tens of microseconds, less than an idle CPU takes to wake from the poller.
+                end = time.perf_counter_ns() + spin
+                while not fut.done() and time.perf_counter_ns() < end:
+                    conn.poll()
         try:
             meta = await fut
         except MessageSizeError as exc:
