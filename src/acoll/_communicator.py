@@ -559,6 +559,7 @@ class Communicator:
                     send = ctx.post_send(to, np.frombuffer(bytes(state), np.uint8),
                                          _CHECK_STEP - i)
                     try:
+                        ctx.progress(recvs[i], frm)
                         await recvs[i]
                         await send
                     except ConnectionLost as exc:

@@ -149,17 +149,22 @@ class OpContext:
                   ) -> asyncio.Future[bytes]:
         return self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
 
+    def progress(self, fut: asyncio.Future[Any], peer: int) -> None:
+        """Try to complete ``fut`` (a receive from ``peer``) before the caller sleeps."""
+        if fut.done():
+            return
+        conn = self.conns[peer]
+        conn.poll()  # the data may be there already: skip the poller
+        spin = self.spin[peer] if self.spin else 0
+        if spin and not fut.done():
+            # Peer in another process on an idle core: its answer usually comes within
+            # tens of microseconds, less than an idle CPU takes to wake from the poller.
+            end = time.perf_counter_ns() + spin
+            while not fut.done() and time.perf_counter_ns() < end:
+                conn.poll()
+
     async def wait_recv(self, fut: asyncio.Future[bytes], peer: int) -> None:
-        if not fut.done():
-            conn = self.conns[peer]
-            conn.poll()  # the data may be there already: skip the poller
-            spin = self.spin[peer] if self.spin else 0
-            if spin and not fut.done():
-                # Peer in another process on an idle core: its answer usually comes within
-                # tens of microseconds, less than an idle CPU takes to wake from the poller.
-                end = time.perf_counter_ns() + spin
-                while not fut.done() and time.perf_counter_ns() < end:
-                    conn.poll()
+        self.progress(fut, peer)
         try:
             meta = await fut
         except MessageSizeError as exc:
