@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import subprocess
 import sys
@@ -25,8 +26,12 @@ async def _ranks(n: int, **kw: Any) -> list[acoll.Communicator]:
 
 
 async def _settle(comms: list[acoll.Communicator]) -> None:
+    """Abort everything and collect the garbage of the failed ops while the loop runs, so
+    their finalizers run here (under the loop guard), not inside a later import."""
     for c in comms:
         c.abort()
+    await asyncio.sleep(0)
+    gc.collect()
     await asyncio.sleep(0)
 
 
@@ -272,4 +277,24 @@ async def test_send_to_a_peer_that_stopped_reading_fails_at_the_deadline() -> No
     with pytest.raises(acoll.TimeoutError):
         await comms[0].broadcast(np.ones(16 << 20, np.float32), root=0)
     assert time.monotonic() - t < 4
+    await _settle(comms)
+
+
+async def test_cancelling_a_queued_call_fails_the_communicator_everywhere() -> None:
+    """A call waiting in the queue already holds a sequence number the peers will wait
+    for, so cancelling it must fail the communicator, not leave the peers to time out."""
+    comms = await _ranks(2, timeout=20)
+    first = asyncio.ensure_future(comms[0].all_reduce(np.ones(1 << 20, np.float32)))
+    queued = asyncio.ensure_future(comms[0].all_reduce(np.ones(4, np.float32)))
+    await asyncio.sleep(0)
+    queued.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await queued
+    t = time.monotonic()
+    results = await asyncio.gather(first, comms[1].all_reduce(np.ones(1 << 20, np.float32)),
+                                   comms[1].all_reduce(np.ones(4, np.float32)),
+                                   return_exceptions=True)
+    assert time.monotonic() - t < 5
+    assert isinstance(results[2], acoll.RemoteError), results
+    assert "cancelled" in str(results[2])
     await _settle(comms)

@@ -158,6 +158,7 @@ class TcpConnection(Connection):
         fut: asyncio.Future[None] = self._loop.create_future()
         if self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
+            fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
@@ -183,6 +184,7 @@ class TcpConnection(Connection):
         fut: asyncio.Future[bytes] = self._loop.create_future()
         if self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
+            fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
