@@ -14,7 +14,6 @@ import asyncio
 import datetime
 import os
 import platform
-import socket
 import sys
 import time
 
@@ -61,7 +60,6 @@ def main() -> None:
         uvloop.run(run())
     else:
         asyncio.run(run())
-    _ = socket
 
 
 if __name__ == "__main__":

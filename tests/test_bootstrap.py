@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import acoll
-from acoll._bootstrap.root import RootServer, listen_socket, start_root
+from acoll._bootstrap.root import RootServer, listen_socket
 from acoll._uid import UniqueId
 from acoll.testing import run_ranks
 
@@ -182,7 +182,6 @@ def test_comm_id_rank0_hosts_root_and_others_wait_for_it() -> None:
 
 
 async def test_root_server_stops_after_one_communicator() -> None:
-    uid = UniqueId.new("127.0.0.1", 1)  # placeholder; real one below
     sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
     uid = UniqueId.new("127.0.0.1", sock.getsockname()[1])
     server = RootServer(sock, uid.job_key, 10)
@@ -192,7 +191,6 @@ async def test_root_server_stops_after_one_communicator() -> None:
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", uid.port)
     await asyncio.gather(*(c.close() for c in comms))
-    _ = start_root
 
 
 @pytest.mark.parametrize("n", [64, 256])

@@ -50,7 +50,6 @@ from .errors import (
     ClosedError,
     InvalidUsage,
     RemoteError,
-    TransportError,
 )
 from .errors import TimeoutError as AcollTimeoutError
 
@@ -826,8 +825,6 @@ class Communicator:
             raise InvalidUsage(f"color must be a non-negative int or None, got {color!r}")
         key = self.rank if key is None else key
         self._split_seq += 1
-        from ._bootstrap.root import listen_socket as _listen
-
         addr: list[Any] = []
         sock = None
         if color is not None:
@@ -835,7 +832,7 @@ class Communicator:
             fam = socket.AF_INET6 if ":" in host else socket.AF_INET
             sockaddr: tuple[Any, ...] = (host, 0, 0, self._boot.addr[2]) if fam == \
                 socket.AF_INET6 else (host, 0)
-            sock = _listen(sockaddr, fam)
+            sock = listen_socket(sockaddr, fam)
             name = sock.getsockname()
             addr = [name[0], name[1], self._boot.addr[2]]
         try:
@@ -904,5 +901,3 @@ def raise_nofile_limit() -> None:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
-
-_ = TransportError

@@ -35,7 +35,7 @@ from typing import Any
 import msgpack
 
 from .._config import Setting, get_logger, parse_size
-from .._deadline import remaining, wait_until
+from .._deadline import wait_until
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
 
@@ -699,5 +699,4 @@ class TcpTransport(Transport):
             if isinstance(exc, OSError) and not isinstance(exc, AcollError):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
-        _ = remaining
         return TcpConnection(socks, f"{host}:{port}", self.stripe)
