@@ -5,12 +5,14 @@ handshakes on the listener, striping, handles, settings and IPv6."""
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 from collections.abc import Callable
 
 import msgpack
 import pytest
 
+from acoll import _auth
 from acoll._transport import tcp
 from acoll._transport.base import ConnectionLost
 from acoll._transport.tcp import TcpConnection, TcpTransport
@@ -28,11 +30,14 @@ from transport_conformance import (
 )
 
 HANDSHAKE_TIMEOUT = 1.0  # how long the listener waits for a silent connection's handshake
+KEY = bytes(range(32))  # the job's key in these tests
+OTHER_KEY = bytes(range(1, 33))
 
 
 def _transport(nsocks: int, stripe: int | None = None, host: str = "127.0.0.1",
-               family: socket.AddressFamily = socket.AF_INET) -> TcpTransport:
-    return TcpTransport((host, 0), family, nsocks=nsocks, stripe=stripe, bufsize=0,
+               family: socket.AddressFamily = socket.AF_INET,
+               key: bytes = KEY) -> TcpTransport:
+    return TcpTransport((host, 0), family, key=key, nsocks=nsocks, stripe=stripe, bufsize=0,
                         timeout=HANDSHAKE_TIMEOUT)
 
 
@@ -44,9 +49,31 @@ def _sockaddr(handle: bytes) -> tuple[socket.AddressFamily, tuple[str, int]]:
 
 def _hs(index: int = 0, nsocks: int = 1, conn_id: int = 1, hello: bytes = b"",
         *, magic: bytes = tcp._HS_MAGIC, version: int = tcp._HS_VERSION,
-        hello_len: int | None = None) -> bytes:
+        hello_len: int | None = None, nonce: bytes = bytes(32)) -> bytes:
+    """A connector's handshake header (and hello) built by hand, without a valid proof."""
     size = len(hello) if hello_len is None else hello_len
-    return tcp._HS.pack(magic, version, index, nsocks, conn_id, size) + hello
+    return tcp._HS.pack(magic, version, index, nsocks, conn_id, nonce, size) + hello
+
+
+async def _authed(handle: bytes, index: int, nsocks: int, conn_id: int,
+                  hello: bytes = b"", key: bytes = KEY) -> socket.socket:
+    """A raw socket that completed the handshake with a valid proof (a buggy insider)."""
+    loop = asyncio.get_running_loop()
+    family, addr = _sockaddr(handle)
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        await loop.sock_connect(sock, addr)
+        _m, _v, nonce_a = tcp._CHAL.unpack(await tcp._recv_exactly(loop, sock, tcp._CHAL.size))
+        nonce_c = bytes(range(100, 132))
+        claims = tcp._claims(index, nsocks, conn_id, hello)
+        proof = _auth.prove(key, _auth.CONNECT, tcp._CONTEXT, nonce_a, nonce_c, claims)
+        await loop.sock_sendall(sock, _hs(index, nsocks, conn_id, hello, nonce=nonce_c) + proof)
+        await tcp._recv_exactly(loop, sock, _auth.PROOF_SIZE)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 async def _raw(handle: bytes, data: bytes, *, eof: bool = False) -> socket.socket:
@@ -88,16 +115,40 @@ def _one(data: bytes, *, eof: bool = False) -> GarbageCase:
     return attack
 
 
-def _group(first: bytes, second: bytes) -> GarbageCase:
-    """Two sockets claiming the same connection id; the second must be refused."""
+def _group(first: tuple[int, int, int], second: tuple[int, int, int]) -> GarbageCase:
+    """Two authenticated sockets (index, count, id) of one connection that do not fit
+    together; the second must be refused."""
 
     async def attack(handle: bytes) -> None:
-        keep = await _raw(handle, first)
+        keep = await _authed(handle, *first)
         try:
             await asyncio.sleep(0.05)  # let the listener file the first socket
-            await _refused(await _raw(handle, second))
+            await _refused(await _authed(handle, *second))
         finally:
             keep.close()
+
+    return attack
+
+
+def _replayed() -> GarbageCase:
+    """Bytes a genuine connector sent, replayed on a new socket: the nonce is stale."""
+
+    async def attack(handle: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        family, addr = _sockaddr(handle)
+        first = socket.socket(family, socket.SOCK_STREAM)
+        first.setblocking(False)
+        try:
+            await loop.sock_connect(first, addr)
+            _m, _v, nonce_a = tcp._CHAL.unpack(
+                await tcp._recv_exactly(loop, first, tcp._CHAL.size))
+            nonce_c = bytes(32)
+            proof = _auth.prove(KEY, _auth.CONNECT, tcp._CONTEXT, nonce_a, nonce_c,
+                                tcp._claims(0, 1, 9, b""))
+            recorded = _hs(0, 1, 9, nonce=nonce_c) + proof
+        finally:
+            first.close()
+        await _refused(await _raw(handle, recorded))
 
     return attack
 
@@ -113,15 +164,40 @@ GARBAGE: dict[str, GarbageCase] = {
     "huge-hello": _one(_hs(hello_len=1 << 20)),
     "truncated-hello": _one(_hs(hello_len=100) + b"x" * 10, eof=True),
     "silent": _one(b""),
-    "socket-count-mismatch": _group(_hs(index=2, nsocks=3, conn_id=7),
-                                    _hs(index=0, nsocks=2, conn_id=7)),
-    "duplicate-index": _group(_hs(index=0, nsocks=2, conn_id=8),
-                              _hs(index=0, nsocks=2, conn_id=8)),
+    "no-proof": _one(_hs() + bytes(32)),
+    "wrong-key": _one(b""),  # replaced below: needs the challenge
+    "replayed": _replayed(),
+    "socket-count-mismatch": _group((2, 3, 7), (0, 2, 7)),
+    "duplicate-index": _group((0, 2, 8), (0, 2, 8)),
 }
 
 
+def _wrong_key() -> GarbageCase:
+    async def attack(handle: bytes) -> None:
+        loop = asyncio.get_running_loop()
+        family, addr = _sockaddr(handle)
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            await loop.sock_connect(sock, addr)
+            _m, _v, nonce_a = tcp._CHAL.unpack(
+                await tcp._recv_exactly(loop, sock, tcp._CHAL.size))
+            proof = _auth.prove(OTHER_KEY, _auth.CONNECT, tcp._CONTEXT, nonce_a, bytes(32),
+                                tcp._claims(0, 1, 3, b""))
+            await loop.sock_sendall(sock, _hs(0, 1, 3) + proof)
+            await _refused(sock)
+        finally:
+            sock.close()
+
+    return attack
+
+
+GARBAGE["wrong-key"] = _wrong_key()
+
+
 def _harness(name: str, nsocks: int, stripe: int | None = None) -> TransportHarness:
-    return TransportHarness(name, lambda: _transport(nsocks, stripe), GARBAGE)
+    return TransportHarness(name, lambda: _transport(nsocks, stripe), GARBAGE,
+                            stranger=lambda: _transport(nsocks, stripe, key=OTHER_KEY))
 
 
 HARNESSES = [_harness("nsocks1", 1), _harness("nsocks3-stripe64k", 3, 64 << 10)]
@@ -228,17 +304,17 @@ def test_nsocks_range(nsocks: int) -> None:
 def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_SOCKET_NSOCKS", "5")
     monkeypatch.setenv("ACOLL_SOCKET_STRIPE", "128K")
-    t = TcpTransport(("127.0.0.1", 0), socket.AF_INET)
+    t = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY)
     assert (t.nsocks, t.stripe) == (5, 128 << 10)
     # an explicit argument wins over the environment
-    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, nsocks=2).nsocks == 2
+    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=2).nsocks == 2
 
 
 async def test_listener_close_with_handshakes_in_progress() -> None:
     """Closing a listener while connections are half-way through their handshake."""
     listener = await within(_transport(3).listen())
     socks = [await _raw(listener.handle, b"AC"),  # head incomplete
-             await _raw(listener.handle, _hs(index=0, nsocks=3, conn_id=5)),  # group partial
+             await _authed(listener.handle, 0, 3, 5),  # group partial
              await _raw(listener.handle, _hs(hello_len=10) + b"abc")]  # hello incomplete
     await asyncio.sleep(0.05)
     listener.close()
@@ -292,3 +368,64 @@ async def test_ipv6_loopback() -> None:
     finally:
         await p.aclose()
 
+
+
+# ------------------------------------------------------------------ pre-authentication bounds
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_multi_socket_handshakes_do_not_leak_fds() -> None:
+    """The attack of issue 6.2: many handshakes announcing more sockets than ever come,
+    the attacker keeping nothing open. Nothing may stay behind on the listener."""
+    listener = await within(_transport(1).listen())
+    try:
+        before = _open_fds()
+        for i in range(300):
+            sock = await _raw(listener.handle, _hs(index=0, nsocks=4, conn_id=i) + bytes(32))
+            sock.close()
+        good = await connect_pair(_harness("after", 1), b"ok", listener)
+        await good.aclose()
+        for _ in range(100):  # refusals finish within a few loop turns
+            if _open_fds() <= before + 2:
+                break
+            await asyncio.sleep(0.02)
+        assert _open_fds() <= before + 2
+    finally:
+        listener.close()
+
+
+async def test_incomplete_authenticated_connection_expires(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_PREAUTH_TIMEOUT", "0.3")
+    listener = await within(_transport(1).listen())
+    try:
+        assert isinstance(listener, tcp.TcpListener)
+        sock = await _authed(listener.handle, 0, 3, 77)
+        await asyncio.sleep(0.05)
+        assert 77 in listener._partial
+        await within(_refused(sock))  # dropped once its deadline passed
+        assert 77 not in listener._partial
+    finally:
+        listener.close()
+
+
+async def test_silent_connection_flood_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Connections that never answer the challenge: at most ACOLL_PREAUTH_LIMIT are kept,
+    older ones are dropped for newer ones, and a genuine connector still gets through."""
+    monkeypatch.setenv("ACOLL_PREAUTH_LIMIT", "16")
+    listener = await within(_transport(1).listen())
+    socks: list[socket.socket] = []
+    try:
+        assert isinstance(listener, tcp.TcpListener)
+        for _ in range(100):
+            socks.append(await _raw(listener.handle, b""))
+        await asyncio.sleep(0.1)
+        assert len(listener._gate) <= 16
+        assert listener._gate.evicted >= 100 - 16
+        good = await connect_pair(_harness("flooded", 1), b"ok", listener)
+        await good.aclose()
+    finally:
+        for sock in socks:
+            sock.close()
+        listener.close()

@@ -4,8 +4,10 @@ parsing."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import socket
 import struct
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -71,7 +73,7 @@ def test_new_ids_have_fresh_secrets() -> None:
     a, b = UniqueId.new("10.0.0.1", 5), UniqueId.new("10.0.0.1", 5)
     assert a.secret != b.secret
     assert a.job_key != b.job_key
-    assert len(a.job_key) == 16
+    assert len(a.job_key) == 32
     assert not a.from_env
 
 
@@ -162,7 +164,7 @@ def test_wrong_length(size: int) -> None:
     (raw_id(family=5), "address family 5 unknown"),
     (raw_id(family=2), "address family 2 unknown"),  # AF_INET's value on Linux: not the wire's
     (raw_id(addr=bytes([10, 0, 0, 1, 9]) + bytes(11)), "IPv4 address has trailing bytes"),
-    (raw_id(flags=2), "flags 0x2 unknown"),
+    (raw_id(flags=4), "flags 0x4 unknown"),
     (raw_id(port=0), "port 0 out of range"),
 ], ids=["magic", "zero-magic", "version2", "version0", "reserved-first", "reserved-last",
         "family5", "family2", "v4-trailing", "flags", "port0"])
@@ -262,3 +264,62 @@ def test_parse_host_port_non_ascii_digits(text: str) -> None:
 def test_from_address_unknown_scope_interface() -> None:
     with pytest.raises(InvalidUsage):
         UniqueId.from_address("[fe80::1%no-such-if0]:29500")
+
+
+# ------------------------------------------------------------------ shared secrets
+def test_comm_id_without_secret_is_marked_and_derived(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACOLL_COMM_SECRET", raising=False)
+    monkeypatch.delenv("ACOLL_COMM_SECRET_FILE", raising=False)
+    a = UniqueId.from_address("10.1.2.3:29500")
+    assert a.derived_secret
+    assert "no shared secret" in repr(a)
+    assert UniqueId.from_bytes(bytes(a)).derived_secret
+
+
+def test_comm_secret_changes_the_key_and_is_not_derivable(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACOLL_COMM_SECRET_FILE", raising=False)
+    monkeypatch.delenv("ACOLL_COMM_SECRET", raising=False)
+    plain = UniqueId.from_address("10.1.2.3:29500")
+    monkeypatch.setenv("ACOLL_COMM_SECRET", "ab" * 32)
+    one = UniqueId.from_address("10.1.2.3:29500")
+    monkeypatch.setenv("ACOLL_COMM_SECRET", "cd" * 32)
+    two = UniqueId.from_address("10.1.2.3:29500")
+    assert not one.derived_secret
+    assert len({plain.job_key, one.job_key, two.job_key}) == 3
+    # the same secret on every rank gives the same id; an argument wins over the variable
+    assert UniqueId.from_address("10.1.2.3:29500", "cd" * 32) == two
+    assert UniqueId.from_address("10.1.2.3:29500", "ab" * 32) == one
+    # the secret is bound to the address: the same secret at another port is another key
+    assert UniqueId.from_address("10.1.2.3:29501").job_key != two.job_key
+
+
+def test_comm_secret_too_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_COMM_SECRET", "short")
+    with pytest.raises(InvalidUsage, match="ACOLL_COMM_SECRET is too short"):
+        UniqueId.from_address("10.1.2.3:29500")
+
+
+def test_comm_secret_file(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("ACOLL_COMM_SECRET", raising=False)
+    path = tmp_path / "secret"
+    path.write_text("0123456789abcdef-a-long-passphrase\n")
+    path.chmod(0o600)
+    monkeypatch.setenv("ACOLL_COMM_SECRET_FILE", str(path))
+    a = UniqueId.from_address("10.1.2.3:29500")
+    assert not a.derived_secret
+    assert a == UniqueId.from_address("10.1.2.3:29500", "0123456789abcdef-a-long-passphrase")
+    path.chmod(0o644)
+    with pytest.raises(InvalidUsage, match="accessible by other users"):
+        UniqueId.from_address("10.1.2.3:29500")
+    monkeypatch.setenv("ACOLL_COMM_SECRET_FILE", str(tmp_path / "missing"))
+    with pytest.raises(InvalidUsage, match="ACOLL_COMM_SECRET_FILE"):
+        UniqueId.from_address("10.1.2.3:29500")
+
+
+def test_secret_never_logged(monkeypatch: pytest.MonkeyPatch,
+                             caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("ACOLL_COMM_SECRET", "topsecret-" * 4)
+    with caplog.at_level(logging.DEBUG, logger="acoll"):
+        UniqueId.from_address("10.1.2.3:29500")
+    assert "topsecret" not in caplog.text

@@ -14,12 +14,14 @@ from hypothesis import strategies as st
 from acoll._bootstrap import wire
 from acoll._bootstrap.wire import (
     HEADER,
+    Challenge,
     Error,
     FrameDecoder,
     Hello,
     Message,
     MsgType,
     PeerHello,
+    Proof,
     RingInfo,
     Tagged,
     encode,
@@ -27,25 +29,31 @@ from acoll._bootstrap.wire import (
 from acoll.errors import ProtocolError
 
 SAMPLES: list[Message] = [
-    Hello(key=b"k" * 16, rank=3, nranks=8, addr=("10.0.0.1", 29500, 0), host_hash=2**63 - 1,
+    Hello(nonce=b"n" * 32, proof=b"p" * 32, rank=3, nranks=8, addr=("10.0.0.1", 29500, 0),
+          host_hash=2**63 - 1,
           pid=4242),
-    Hello(key=b"", rank=0, nranks=1, addr=("fe80::1", 1, 7), host_hash=0, pid=1),
+    Hello(nonce=b"", proof=b"", rank=0, nranks=1, addr=("fe80::1", 1, 7), host_hash=0, pid=1),
     RingInfo(nranks=8, next_addr=("::1", 65535, 0)),
     RingInfo(nranks=8, next_addr=("h", 1, 0), peers=((7, ("h", 2, 0)), (6, ("::1", 3, 4)))),
     Error(kind="timeout", message="rank 3 did not arrive in time", rank=3),
     Error(kind="remote", message="ünïcødé ✓", rank=-1),
-    PeerHello(key=bytes(range(16)), rank=5, nranks=6),
+    PeerHello(nonce=bytes(range(32)), proof=b"x", rank=5, to=2, nranks=6),
+    Challenge(nonce=b"c" * 32),
+    Proof(proof=b"q" * 32),
     Tagged(tag=2**64 - 1, payload=b"\0" * 1000),
     Tagged(tag=0, payload=b""),
 ]
 
 VALID_BODIES: dict[MsgType, dict[str, Any]] = {
-    MsgType.HELLO: {"key": b"k", "rank": 1, "nranks": 2, "addr": ["h", 1, 0], "host_hash": 0,
+    MsgType.HELLO: {"nonce": b"n", "proof": b"p", "rank": 1, "nranks": 2, "addr": ["h", 1, 0],
+                    "host_hash": 0,
                     "pid": 1, "info": b""},
     MsgType.RING_INFO: {"nranks": 2, "next_addr": ["h", 1, 0], "peers": [[1, ["h", 2, 0]]],
                         "infos": [b"i0", b"i1"]},
     MsgType.ERROR: {"kind": "usage", "message": "m", "rank": 0},
-    MsgType.PEER_HELLO: {"key": b"k", "rank": 1, "nranks": 2},
+    MsgType.PEER_HELLO: {"nonce": b"n", "proof": b"p", "rank": 1, "to": 0, "nranks": 2},
+    MsgType.CHALLENGE: {"nonce": b"n"},
+    MsgType.PROOF: {"proof": b"p"},
     MsgType.TAGGED: {"tag": 1, "payload": b"p"},
 }
 
@@ -185,7 +193,7 @@ def test_nonzero_padding(pad: bytes) -> None:
                  "padding is not zero")
 
 
-@pytest.mark.parametrize("mtype", [0, 6, 99, 255])
+@pytest.mark.parametrize("mtype", [0, 8, 99, 255])
 def test_unknown_type(mtype: int) -> None:
     expect_error(frame(mtype, {}), f"unknown frame type {mtype}")
 
@@ -229,14 +237,18 @@ def test_missing_field(mtype: MsgType) -> None:
 
 
 @pytest.mark.parametrize(("mtype", "name", "value", "tname"), [
-    (MsgType.HELLO, "key", "text", "str"),
+    (MsgType.HELLO, "nonce", "text", "str"),
+    (MsgType.HELLO, "proof", 3, "int"),
+    (MsgType.CHALLENGE, "nonce", 3, "int"),
+    (MsgType.PROOF, "proof", "p", "str"),
     (MsgType.HELLO, "rank", "1", "str"),
     (MsgType.HELLO, "nranks", 2.0, "float"),
     (MsgType.HELLO, "host_hash", None, "NoneType"),
     (MsgType.HELLO, "pid", [1], "list"),
     (MsgType.ERROR, "kind", b"usage", "bytes"),
     (MsgType.ERROR, "message", 5, "int"),
-    (MsgType.PEER_HELLO, "key", 5, "int"),
+    (MsgType.PEER_HELLO, "nonce", 5, "int"),
+    (MsgType.PEER_HELLO, "to", "0", "str"),
     (MsgType.TAGGED, "tag", b"1", "bytes"),
     (MsgType.TAGGED, "payload", "p", "str"),
 ])
@@ -301,11 +313,15 @@ _INT64 = st.integers(-(2**63), 2**64 - 1)
 _TEXT = st.text(st.characters(codec="utf-8"), max_size=50)
 _ADDR = st.tuples(_TEXT, st.integers(1, 65535), st.integers(0, 2**32 - 1))
 MESSAGES: st.SearchStrategy[Message] = st.one_of(
-    st.builds(Hello, key=st.binary(max_size=32), rank=_INT64, nranks=_INT64, addr=_ADDR,
+    st.builds(Hello, nonce=st.binary(max_size=32), proof=st.binary(max_size=32), rank=_INT64,
+              nranks=_INT64, addr=_ADDR,
               host_hash=_INT64, pid=_INT64),
     st.builds(RingInfo, nranks=_INT64, next_addr=_ADDR),
     st.builds(Error, kind=_TEXT, message=_TEXT, rank=_INT64),
-    st.builds(PeerHello, key=st.binary(max_size=32), rank=_INT64, nranks=_INT64),
+    st.builds(PeerHello, nonce=st.binary(max_size=32), proof=st.binary(max_size=32),
+              rank=_INT64, to=_INT64, nranks=_INT64),
+    st.builds(Challenge, nonce=st.binary(max_size=32)),
+    st.builds(Proof, proof=st.binary(max_size=32)),
     st.builds(Tagged, tag=_INT64, payload=st.binary(max_size=300)),
 )
 
@@ -367,7 +383,8 @@ _MSGPACK_VALUES = st.recursive(
 
 @_FUZZ
 @given(mtype=st.sampled_from(list(MsgType)),
-       body=st.dictionaries(st.sampled_from(["key", "rank", "nranks", "addr", "host_hash",
+       body=st.dictionaries(st.sampled_from(["nonce", "proof", "to", "rank", "nranks", "addr",
+                                             "host_hash",
                                              "pid", "next_addr", "kind", "message", "tag",
                                              "payload", "x"]), _MSGPACK_VALUES))
 def test_fuzz_structured_bodies(mtype: MsgType, body: dict[str, Any]) -> None:

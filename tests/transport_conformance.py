@@ -35,7 +35,7 @@ from acoll._transport.base import (
     MessageSizeError,
     Transport,
 )
-from acoll.errors import ClosedError, TransportError
+from acoll.errors import AcollError, ClosedError, TransportError
 
 __all__ = ["DEADLINE", "FailureRecorder", "GarbageCase", "Pair", "TransportConformance",
            "TransportHarness", "backlog_messages", "connect_pair", "exchange", "meta_for",
@@ -85,12 +85,14 @@ class TransportHarness:
         garbage: named attacks on a listener (see :data:`GarbageCase`); the battery checks
             each is refused and that a good connection still works after them.
         large: the largest message size the battery sends.
+        stranger: builds a transport of the same kind holding another job's key.
     """
 
     id: str
     make: Callable[[], Transport]
     garbage: Mapping[str, GarbageCase] = field(default_factory=dict)
     large: int = 16 * MiB
+    stranger: Callable[[], Transport] | None = None
 
     def __str__(self) -> str:
         return self.id
@@ -264,6 +266,31 @@ class TransportConformance:
                 await good.aclose()
         finally:
             listener.close()
+
+    async def test_stranger_refused_both_ways(self, harness: TransportHarness) -> None:
+        """A connector without the job's key gets no connection, a listener without it
+        is not trusted by connectors, and the real listener keeps working."""
+        if harness.stranger is None:
+            pytest.skip(f"{harness.id} defines no stranger transport")
+        loop = asyncio.get_running_loop()
+        listener = await within(harness.make().listen())
+        alien = await within(harness.stranger().listen())
+        try:
+            accepted = asyncio.ensure_future(listener.accept())
+            with pytest.raises(AcollError):
+                await within(harness.stranger().connect(listener.handle, b"x",
+                                                        loop.time() + DEADLINE))
+            with pytest.raises(AcollError):
+                await within(harness.make().connect(alien.handle, b"x",
+                                                    loop.time() + DEADLINE))
+            await asyncio.sleep(0.05)
+            assert not accepted.done(), "a stranger's connection was accepted"
+            accepted.cancel()
+            good = await connect_pair(harness, b"good", listener)
+            await good.aclose()
+        finally:
+            listener.close()
+            alien.close()
 
     # -------------------------------------------------------------- messages
     @pytest.mark.parametrize("post_first", [True, False], ids=["posted", "unexpected"])

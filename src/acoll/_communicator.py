@@ -171,8 +171,8 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         return boot, infos
 
     try:
-        comm = await Communicator._form(join, sockaddr, iface.family, timeout, net=net,
-                                        check=check)
+        comm = await Communicator._form(join, sockaddr, iface.family, timeout,
+                                        key=uid.job_key, net=net, check=check)
     except BaseException:
         if root is not None:  # do not keep the fixed ACOLL_COMM_ID port busy
             root.stop()
@@ -237,13 +237,13 @@ class Communicator:
     async def _form(cls, join: Callable[[Callable[[Address], bytes]],
                                         Awaitable[tuple[Bootstrap, list[bytes]]]],
                     sockaddr: tuple[Any, ...], family: socket.AddressFamily, timeout: float,
-                    *, net: str | None, check: bool | None) -> Communicator:
+                    *, key: bytes, net: str | None, check: bool | None) -> Communicator:
         """Set up the data network, then ``join`` the bootstrap and learn every rank's info.
 
         ``join(make_info)`` returns the bootstrap and all ranks' info records, in rank order
         (from the root's table, or an all-gather); ``make_info(boot_addr)`` builds ours.
         """
-        transport = select_transport(sockaddr, family, timeout=timeout, net=net)
+        transport = select_transport(sockaddr, family, timeout=timeout, key=key, net=net)
         listener = await transport.listen()
         host_hash = _host_hash() & 0x7FFFFFFFFFFFFFFF
 
@@ -293,8 +293,10 @@ class Communicator:
                 self.fail(exc)
 
     # ------------------------------------------------------------------ connections
-    def _hello(self) -> bytes:
-        return msgpack.packb({"key": self._boot.key, "rank": self.rank})
+    def _hello(self, peer: int) -> bytes:
+        # The transport proved that the connector holds the job's key and bound these
+        # bytes into that proof; here they only say which rank connects to which.
+        return msgpack.packb({"rank": self.rank, "to": peer})
 
     async def _accept_loop(self) -> None:
         while True:
@@ -304,10 +306,10 @@ class Communicator:
                 return
             try:
                 info = msgpack.unpackb(hello)
-                key, peer = info["key"], info["rank"]
+                peer, to = info["rank"], info["to"]
             except Exception:
-                key, peer = None, -1
-            if key != self._boot.key or not isinstance(peer, int) or not (
+                peer, to = -1, -1
+            if to != self.rank or not isinstance(peer, int) or not (
                     0 <= peer < self.size) or peer == self.rank or peer in self._conns:
                 log.warning("rank %d: refused a data connection (hello from rank %s)",
                             self.rank, peer)
@@ -340,7 +342,7 @@ class Communicator:
 
     async def _dial(self, peer: int, fut: asyncio.Future[Connection]) -> None:
         try:
-            conn = await self._transport.connect(self._handles[peer], self._hello(),
+            conn = await self._transport.connect(self._handles[peer], self._hello(peer),
                                                  deadline_after(self.timeout))
         except AcollError as exc:
             err = exc if isinstance(exc, AcollTimeoutError) else RemoteError(
@@ -864,8 +866,8 @@ class Communicator:
                 raise
 
         try:
-            return await Communicator._form(join, sockaddr, fam, self.timeout, net=None,
-                                            check=self.check)
+            return await Communicator._form(join, sockaddr, fam, self.timeout, key=nkey,
+                                            net=None, check=self.check)
         except BaseException:
             sock.close()  # harmless if the bootstrap server already owns and closed it
             raise

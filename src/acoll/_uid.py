@@ -4,7 +4,8 @@ Layout (network byte order), 128 bytes in all::
 
     0   8s  magic  b"ACOLLUID"
     8   H   version (1)
-    10  H   flags   (bit 0: the address came from ACOLL_COMM_ID, rank 0 hosts the root)
+    10  H   flags   (bit 0: the address came from ACOLL_COMM_ID, rank 0 hosts the root;
+                     bit 1: the secret is derived from the address alone, no shared secret)
     12  H   family  (AF_INET or AF_INET6 as numbered on the wire: 4 or 6)
     14  H   port
     16  16s address (IPv4 in the first 4 bytes)
@@ -13,9 +14,16 @@ Layout (network byte order), 128 bytes in all::
     68  52x reserved, zero
     120 8s  checksum: blake2b-64 of bytes 0..120
 
-The secret lets the root and every rank listener turn away connections that do not belong to
-the job. With ``ACOLL_COMM_ID`` the secret is derived from the address (all ranks must agree
-on it without talking), so it only guards against accidents, not strangers.
+Every connection of the job proves knowledge of the secret (see :mod:`acoll._auth`), so
+the root and every rank listener refuse connections that do not belong to the job.
+
+With ``ACOLL_COMM_ID`` the ranks build the id themselves from the address. They then need
+the same secret from somewhere else: ``ACOLL_COMM_SECRET`` (a string of at least 16
+characters; 64 hex digits are taken as 32 raw bytes) or ``ACOLL_COMM_SECRET_FILE`` (a file
+that only its owner may read). ``acoll-run`` sets ``ACOLL_COMM_SECRET`` to fresh random bytes
+for every job. Without either, the secret is derived from the address alone: anyone who can
+see the address can compute it, so that mode only keeps apart jobs that meet by accident
+(a stale rank, a reused port), not strangers.
 """
 
 from __future__ import annotations
@@ -27,6 +35,8 @@ import socket
 import struct
 from dataclasses import dataclass
 
+from ._auth import auth_key
+from ._config import Setting, get_logger
 from .errors import InvalidUsage
 
 __all__ = ["UID_SIZE", "UniqueId", "parse_host_port"]
@@ -36,7 +46,77 @@ _MAGIC = b"ACOLLUID"
 _VERSION = 1
 _FMT = struct.Struct("!8sHHHH16sI32s52x")
 _FLAG_FROM_ENV = 1
+_FLAG_DERIVED_SECRET = 2
+_FLAGS = _FLAG_FROM_ENV | _FLAG_DERIVED_SECRET
 assert _FMT.size == 120
+
+log = get_logger("BOOTSTRAP")
+
+class _SecretSetting(Setting[str]):
+    """A setting whose value is never logged (only whether it was given)."""
+
+    def resolve(self, value: str | None = None) -> str:
+        text = value if value is not None else (self.raw() or "")
+        get_logger(self.subsys).info("%s is %s", self.env_name, "set" if text else "not set")
+        return text
+
+
+COMM_SECRET = _SecretSetting(
+    "COMM_SECRET", str, "",
+    "Secret shared by the ranks of an ACOLL_COMM_ID job (>= 16 characters; 64 hex digits "
+    "are raw bytes). acoll-run sets it.", "INIT")
+COMM_SECRET_FILE = Setting(
+    "COMM_SECRET_FILE", str, "",
+    "File holding the ACOLL_COMM_ID job's secret (readable by its owner only).", "INIT")
+_MIN_SECRET = 16
+
+
+def _secret_bytes(text: str, what: str) -> bytes:
+    text = text.strip()
+    if len(text) == 64:
+        try:
+            return bytes.fromhex(text)
+        except ValueError:
+            pass
+    if len(text) < _MIN_SECRET:
+        raise InvalidUsage(f"{what} is too short: give at least {_MIN_SECRET} characters "
+                           "(e.g. 64 hex digits from os.urandom(32).hex())")
+    return text.encode()
+
+
+def shared_secret(secret: bytes | str | None = None) -> bytes | None:
+    """The secret of an ``ACOLL_COMM_ID`` job: the argument, else ``ACOLL_COMM_SECRET``,
+    else the contents of ``ACOLL_COMM_SECRET_FILE``, else ``None``.
+
+    Raises:
+        InvalidUsage: the secret is too short, or the file is missing, unreadable, or
+            readable or writable by other users.
+    """
+    if isinstance(secret, bytes):
+        if len(secret) < _MIN_SECRET:
+            raise InvalidUsage(f"secret must be at least {_MIN_SECRET} bytes")
+        return secret
+    if isinstance(secret, str):
+        return _secret_bytes(secret, "secret")
+    text = COMM_SECRET.resolve()
+    if text:
+        return _secret_bytes(text, "ACOLL_COMM_SECRET")
+    path = COMM_SECRET_FILE.resolve()
+    if not path:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+    except OSError as exc:
+        raise InvalidUsage(f"ACOLL_COMM_SECRET_FILE={path!r}: {exc.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o077:
+            raise InvalidUsage(f"ACOLL_COMM_SECRET_FILE={path!r} is accessible by other "
+                               f"users (mode {st.st_mode & 0o777:o}); chmod 600 it")
+        data = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    return _secret_bytes(data.decode(errors="replace"), f"ACOLL_COMM_SECRET_FILE={path!r}")
 
 
 def _checksum(body: bytes) -> bytes:
@@ -77,6 +157,7 @@ class UniqueId:
     secret: bytes
     scope_id: int = 0
     from_env: bool = False
+    derived_secret: bool = False
 
     def __post_init__(self) -> None:
         if len(self.secret) != 32:
@@ -103,8 +184,8 @@ class UniqueId:
 
     @property
     def job_key(self) -> bytes:
-        """16 bytes every handshake of this job carries (derived from the secret)."""
-        return hashlib.blake2b(self.secret, digest_size=16, person=b"acoll-job").digest()
+        """The key every connection of this job authenticates with (never sent)."""
+        return auth_key(self.secret)
 
     @classmethod
     def new(cls, host: str, port: int, scope_id: int = 0) -> UniqueId:
@@ -112,10 +193,13 @@ class UniqueId:
         return cls(host, port, os.urandom(32), scope_id)
 
     @classmethod
-    def from_address(cls, text: str) -> UniqueId:
+    def from_address(cls, text: str, secret: bytes | str | None = None) -> UniqueId:
         """The id every rank derives from ``ACOLL_COMM_ID``-style ``host:port`` text.
 
-        The host may be a name; it is resolved here (a blocking lookup for names only).
+        ``secret`` (else ``ACOLL_COMM_SECRET`` / ``ACOLL_COMM_SECRET_FILE``, see the module
+        docstring) is what strangers cannot know; without one the id's secret is derived
+        from the address alone. The host may be a name; it is resolved here (a blocking
+        lookup for names only).
         """
         host, port = parse_host_port(text)
         scope = 0
@@ -134,15 +218,25 @@ class UniqueId:
             except OSError as exc:
                 raise InvalidUsage(f"cannot resolve {host!r}: {exc}") from exc
             ip = ipaddress.ip_address(str(info[0][4][0]).partition("%")[0])
-        secret = hashlib.blake2b(f"{ip}:{port}".encode(), digest_size=32,
-                                 person=b"acoll-commid").digest()
-        return cls(str(ip), port, secret, scope, from_env=True)
+        shared = shared_secret(secret)
+        derived = hashlib.blake2b(f"{ip}:{port}".encode(), digest_size=32,
+                                  person=b"acoll-commid").digest()
+        if shared is None:
+            log.info("ACOLL_COMM_ID %s:%d without ACOLL_COMM_SECRET: connections are checked "
+                     "against a key derived from the address, which does not keep out "
+                     "strangers who can see it", ip, port)
+            return cls(str(ip), port, derived, scope, from_env=True, derived_secret=True)
+        keyed = hashlib.blake2b(shared, key=derived, digest_size=32,
+                                person=b"acoll-secret").digest()
+        return cls(str(ip), port, keyed, scope, from_env=True)
 
     def __bytes__(self) -> bytes:
         ip = ipaddress.ip_address(self.host)
         packed = ip.packed.ljust(16, b"\0")
         fam = 6 if ip.version == 6 else 4
-        body = _FMT.pack(_MAGIC, _VERSION, _FLAG_FROM_ENV if self.from_env else 0, fam,
+        flags = ((_FLAG_FROM_ENV if self.from_env else 0)
+                 | (_FLAG_DERIVED_SECRET if self.derived_secret else 0))
+        body = _FMT.pack(_MAGIC, _VERSION, flags, fam,
                          self.port, packed, self.scope_id, self.secret)
         return body + _checksum(body)
 
@@ -174,10 +268,14 @@ class UniqueId:
             host = str(ipaddress.IPv6Address(addr))
         else:
             raise InvalidUsage(f"UniqueId address family {fam} unknown")
-        if flags & ~_FLAG_FROM_ENV:
+        if flags & ~_FLAGS:
             raise InvalidUsage(f"UniqueId flags {flags:#x} unknown")
-        return cls(host, port, secret, scope, bool(flags & _FLAG_FROM_ENV))
+        return cls(host, port, secret, scope, bool(flags & _FLAG_FROM_ENV),
+                   bool(flags & _FLAG_DERIVED_SECRET))
 
     def __repr__(self) -> str:
         where = f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-        return f"UniqueId({where}{', from ACOLL_COMM_ID' if self.from_env else ''})"
+        note = ", from ACOLL_COMM_ID" if self.from_env else ""
+        if self.derived_secret:
+            note += ", no shared secret"
+        return f"UniqueId({where}{note})"

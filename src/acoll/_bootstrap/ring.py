@@ -27,6 +27,7 @@ from typing import Any
 
 import msgpack
 
+from .. import _auth
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, remaining, wait_until
 from ..errors import (
@@ -38,7 +39,7 @@ from ..errors import (
     RemoteError,
 )
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import FramedConnection, PeerClosed
+from .stream import READ_LIMIT, AuthFailed, FramedConnection, PeerClosed
 from .wire import Address, Error, Hello, PeerHello, RingInfo, Tagged
 
 __all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
@@ -46,6 +47,9 @@ __all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
 log = get_logger("BOOTSTRAP")
 
 _INTERNAL_TAG = 1 << 48  # tags at or above this belong to allgather/barrier/broadcast
+PEER_CONTEXT = b"bootstrap"
+#: After this long without reaching an address, retries are reported at WARN.
+_RETRY_WARN_S = 5.0
 CONNECT_RETRIES = Setting("CONNECT_RETRIES", int, 60,
                           "Connection attempts to the root or a peer before giving up.",
                           "BOOTSTRAP")
@@ -89,6 +93,10 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
     last: OSError | None = None
     limit = CONNECT_RETRIES.resolve()
     attempts = 0
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    warned = False
+    where = f"{sockaddr[0]}:{sockaddr[1]}"
     while attempts < limit:
         left = remaining(deadline)
         if left <= 0:
@@ -98,10 +106,55 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
             return await asyncio.wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
         except (OSError, asyncio.TimeoutError) as exc:
             last = exc if isinstance(exc, OSError) else OSError(f"connect timed out: {exc}")
+        waited = loop.time() - start
+        if not warned and waited >= _RETRY_WARN_S:
+            warned = True
+            log.warning("%s at %s still unreachable after %.0f s (%d attempts, last error: "
+                        "%s); retrying until %d attempts or the deadline", what, where,
+                        waited, attempts, last, limit)
+        else:
+            log.info("%s at %s: attempt %d/%d failed (%s); retrying in %.2f s", what, where,
+                     attempts, limit, last, delay)
         await asyncio.sleep(min(delay, remaining(deadline)))
         delay = min(delay * 1.5, 1.0)
-    raise BootstrapError(f"{what} at {sockaddr[0]}:{sockaddr[1]} unreachable after "
-                         f"{attempts} attempts: {last}") from last
+    hint = (" (a root stops listening once every rank has joined: was this rank started "
+            "late, or twice?)" if what == "the root" else "")
+    raise BootstrapError(f"{what} at {where} unreachable after {attempts} attempts over "
+                         f"{loop.time() - start:.1f} s: {last}{hint}") from last
+
+
+async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what: str,
+                                key: bytes, context: bytes, hello: Hello | PeerHello
+                                ) -> FramedConnection:
+    """Connect (see :func:`connect_with_retry`) and authenticate (:mod:`acoll._auth`).
+
+    A connection the acceptor closes before sending its challenge (it was busy, or dropped
+    us to admit newer connections) is retried, within the same bounds.
+
+    Raises:
+        AuthFailed: the acceptor refused our proof or could not prove itself.
+        PeerClosed, ProtocolError: the exchange broke off after the challenge.
+        BootstrapError, acoll.TimeoutError: as :func:`connect_with_retry`.
+    """
+    delay = 0.01
+    for _ in range(CONNECT_RETRIES.resolve()):
+        conn = await connect_with_retry(sockaddr, deadline, what)
+        try:
+            await conn.connect_auth(key, context, hello, deadline)
+            return conn
+        except PeerClosed:
+            conn.close()
+            if conn.challenged or remaining(deadline) <= 0:
+                raise
+            log.info("%s at %s:%s closed the connection before its challenge; retrying",
+                     what, sockaddr[0], sockaddr[1])
+        except BaseException:
+            conn.close()
+            raise
+        await asyncio.sleep(min(delay, remaining(deadline)))
+        delay = min(delay * 2, 0.5)
+    raise BootstrapError(f"{what} at {sockaddr[0]}:{sockaddr[1]} kept closing connections "
+                         "before authenticating them")
 
 
 class Bootstrap:
@@ -118,6 +171,8 @@ class Bootstrap:
         self._out_lock: dict[int, asyncio.Lock] = {}
         self._in: dict[int, FramedConnection] = {}
         self._readers: set[asyncio.Task[None]] = set()
+        self._gate = _auth.PreAuthGate()
+        self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
         self._mailbox: dict[tuple[int, int], deque[bytes]] = {}
         self._waiters: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._op = 0
@@ -145,28 +200,38 @@ class Bootstrap:
         """
         self = cls(rank, nranks, key, timeout)
         deadline = deadline_after(timeout)
-        from .root import listen_socket
+        from .root import ROOT_CONTEXT, listen_socket
 
         try:
             sock = listen_socket(listen, family)
         except OSError as exc:
             raise BootstrapError(f"rank {rank} cannot listen on {listen[0]}: {exc}") from exc
         self._server = await asyncio.start_server(self._on_connect, sock=sock,
-                                                  backlog=socket.SOMAXCONN)
+                                                  backlog=socket.SOMAXCONN, limit=READ_LIMIT)
         name = sock.getsockname()
         self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
+        info = make_info(self.addr) if make_info is not None else b""
+        hello = Hello(b"", b"", rank, nranks, self.addr, host_hash, os.getpid(), info)
+        where = f"{root[0]}:{root[1]}"
         try:
-            root_conn = await connect_with_retry(root, deadline, "the root")
+            root_conn = await connect_authenticated(root, deadline, "the root", key,
+                                                    ROOT_CONTEXT, hello)
+        except AuthFailed as exc:
+            self._close_all()
+            raise BootstrapError(f"rank {rank} could not authenticate with the root at "
+                                 f"{where}: {exc}") from exc
+        except (PeerClosed, ProtocolError) as exc:
+            self._close_all()
+            raise BootstrapError(f"root at {where} failed during authentication: {exc}"
+                                 ) from exc
         except BaseException:
             self._close_all()
             raise
         try:
-            info = make_info(self.addr) if make_info is not None else b""
-            root_conn.send(Hello(key, rank, nranks, self.addr, host_hash, os.getpid(), info))
             try:
                 reply = await wait_until(root_conn.recv(), deadline, "the root's ring info")
             except (PeerClosed, ProtocolError) as exc:
-                raise BootstrapError(f"root at {root[0]}:{root[1]} failed: {exc}") from exc
+                raise BootstrapError(f"root at {where} failed: {exc}") from exc
         except BaseException:
             self._close_all()
             raise
@@ -194,7 +259,7 @@ class Bootstrap:
         """
         self = cls(rank, nranks, key, timeout)
         self._server = await asyncio.start_server(self._on_connect, sock=sock,
-                                                  backlog=socket.SOMAXCONN)
+                                                  backlog=socket.SOMAXCONN, limit=READ_LIMIT)
         self.addr = peer_addrs[rank]
         self.next_addr = peer_addrs[(rank + 1) % nranks]
         self.peer_addrs = list(peer_addrs)
@@ -218,20 +283,23 @@ class Bootstrap:
     async def _read_peer(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
+        token = self._gate.admit(conn.close)
         try:
-            hello = await wait_until(conn.recv(), deadline_after(self.timeout),
-                                     "a peer hello")
+            hello = await conn.accept_auth(self.key, PEER_CONTEXT,
+                                           deadline_after(self._preauth_timeout))
         except (AcollError, OSError) as exc:
-            log.warning("rank %d: dropped connection from %s: %s", self.rank, conn.peer, exc)
+            log.warning("rank %d: refused connection from %s: %s", self.rank, conn.peer, exc)
             conn.close()
             return
         except BaseException:
             conn.close()
             raise
-        if (not isinstance(hello, PeerHello) or hello.key != self.key
+        finally:
+            self._gate.leave(token)
+        if (not isinstance(hello, PeerHello) or hello.to != self.rank
                 or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
-            log.warning("rank %d: refused connection from %s (not of this job)", self.rank,
-                        conn.peer)
+            log.warning("rank %d: refused connection from %s (hello for another rank or "
+                        "job size)", self.rank, conn.peer)
             conn.close()
             return
         peer = hello.rank
@@ -296,9 +364,13 @@ class Bootstrap:
                 else:
                     raise BootstrapError(f"rank {self.rank} does not know rank {peer}'s "
                                          "address yet")
-                conn = await connect_with_retry(self._sockaddr(addr), deadline,
-                                                f"rank {peer}")
-                conn.send(PeerHello(self.key, self.rank, self.nranks))
+                try:
+                    conn = await connect_authenticated(
+                        self._sockaddr(addr), deadline, f"rank {peer}", self.key,
+                        PEER_CONTEXT, PeerHello(b"", b"", self.rank, peer, self.nranks))
+                except (PeerClosed, ProtocolError) as exc:
+                    raise RemoteError(f"rank {self.rank} could not authenticate with rank "
+                                      f"{peer} at {addr[0]}:{addr[1]}: {exc}", peer) from exc
                 self._out[peer] = conn
         return conn
 

@@ -1,9 +1,11 @@
 """The root server: collects every rank's address and hands out ring neighbours.
 
 One :class:`RootServer` serves one communicator and then stops. It accepts connections in
-any order; the first frame of each must be a :class:`~.wire.Hello` carrying the job key
-(connections without it are closed and logged, and the job goes on). Once all ``nranks``
-ranks have said hello, each gets a :class:`~.wire.RingInfo` naming the next rank's address.
+any order; each must authenticate (:mod:`acoll._auth`: the root's challenge answered by a
+:class:`~.wire.Hello` whose proof binds its rank; connections that fail are closed and
+logged, and the job goes on). Unauthenticated connections are bounded in number, time and
+frame size. Once all ``nranks`` ranks have said hello, each gets a :class:`~.wire.RingInfo`
+naming the next rank's address.
 
 Failures are sent to every rank that is, or later becomes, connected, as an
 :class:`~.wire.Error` frame, so every rank raises the same error instead of hanging:
@@ -26,11 +28,12 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
 
+from .. import _auth
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import FramedConnection
+from .stream import READ_LIMIT, FramedConnection
 from .wire import Error, Hello, RingInfo
 
 __all__ = ["RootServer", "listen_socket", "start_root"]
@@ -43,8 +46,10 @@ ROOT_TABLE_MAX = Setting(
     "each, no all-gather); above it ranks all-gather over the bootstrap network.",
     "BOOTSTRAP")
 
-#: How long a connection may take to send its first frame before it is dropped.
-_HELLO_TIMEOUT = 10.0
+#: How long the root tries to deliver its last frames before closing a connection.
+_REPLY_TIMEOUT = 10.0
+#: Root bootstrap connections authenticate under this context.
+ROOT_CONTEXT = b"root"
 
 
 def listen_socket(sockaddr: tuple[Any, ...], family: socket.AddressFamily,
@@ -80,27 +85,31 @@ class RootServer:
         self.failure: Error | None = None
         self._done = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._gate = _auth.PreAuthGate()
+        self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
 
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
         try:
             server = await asyncio.start_server(self._on_connect, sock=self.sock,
-                                                backlog=socket.SOMAXCONN)
+                                                backlog=socket.SOMAXCONN, limit=READ_LIMIT)
         except OSError as exc:
             log.warning("root %s could not start: %s", self.where, exc)
             self.sock.close()
             return
         log.info("root listening on %s", self.where)
         try:
-            async with server:
-                await self._done.wait()
-                if self.failure is not None:
-                    # Keep answering late ranks with the error for the rest of the timeout.
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(asyncio.Event().wait(), self.timeout)
+            await self._done.wait()
+            if self.failure is not None:
+                # Keep answering late ranks with the error for the rest of the timeout.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(asyncio.Event().wait(), self.timeout)
         finally:
             # Also reached when the loop shuts down and cancels this task: release every
-            # socket before returning so nothing outlives the loop.
+            # socket before returning so nothing outlives the loop. Not ``async with
+            # server``: from Python 3.12.1 its exit waits, without bound, for every
+            # connection it accepted to be closed, and ours are closed only below.
+            server.close()
             for task in list(self._handlers):
                 task.cancel()
             if self._handlers:
@@ -122,18 +131,22 @@ class RootServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
+        token = self._gate.admit(conn.close)
         try:
-            msg = await wait_until(conn.recv(), deadline_after(_HELLO_TIMEOUT), "hello")
+            msg = await conn.accept_auth(self.key, ROOT_CONTEXT,
+                                         deadline_after(self._preauth_timeout))
         except (AcollError, OSError) as exc:
-            log.warning("root %s: dropped connection from %s: %s", self.where, conn.peer, exc)
+            log.warning("root %s: refused connection from %s: %s", self.where, conn.peer, exc)
             conn.close()
             return
         except BaseException:
             conn.close()
             raise
-        if not isinstance(msg, Hello) or msg.key != self.key:
-            log.warning("root %s: refused connection from %s: %s", self.where, conn.peer,
-                        "wrong job key" if isinstance(msg, Hello) else "no hello")
+        finally:
+            self._gate.leave(token)
+        if not isinstance(msg, Hello):
+            log.warning("root %s: refused connection from %s: not a rank's hello", self.where,
+                        conn.peer)
             conn.close()
             return
         if self.failure is not None:
@@ -214,7 +227,7 @@ class RootServer:
     @staticmethod
     async def _drain_and_close(conn: FramedConnection) -> None:
         try:
-            await wait_until(conn.drain(), deadline_after(_HELLO_TIMEOUT), "root reply")
+            await wait_until(conn.drain(), deadline_after(_REPLY_TIMEOUT), "root reply")
         except (AcollError, AcollTimeoutError, OSError):
             pass
         finally:

@@ -3,18 +3,38 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
 
+from .. import _auth
+from .._deadline import wait_until
 from ..errors import ProtocolError, TransportError
-from .wire import DEFAULT_MAX_FRAME, FrameDecoder, Message, encode
+from .wire import (
+    DEFAULT_MAX_FRAME,
+    Challenge,
+    Error,
+    FrameDecoder,
+    Hello,
+    Message,
+    PeerHello,
+    Proof,
+    encode,
+)
 
-__all__ = ["FramedConnection", "PeerClosed", "set_nodelay"]
+__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "set_nodelay"]
 
-_READ_SIZE = 1 << 16
+_READ_SIZE = 1 << 15
+#: StreamReader buffer limit of bootstrap connections (what a peer can make us hold
+#: beyond the frame being decoded).
+READ_LIMIT = 1 << 15
 
 
 class PeerClosed(TransportError):
     """The other end closed the connection (EOF or reset)."""
+
+
+class AuthFailed(ProtocolError):
+    """The other end did not prove that it holds the job's key."""
 
 
 def set_nodelay(writer: asyncio.StreamWriter) -> None:
@@ -29,16 +49,21 @@ def set_nodelay(writer: asyncio.StreamWriter) -> None:
 class FramedConnection:
     """A stream connection carrying bootstrap frames.
 
+    Until :meth:`accept_auth` or :meth:`connect_auth` succeeded, frames larger than
+    :data:`acoll._auth.PREAUTH_MAX_FRAME` are refused; afterwards up to
+    :data:`~.wire.DEFAULT_MAX_FRAME`.
+
     ``recv`` must not be called by two tasks at once; ``send`` may be called any time (it
     queues the frame; ``drain`` waits for the kernel to take it). Low-level errors leave as
     :class:`PeerClosed` (EOF, reset) or :class:`ProtocolError` (bad bytes).
     """
 
     def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 max_frame: int = DEFAULT_MAX_FRAME) -> None:
+                 max_frame: int = _auth.PREAUTH_MAX_FRAME) -> None:
         self.reader = reader
         self.writer = writer
         self.decoder = FrameDecoder(max_frame)
+        self.challenged = False  # the acceptor's challenge arrived (connector side)
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         set_nodelay(writer)
@@ -50,7 +75,7 @@ class FramedConnection:
         host, port = sockaddr[0], sockaddr[1]
         if len(sockaddr) == 4 and sockaddr[3]:
             host = f"{host}%{sockaddr[3]}"
-        reader, writer = await asyncio.open_connection(host, port)
+        reader, writer = await asyncio.open_connection(host, port, limit=READ_LIMIT)
         return cls(reader, writer)
 
     async def recv(self) -> Message:
@@ -80,6 +105,56 @@ class FramedConnection:
             await self.writer.drain()
         except OSError as exc:
             raise PeerClosed(f"connection to {self.peer} failed: {exc}") from exc
+
+    async def accept_auth(self, key: bytes, context: bytes, deadline: float
+                          ) -> Hello | PeerHello:
+        """Acceptor side of the exchange in :mod:`acoll._auth`: return the peer's hello.
+
+        Raises:
+            AuthFailed: the first frame is no hello, or its proof is wrong.
+            PeerClosed, ProtocolError, acoll.TimeoutError: the exchange broke off.
+        """
+        nonce_a = _auth.new_nonce()
+        self.send(Challenge(nonce_a))
+        msg = await wait_until(self.recv(), deadline, "a hello")
+        if not isinstance(msg, (Hello, PeerHello)):
+            raise AuthFailed(f"{self.peer} sent {type(msg).__name__} instead of a hello")
+        if not _auth.verify(msg.proof, key, _auth.CONNECT, context, nonce_a, msg.nonce,
+                            msg.claims()):
+            # Say why before closing: a rank with the wrong secret must not mistake this
+            # for a busy listener and retry.
+            self.send(Error("auth", "this rank does not hold the job's id or secret "
+                            "(check ACOLL_COMM_SECRET on every rank)", -1))
+            raise AuthFailed(f"{self.peer} does not hold this job's key (wrong id or secret)")
+        self.send(Proof(_auth.prove(key, _auth.ACCEPT, context, nonce_a, msg.nonce,
+                                    msg.claims())))
+        self.decoder.max_frame = DEFAULT_MAX_FRAME
+        return msg
+
+    async def connect_auth(self, key: bytes, context: bytes, hello: Hello | PeerHello,
+                           deadline: float) -> None:
+        """Connector side: answer the challenge with ``hello`` (its nonce and proof are
+        filled in here) and check the acceptor's proof.
+
+        Raises:
+            AuthFailed: the acceptor's proof is wrong, or it sent something else.
+            PeerClosed, ProtocolError, acoll.TimeoutError: the exchange broke off.
+        """
+        msg = await wait_until(self.recv(), deadline, "the acceptor's challenge")
+        if not isinstance(msg, Challenge) or len(msg.nonce) != _auth.NONCE_SIZE:
+            raise AuthFailed(f"{self.peer} sent {type(msg).__name__} instead of a challenge")
+        self.challenged = True
+        nonce_c = _auth.new_nonce()
+        claims = hello.claims()
+        proof = _auth.prove(key, _auth.CONNECT, context, msg.nonce, nonce_c, claims)
+        self.send(dataclasses.replace(hello, nonce=nonce_c, proof=proof))
+        reply = await wait_until(self.recv(), deadline, "the acceptor's proof")
+        if isinstance(reply, Error):
+            raise AuthFailed(f"{self.peer} refused us: {reply.message}")
+        if not isinstance(reply, Proof) or not _auth.verify(
+                reply.proof, key, _auth.ACCEPT, context, msg.nonce, nonce_c, claims):
+            raise AuthFailed(f"{self.peer} failed to prove it holds this job's key")
+        self.decoder.max_frame = DEFAULT_MAX_FRAME
 
     def close(self) -> None:
         """Close now (idempotent, never raises)."""

@@ -31,12 +31,14 @@ from ..errors import ProtocolError
 __all__ = [
     "DEFAULT_MAX_FRAME",
     "HEADER",
+    "Challenge",
     "Error",
     "FrameDecoder",
     "Hello",
     "Message",
     "MsgType",
     "PeerHello",
+    "Proof",
     "RingInfo",
     "Tagged",
     "encode",
@@ -59,6 +61,8 @@ class MsgType(IntEnum):
     ERROR = 3  # either way: the job failed, with the reason
     PEER_HELLO = 4  # rank -> rank: first frame on every rank-to-rank connection
     TAGGED = 5  # rank -> rank: a tagged bootstrap payload
+    CHALLENGE = 6  # acceptor -> connector: first frame on every connection (a nonce)
+    PROOF = 7  # acceptor -> connector: the acceptor's proof, once the connector's checked
 
 
 Address = tuple[str, int, int]  # host, port, IPv6 scope id (0 for IPv4)
@@ -94,17 +98,41 @@ def _peers(value: object) -> tuple[tuple[int, Address], ...]:
 
 
 @dataclass(frozen=True)
+class Challenge(_Msg):
+    """Acceptor -> connector: the acceptor's nonce (see :mod:`acoll._auth`)."""
+
+    TYPE: ClassVar[MsgType] = MsgType.CHALLENGE
+    nonce: bytes
+
+
+@dataclass(frozen=True)
+class Proof(_Msg):
+    """Acceptor -> connector: proof that the acceptor holds the job's key."""
+
+    TYPE: ClassVar[MsgType] = MsgType.PROOF
+    proof: bytes
+
+
+@dataclass(frozen=True)
 class Hello(_Msg):
-    """Rank -> root: the job key, my rank, the job size, my listening address."""
+    """Rank -> root: my rank, the job size, my listening address, and my proof.
+
+    ``proof`` covers both nonces and :meth:`claims` (every other field)."""
 
     TYPE: ClassVar[MsgType] = MsgType.HELLO
-    key: bytes
+    nonce: bytes
+    proof: bytes
     rank: int
     nranks: int
     addr: Address
     host_hash: int
     pid: int
     info: bytes = b""  # opaque rank information the root may hand to every rank
+
+    def claims(self) -> bytes:
+        """The bytes the proof binds: every field but the nonce and the proof."""
+        return bytes(msgpack.packb([self.rank, self.nranks, list(self.addr), self.host_hash,
+                                    self.pid, self.info], use_bin_type=True))
 
 
 @dataclass(frozen=True)
@@ -135,12 +163,17 @@ class Error(_Msg):
 
 @dataclass(frozen=True)
 class PeerHello(_Msg):
-    """First frame a rank sends on a connection to another rank."""
+    """First frame a rank sends on a connection to another rank (``to``), with its proof."""
 
     TYPE: ClassVar[MsgType] = MsgType.PEER_HELLO
-    key: bytes
+    nonce: bytes
+    proof: bytes
     rank: int
+    to: int
     nranks: int
+
+    def claims(self) -> bytes:
+        return bytes(msgpack.packb([self.rank, self.to, self.nranks]))
 
 
 @dataclass(frozen=True)
@@ -152,12 +185,13 @@ class Tagged(_Msg):
     payload: bytes
 
 
-Message = Hello | RingInfo | Error | PeerHello | Tagged
+Message = Hello | RingInfo | Error | PeerHello | Tagged | Challenge | Proof
 _CLASSES: dict[MsgType, type[_Msg]] = {
-    c.TYPE: c for c in (Hello, RingInfo, Error, PeerHello, Tagged)
+    c.TYPE: c for c in (Hello, RingInfo, Error, PeerHello, Tagged, Challenge, Proof)
 }
 _FIELD_TYPES: dict[str, type | tuple[type, ...]] = {
-    "key": bytes, "rank": int, "nranks": int, "host_hash": int, "pid": int,
+    "nonce": bytes, "proof": bytes, "to": int, "rank": int, "nranks": int, "host_hash": int,
+    "pid": int,
     "kind": str, "message": str, "tag": int, "payload": bytes, "info": bytes,
 }
 
@@ -225,6 +259,15 @@ class FrameDecoder:
         self._buf = bytearray()
         self._max_frame = max_frame
         self._failed: ProtocolError | None = None
+
+    @property
+    def max_frame(self) -> int:
+        """Largest body accepted; raise it once the peer has authenticated."""
+        return self._max_frame
+
+    @max_frame.setter
+    def max_frame(self, value: int) -> None:
+        self._max_frame = value
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """Append received bytes (raises the earlier error if the decoder has failed)."""

@@ -24,7 +24,12 @@ Contracts shared by every implementation (checked by ``tests/transport_conforman
   the connection ended on purpose (``ConnectionLost.orderly``), with an optional notice;
   receives the peer posted in time for those messages complete first.
   Cancelling a posted operation's future is not supported: close or abort instead.
-- All methods are called from the event loop thread; none blocks.
+- Connections are authenticated: a transport is made with the job's key, and its listener
+  hands out only connections whose connector proved that key with a fresh challenge (and
+  the connector only returns once the listener proved it too); see :mod:`acoll._auth`.
+  Work on unauthenticated connections is bounded in number, time and bytes.
+- All methods are called from the event loop thread; none blocks, and no exception
+  escapes into the event loop's callbacks: failures end the connection instead.
 """
 
 from __future__ import annotations

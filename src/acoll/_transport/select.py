@@ -1,8 +1,10 @@
 """Choosing the data network, in NCCL's ``initNet`` order.
 
 1. A network plugin: any installed package exposing an ``acoll.net`` entry point, whose
-   object is called as ``factory(sockaddr, family, timeout)`` and returns a
-   :class:`~.base.Transport`, or ``None`` when it cannot run here.
+   object is called as ``factory(sockaddr, family, timeout, key=key)`` and returns a
+   :class:`~.base.Transport`, or ``None`` when it cannot run here. ``key`` is the job's
+   authentication key: the plugin must admit only connections that prove it (see
+   :mod:`acoll._auth`).
 2. InfiniBand/RoCE through pyverbs (``ib``), unless ``ACOLL_IB_DISABLE=1``: used when
    pyverbs imports and an active port matches ``ACOLL_IB_HCA``.
 3. TCP sockets (``socket``), always available.
@@ -72,14 +74,14 @@ def _plugins() -> list[tuple[str, Any]]:
 
 
 def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
-                     timeout: float, net: str | None = None) -> Transport:
+                     timeout: float, key: bytes, net: str | None = None) -> Transport:
     """Return the data transport for this rank (see the module docstring)."""
     forced = NET.resolve(net).strip().lower()
     for name, ep in _plugins():
         if forced and forced != name.lower():
             continue
         try:
-            transport = ep.load()(sockaddr, family, timeout)
+            transport = ep.load()(sockaddr, family, timeout, key=key)
         except Exception as exc:
             log.warning("net plugin %s failed to load: %s", name, exc)
             transport = None
@@ -104,7 +106,7 @@ def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
                          "using sockets", devs)
             else:
                 log.info("NET/IB: not used (%s)", why)
-    transport = TcpTransport(sockaddr, family, timeout=timeout)
+    transport = TcpTransport(sockaddr, family, timeout=timeout, key=key)
     log.info("NET/Socket: using TCP on %s with %d socket(s) per peer", sockaddr[0],
              transport.nsocks)
     return transport

@@ -15,16 +15,22 @@ Data frame header (little endian, 48 bytes)::
 A message larger than ``stripe`` bytes is cut into one part per socket, so with
 ``ACOLL_SOCKET_NSOCKS > 1`` a large message travels over several sockets at once.
 
-Connection handshake, first bytes on every socket (little endian, 24 bytes + hello)::
+Connection handshake on every socket (little endian), the exchange of :mod:`acoll._auth`::
 
-    4s b"ACTC" | H version | H socket index | H socket count | 2x | Q connection id
-    I hello length, then the hello bytes (checked by the layer above)
+    listener  -> connector  4s b"ACTC" | H version | 2x | 32s nonce_a
+    connector -> listener   4s b"ACTC" | H version | H socket index | H socket count | 2x
+                            Q connection id | 32s nonce_c | I hello length | hello | 32s proof
+    listener  -> connector  32s proof
+
+Both proofs cover the nonces, the socket's index and count, the connection id and the hello
+(checked by the layer above), so a socket cannot be moved to another connection or replayed.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 import struct
@@ -34,6 +40,7 @@ from typing import Any
 
 import msgpack
 
+from .. import _auth
 from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
@@ -53,10 +60,12 @@ BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
 _HDR = struct.Struct("<HBBIQQQ16s")
 _MAGIC = 0xAC0D
 _DATA, _CLOSE = 1, 2
-_HS = struct.Struct("<4sHHH2xQI")
+_CHAL = struct.Struct("<4sH2x32s")
+_HS = struct.Struct("<4sHHH2xQ32sI")
 _HS_MAGIC = b"ACTC"
-_HS_VERSION = 1
-_MAX_HELLO = 1 << 16
+_HS_VERSION = 2
+_CONTEXT = b"data"
+_MAX_HELLO = _auth.PREAUTH_MAX_FRAME
 _MAX_NOTICE = (1 << 16) - 64  # a close frame must fit the staging buffer
 _STAGE = 1 << 16  # staging buffer for headers and small payloads
 _READ_BUDGET = 16  # reads per readiness callback before yielding to other sockets
@@ -532,18 +541,28 @@ class TcpConnection(Connection):
 
 
 class TcpListener(Listener):
-    """Accepts TCP connections and assembles multi-socket ones by connection id."""
+    """Accepts authenticated TCP connections and assembles multi-socket ones.
+
+    Every accepted socket runs the exchange of :mod:`acoll._auth` (see the module doc)
+    within ``ACOLL_PREAUTH_TIMEOUT``; at most ``ACOLL_PREAUTH_LIMIT`` sockets may be in it
+    at once (the oldest is dropped for a newcomer). Authenticated sockets of a connection
+    that announced several wait for the others at most that long too, in at most that
+    many incomplete connections.
+    """
 
     def __init__(self, sock: socket.socket, handle: bytes, stripe: int, bufsize: int,
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, key: bytes) -> None:
         self._sock = sock
         self.handle = handle
         self._stripe = stripe
         self._bufsize = bufsize
-        self._timeout = handshake_timeout
+        self._key = key
+        self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
+        self._gate = _auth.PreAuthGate()
         self._ready: asyncio.Queue[tuple[bytes, TcpConnection] | None] = asyncio.Queue()
-        # connection id -> (socket count, sockets by index) while the sockets arrive
-        self._partial: dict[int, tuple[int, dict[int, socket.socket]]] = {}
+        # connection id -> (socket count, sockets by index, expiry timer) while they arrive
+        self._partial: dict[int, tuple[int, dict[int, socket.socket], asyncio.TimerHandle]]
+        self._partial = {}
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
@@ -564,26 +583,55 @@ class TcpListener(Listener):
             task = loop.create_task(self._handshake(conn, addr))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
+            token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
+            task.add_done_callback(functools.partial(self._left_gate, token))
+
+    def _left_gate(self, token: int, _task: asyncio.Task[None]) -> None:
+        self._gate.leave(token)
 
     async def _handshake(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
         try:
             _tune(sock, self._bufsize)
+            nonce_a = _auth.new_nonce()
+            await asyncio.wait_for(loop.sock_sendall(
+                sock, _CHAL.pack(_HS_MAGIC, _HS_VERSION, nonce_a)), self._timeout)
             head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size), self._timeout)
-            magic, version, index, nsocks, conn_id, hello_len = _HS.unpack(head)
+            magic, version, index, nsocks, conn_id, nonce_c, hello_len = _HS.unpack(head)
             if magic != _HS_MAGIC or version != _HS_VERSION:
                 raise ProtocolError("not an acoll data connection")
             if not (0 <= index < nsocks <= 16) or hello_len > _MAX_HELLO:
                 raise ProtocolError("bad handshake fields")
-            hello = await asyncio.wait_for(_recv_exactly(loop, sock, hello_len), self._timeout)
+            rest = await asyncio.wait_for(
+                _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
+            hello, proof = rest[:hello_len], rest[hello_len:]
+            claims = _claims(index, nsocks, conn_id, hello)
+            if not _auth.verify(proof, self._key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c,
+                                claims):
+                raise ProtocolError("the connector does not hold this job's key")
+            await asyncio.wait_for(loop.sock_sendall(sock, _auth.prove(
+                self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c, claims)), self._timeout)
         except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
             log.warning("refused data connection from %s: %s", addr, exc)
             sock.close()
             return
-        except BaseException:  # cancelled by close()
+        except BaseException:  # cancelled by close(), or dropped for a newer connection
             sock.close()
             raise
-        expected, group = self._partial.setdefault(conn_id, (nsocks, {}))
+        self._add_socket(sock, addr, index, nsocks, conn_id, hello)
+
+    def _add_socket(self, sock: socket.socket, addr: Any, index: int, nsocks: int,
+                    conn_id: int, hello: bytes) -> None:
+        if self._closed:
+            sock.close()
+            return
+        entry = self._partial.get(conn_id)
+        if entry is None:
+            while len(self._partial) >= self._gate.limit:
+                self._expire(next(iter(self._partial)))
+            timer = asyncio.get_running_loop().call_later(self._timeout, self._expire, conn_id)
+            entry = self._partial[conn_id] = (nsocks, {}, timer)
+        expected, group, timer = entry
         if expected != nsocks or index in group:
             log.warning("refused data connection from %s: socket %d/%d does not fit "
                         "connection %#x", addr, index, nsocks, conn_id)
@@ -592,9 +640,21 @@ class TcpListener(Listener):
         group[index] = sock
         if len(group) == nsocks:
             del self._partial[conn_id]
+            timer.cancel()
             socks = [group[i] for i in range(nsocks)]
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe)
             self._ready.put_nowait((hello, conn))
+
+    def _expire(self, conn_id: int) -> None:
+        entry = self._partial.pop(conn_id, None)
+        if entry is None:
+            return
+        nsocks, group, timer = entry
+        timer.cancel()
+        log.warning("data connection %#x dropped: %d of its %d sockets arrived in time",
+                    conn_id, len(group), nsocks)
+        for sock in group.values():
+            sock.close()
 
     def _is_closed(self) -> bool:
         return self._closed
@@ -615,16 +675,18 @@ class TcpListener(Listener):
         self._accept_task.cancel()
         for task in self._tasks:
             task.cancel()
-        for _, group in self._partial.values():
-            for sock in group.values():
-                sock.close()
-        self._partial.clear()
+        for conn_id in list(self._partial):
+            self._expire(conn_id)
         self._sock.close()
         while not self._ready.empty():  # assembled but never accepted: nobody owns them
             item = self._ready.get_nowait()
             if item is not None:
                 item[1].abort()
         self._ready.put_nowait(None)
+
+
+def _claims(index: int, nsocks: int, conn_id: int, hello: bytes) -> bytes:
+    return struct.pack("<HHQ", index, nsocks, conn_id) + hello
 
 
 async def _recv_exactly(loop: asyncio.AbstractEventLoop, sock: socket.socket, n: int) -> bytes:
@@ -645,8 +707,11 @@ class TcpTransport(Transport):
     name = "socket"
 
     def __init__(self, sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
-                 nsocks: int | None = None, stripe: int | None = None,
+                 key: bytes, nsocks: int | None = None, stripe: int | None = None,
                  bufsize: int | None = None, timeout: float = 30.0) -> None:
+        if len(key) < 16:
+            raise ValueError("TcpTransport needs the job's authentication key")
+        self.key = key
         self.sockaddr = (sockaddr[0], 0, *sockaddr[2:])
         self.family = family
         self.nsocks = NSOCKS.resolve(nsocks)
@@ -669,7 +734,7 @@ class TcpTransport(Transport):
             raise TransportError(f"cannot listen on {self.sockaddr[0]}: {exc}") from exc
         name = sock.getsockname()
         handle = msgpack.packb([name[0], name[1], name[3] if len(name) == 4 else 0])
-        return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout)
+        return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout, self.key)
 
     async def connect(self, handle: bytes, hello: bytes, deadline: float) -> TcpConnection:
         try:
@@ -689,10 +754,8 @@ class TcpTransport(Transport):
                 _tune(sock, self.bufsize)
                 await wait_until(loop.sock_connect(sock, addr), deadline,
                                  f"connecting to {host}:{port}")
-                head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.nsocks, conn_id,
-                                len(hello))
-                await wait_until(loop.sock_sendall(sock, head + hello), deadline,
-                                 f"handshake with {host}:{port}")
+                await wait_until(self._authenticate(loop, sock, index, conn_id, hello),
+                                 deadline, f"handshake with {host}:{port}")
         except BaseException as exc:
             for sock in socks:
                 sock.close()
@@ -700,3 +763,24 @@ class TcpTransport(Transport):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
         return TcpConnection(socks, f"{host}:{port}", self.stripe)
+
+    async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
+                            index: int, conn_id: int, hello: bytes) -> None:
+        """Connector side of the exchange (module doc); raises ProtocolError on a bad peer."""
+        magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock, _CHAL.size))
+        if magic != _HS_MAGIC or version != _HS_VERSION:
+            raise ProtocolError("the listener is not an acoll data listener")
+        nonce_c = _auth.new_nonce()
+        claims = _claims(index, self.nsocks, conn_id, hello)
+        head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.nsocks, conn_id, nonce_c,
+                        len(hello))
+        await loop.sock_sendall(sock, head + hello + _auth.prove(
+            self.key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c, claims))
+        try:
+            proof = await _recv_exactly(loop, sock, _auth.PROOF_SIZE)
+        except ConnectionResetError:
+            raise ProtocolError("the listener refused the connection: this rank does not "
+                                "hold the job's key") from None
+        if not _auth.verify(proof, self.key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
+                            claims):
+            raise ProtocolError("the listener failed to prove it holds the job's key")
