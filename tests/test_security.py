@@ -1,0 +1,230 @@
+"""Strangers: connections that do not hold the job's secret, replays, and floods of
+unauthenticated connections against the root and the bootstrap listeners (issue 6.1-6.3)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll import _auth
+from acoll._bootstrap import wire
+from acoll._bootstrap.root import ROOT_CONTEXT, RootServer, listen_socket
+from acoll._bootstrap.stream import FramedConnection
+from acoll._bootstrap.wire import Challenge, Error, Hello, Proof
+from acoll._uid import UniqueId
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+async def _raw_conn(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    return await asyncio.open_connection("127.0.0.1", port)
+
+
+async def _closed_by_peer(reader: asyncio.StreamReader) -> bytes:
+    """Read until the other side closes; return what it sent."""
+    data = b""
+    while True:
+        try:
+            chunk = await asyncio.wait_for(reader.read(1 << 16), 5)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+async def test_replayed_or_forged_hello_is_refused_with_a_reason() -> None:
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    uid = UniqueId.new("127.0.0.1", sock.getsockname()[1])
+    server = RootServer(sock, uid.job_key, 10)
+    task = asyncio.ensure_future(server.serve())
+    try:
+        reader, writer = await _raw_conn(uid.port)
+        conn = FramedConnection(reader, writer)
+        challenge = await asyncio.wait_for(conn.recv(), 5)
+        assert isinstance(challenge, Challenge)
+        hello = Hello(os.urandom(32), b"", 0, 2, ("127.0.0.1", 1, 0), 1, 1)
+        # a proof made for another nonce (a recorded handshake) does not fit this challenge
+        stale = _auth.prove(uid.job_key, _auth.CONNECT, ROOT_CONTEXT, os.urandom(32),
+                            hello.nonce, hello.claims())
+        conn.send(Hello(hello.nonce, stale, 0, 2, ("127.0.0.1", 1, 0), 1, 1))
+        reply = await asyncio.wait_for(conn.recv(), 5)
+        assert isinstance(reply, Error) and reply.kind == "auth"
+        assert await _closed_by_peer(reader) == b""
+        writer.close()
+        # the job is unaffected: both ranks join
+        comms = await asyncio.gather(*(acoll.init_rank(2, uid, r) for r in range(2)))
+        await asyncio.gather(*(c.close() for c in comms))
+    finally:
+        server.stop()
+        await asyncio.wait_for(task, 10)
+
+
+async def test_rank_checks_the_roots_proof() -> None:
+    """A server at the root's address that does not hold the key is not believed."""
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    port = sock.getsockname()[1]
+
+    handlers: list[asyncio.Task[None]] = []
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        conn = FramedConnection(reader, writer)
+        try:
+            conn.send(Challenge(os.urandom(32)))
+            await conn.recv()
+            conn.send(Proof(os.urandom(32)))
+            await _closed_by_peer(reader)
+        finally:
+            writer.close()
+
+    def impostor(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        handlers.append(asyncio.ensure_future(serve(reader, writer)))
+
+    server = await asyncio.start_server(impostor, sock=sock)
+    try:
+        uid = UniqueId.new("127.0.0.1", port)
+        with pytest.raises(acoll.BootstrapError, match="could not authenticate with the root"):
+            await acoll.init_rank(2, uid, 0, timeout=5)
+        await asyncio.wait_for(asyncio.gather(*handlers, return_exceptions=True), 5)
+    finally:
+        server.close()
+        await asyncio.wait_for(server.wait_closed(), 5)
+
+
+async def test_big_frames_before_authentication_are_refused_cheaply() -> None:
+    """Issue 6.3: 8 connections announcing 64 MiB frames used to cost 64 MiB each."""
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r) for r in range(2)))
+    try:
+        boot_port = comms[0]._boot.addr[1]
+        before = _rss_kib()
+        conns = [await _raw_conn(boot_port) for _ in range(8)]
+        header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.MsgType.PEER_HELLO),
+                                  64 << 20)
+        chunk = b"\x00" * (1 << 20)
+        for reader, writer in conns:
+            writer.write(header)
+            for _ in range(8):
+                writer.write(chunk)
+        sent = await asyncio.gather(*(_drain_quietly(w) for _, w in conns))
+        for reader, writer in conns:
+            await _closed_by_peer(reader)
+            writer.close()
+        assert _rss_kib() - before < 32 << 10, "unauthenticated frames were buffered"
+        assert sent  # the writes happened (or were cut off by the refusal)
+        # the communicator is unaffected
+        xs = [np.full(4, r + 1.0, np.float32) for r in range(2)]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        assert all((x == 3).all() for x in xs)
+    finally:
+        await asyncio.gather(*(c.close() for c in comms))
+
+
+async def _drain_quietly(writer: asyncio.StreamWriter) -> bool:
+    try:
+        await asyncio.wait_for(writer.drain(), 5)
+    except (ConnectionError, asyncio.TimeoutError):
+        return False
+    return True
+
+
+async def test_root_survives_a_flood_of_silent_connections(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """More silent connections than the pre-auth limit: ranks still get through (the
+    oldest waiting connections are dropped, and a dropped rank tries again)."""
+    monkeypatch.setenv("ACOLL_PREAUTH_LIMIT", "8")
+    uid = acoll.get_unique_id()
+    flood = [await _raw_conn(uid.port) for _ in range(40)]
+    try:
+        comms = await asyncio.gather(*(acoll.init_rank(3, uid, r, timeout=20)
+                                       for r in range(3)))
+        await asyncio.gather(*(c.barrier() for c in comms))
+        await asyncio.gather(*(c.close() for c in comms))
+    finally:
+        for _, writer in flood:
+            writer.close()
+
+
+_STRANGER = """
+import asyncio, os, sys
+import numpy as np
+import acoll
+from acoll._uid import UniqueId
+os.environ.pop("ACOLL_COMM_SECRET", None)
+async def main():
+    uid = UniqueId.from_address(os.environ["ACOLL_COMM_ID"])  # no secret: derived key
+    try:
+        comm = await acoll.init_rank(3, uid, 2, timeout=4)
+    except acoll.BootstrapError as exc:
+        print("refused:", exc)
+        return
+    print("JOINED")
+asyncio.run(main())
+"""
+
+_RANK = """
+import asyncio, sys
+import numpy as np
+import acoll
+async def main(r):
+    comm = await acoll.init_from_env()
+    x = np.full(4, r + 1.0, np.float32)
+    await comm.all_reduce(x)
+    print("sum", float(x[0]))
+    await comm.close()
+asyncio.run(main(int(sys.argv[1])))
+"""
+
+
+def test_comm_id_job_with_a_secret_refuses_a_stranger_who_knows_the_address() -> None:
+    """Issue 6.1: the address alone used to give the key; now the secret is needed."""
+    port = _free_port()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env = {**base, "ACOLL_COMM_ID": f"127.0.0.1:{port}", "ACOLL_COMM_SECRET": os.urandom(32).hex(),
+           "ACOLL_WORLD_SIZE": "3", "ACOLL_TIMEOUT": "20", "ACOLL_SOCKET_IFNAME": "=lo"}
+    ranks = {r: subprocess.Popen([sys.executable, "-c", _RANK, str(r)],
+                                 env={**env, "ACOLL_RANK": str(r)}, stdout=subprocess.PIPE,
+                                 text=True) for r in (0, 1)}
+    stranger = subprocess.run([sys.executable, "-c", _STRANGER], env={**env}, timeout=60,
+                              stdout=subprocess.PIPE, text=True, check=False)
+    ranks[2] = subprocess.Popen([sys.executable, "-c", _RANK, "2"],
+                                env={**env, "ACOLL_RANK": "2"}, stdout=subprocess.PIPE,
+                                text=True)
+    outs = {r: p.communicate(timeout=60)[0] for r, p in ranks.items()}
+    assert "JOINED" not in stranger.stdout
+    assert "refused" in stranger.stdout, stranger.stdout
+    assert [p.returncode for p in ranks.values()] == [0, 0, 0], outs
+    assert all("sum 6.0" in o for o in outs.values()), outs
+
+
+def test_data_hello_claims_are_bound_to_the_proof() -> None:
+    # changing any byte of the claims invalidates a proof (the rank is in the hello)
+    key, na, nc = os.urandom(32), os.urandom(32), os.urandom(32)
+    claims = struct.pack("<HHQ", 0, 1, 5) + b'\x82\xa4rank\x01\xa2to\x00'
+    proof = _auth.prove(key, _auth.CONNECT, b"data", na, nc, claims)
+    assert _auth.verify(proof, key, _auth.CONNECT, b"data", na, nc, claims)
+    forged = claims.replace(b"\xa4rank\x01", b"\xa4rank\x02")
+    assert not _auth.verify(proof, key, _auth.CONNECT, b"data", na, nc, forged)
+    assert not _auth.verify(proof, key, _auth.ACCEPT, b"data", na, nc, claims)
+    assert not _auth.verify(proof, key, _auth.CONNECT, b"root", na, nc, claims)
+    assert not _auth.verify(proof, key, _auth.CONNECT, b"data", nc, na, claims)
