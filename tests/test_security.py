@@ -69,7 +69,8 @@ async def test_replayed_or_forged_hello_is_refused_with_a_reason() -> None:
                             hello.nonce, hello.claims())
         conn.send(Hello(hello.nonce, stale, 0, 2, ("127.0.0.1", 1, 0), 1, 1))
         reply = await asyncio.wait_for(conn.recv(), 5)
-        assert isinstance(reply, Error) and reply.kind == "auth"
+        assert isinstance(reply, Error)
+        assert reply.kind == "auth"
         assert await _closed_by_peer(reader) == b""
         writer.close()
         # the job is unaffected: both ranks join
@@ -122,7 +123,7 @@ async def test_big_frames_before_authentication_are_refused_cheaply() -> None:
         header = wire.HEADER.pack(wire.MAGIC, wire.VERSION, int(wire.MsgType.PEER_HELLO),
                                   64 << 20)
         chunk = b"\x00" * (1 << 20)
-        for reader, writer in conns:
+        for _reader, writer in conns:
             writer.write(header)
             for _ in range(8):
                 writer.write(chunk)
@@ -134,7 +135,7 @@ async def test_big_frames_before_authentication_are_refused_cheaply() -> None:
         assert sent  # the writes happened (or were cut off by the refusal)
         # the communicator is unaffected
         xs = [np.full(4, r + 1.0, np.float32) for r in range(2)]
-        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs)))
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
         assert all((x == 3).all() for x in xs)
     finally:
         await asyncio.gather(*(c.close() for c in comms))
