@@ -181,34 +181,44 @@ async def test_p2p_size_mismatch_is_invalid_usage() -> None:
         await run_ranks(2, fn)
 
 
-async def test_argument_errors_name_the_argument() -> None:
-    async def fn(comm: acoll.Communicator) -> None:
-        with pytest.raises(acoll.InvalidUsage, match="recv"):
-            await comm.all_reduce(np.ones(4, np.float32), np.ones(5, np.float32))
-        with pytest.raises(acoll.InvalidUsage, match="dtype"):
-            await comm.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64))
-        with pytest.raises(acoll.InvalidUsage, match="not contiguous"):
-            await comm.all_reduce(np.ones((4, 4), np.float32)[:, 1])
-        ro = np.ones(4, np.float32)
-        ro.flags.writeable = False
-        with pytest.raises(acoll.InvalidUsage, match="read-only"):
-            await comm.all_reduce(ro)
-        with pytest.raises(acoll.InvalidUsage, match="complex128"):
-            await comm.all_reduce(np.ones(4, np.complex128))
-        with pytest.raises(acoll.InvalidUsage, match="reduction op"):
-            await comm.all_reduce(np.ones(4), op="xor")
-        with pytest.raises(acoll.InvalidUsage, match="root"):
-            await comm.broadcast(np.ones(4), root=5)
-        a = np.ones(8, np.float32)
-        with pytest.raises(acoll.InvalidUsage, match="overlap"):
-            await comm.all_reduce(a[:6], a[2:])
-        with pytest.raises(acoll.InvalidUsage, match="to self"):
-            await comm.send(np.ones(4), comm.rank)
-        with pytest.raises(acoll.InvalidUsage, match="equal blocks"):
-            await comm.all_to_all(np.ones(5), np.ones(5))
-        await comm.barrier()  # still usable: argument errors do not fail the communicator
+def _ro() -> np.ndarray:
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    return ro
 
-    await run_ranks(2, fn)
+
+_A = np.ones(8, np.float32)
+BAD_CALLS = {
+    "recv": lambda c: c.all_reduce(np.ones(4, np.float32), np.ones(5, np.float32)),
+    "dtype": lambda c: c.all_reduce(np.ones(4, np.float32), np.ones(4, np.float64)),
+    "not contiguous": lambda c: c.all_reduce(np.ones((4, 4), np.float32)[:, 1]),
+    "read-only": lambda c: c.all_reduce(_ro()),
+    "complex128": lambda c: c.all_reduce(np.ones(4, np.complex128)),
+    "reduction op": lambda c: c.all_reduce(np.ones(4), op="xor"),
+    "root": lambda c: c.broadcast(np.ones(4), root=5),
+    "overlap": lambda c: c.all_reduce(_A[:6], _A[2:]),
+    "to self": lambda c: c.send(np.ones(4), c.rank),
+    "equal blocks": lambda c: c.all_to_all(np.ones(5), np.ones(5)),
+    "would wrap around": lambda c: c.all_reduce(np.ones(4, np.int8), op="avg"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+async def test_argument_errors_name_the_argument_and_tell_the_peers(name: str) -> None:
+    """A bad call on one rank raises there, naming the argument, and the peers, already
+    inside the collective, learn of it at once instead of waiting for the deadline."""
+    async def fn(comm: acoll.Communicator) -> str:
+        if comm.rank == 0:
+            with pytest.raises(acoll.InvalidUsage, match=name):
+                await BAD_CALLS[name](comm)
+            return "raised"
+        with pytest.raises(acoll.InvalidUsage, match=f"rank 0 made an invalid .*{name}"):
+            await comm.all_reduce(np.ones(4, np.float32))
+        return "told"
+
+    t = time.monotonic()
+    assert await run_ranks(2, fn, timeout=20) == ["raised", "told"]
+    assert time.monotonic() - t < 5
 
 
 async def test_concurrent_calls_run_in_call_order() -> None:

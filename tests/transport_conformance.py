@@ -537,6 +537,20 @@ class TransportConformance:
         assert info.value.orderly
         assert info.value.notice == b"n"
 
+    async def test_messages_before_close_receivable_after_it(self, pair: Pair) -> None:
+        """A message that arrived before the peer's orderly close, with no receive posted
+        yet, is still delivered to a receive posted after the close."""
+        rec = FailureRecorder()
+        pair.b.set_failure_callback(rec)
+        await within(pair.a.isend(memoryview(b"early"), 5, meta_for(5)))
+        pair.a.close()
+        await within(rec.event.wait())
+        out = bytearray(5)
+        assert await within(pair.b.irecv(memoryview(out), 5)) == meta_for(5)
+        assert out == b"early"
+        with pytest.raises(ConnectionLost):
+            await within(pair.b.irecv(memoryview(bytearray(5)), 6))
+
     async def test_peer_abort(self, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import os
 import resource
 import socket
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import msgpack
 import numpy as np
@@ -39,7 +40,7 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._config import TIMEOUT, Setting, get_logger, parse_bool
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, as_host_array, dtype_code
+from ._dtypes import ReduceOp, as_host_array, check_op_dtype, dtype_code
 from ._net.interfaces import find_interfaces
 from ._transport.base import Connection, ConnectionLost, Listener, Transport
 from ._transport.select import select_transport
@@ -69,14 +70,44 @@ SPIN_US = Setting("SPIN_US", float, 25.0,
                   "NET")
 
 _P2P = 1 << 63
+_SEQ_MASK = 0x7FFFFFFF
+_ISSUED_WINDOW = 1024  # sequence numbers whose descriptors are kept for late messages
 _ROOTED = (Coll.BROADCAST, Coll.REDUCE)
+_NO_DATA = (Coll.BARRIER, Coll.CLOSE, Coll.SEND_RECV)
 _CHECK_STEP = 0xFFFFFFFF
 _EMPTY = np.empty(0, np.uint8)
 _LINGER = 5.0
+_FAILED_LINGER = 0.5
 
 
 class _Algo(Protocol):
     async def run(self) -> None: ...
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _announced(fn: Callable[Concatenate[Communicator, _P], Coroutine[Any, Any, _R]]
+               ) -> Callable[Concatenate[Communicator, _P], Coroutine[Any, Any, _R]]:
+    """A collective whose misuse on one rank is announced to every rank.
+
+    The peers are already inside the call (or about to be) and would wait for this rank
+    until the deadline: an :class:`InvalidUsage` raised here (a bad buffer, a root out of
+    range) fails the communicator everywhere, naming this rank, before it is raised.
+    """
+
+    @functools.wraps(fn)
+    async def call(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        try:
+            return await fn(self, *args, **kwargs)
+        except InvalidUsage as exc:
+            if self._error is None and not self._closed:
+                self.fail(InvalidUsage(f"rank {self.rank} made an invalid "
+                                       f"{fn.__name__} call: {exc}"))
+            raise
+
+    return call  # type: ignore[return-value]  # (self is positional in callers)
 
 
 def _host_hash() -> int:
@@ -220,6 +251,14 @@ class Communicator:
         self._connecting: dict[int, asyncio.Future[Connection]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._seq = 0
+        # Mismatch detection (see _on_arrival): what this rank issued at each recent
+        # sequence number, the first foreign descriptor seen for sequence numbers it has
+        # not issued yet, and the stamps of its issued, unmatched receives per peer.
+        self._issued: dict[int, Descriptor] = {}
+        self._early: dict[int, tuple[int, bytes]] = {}
+        self._recv_stamps: dict[tuple[int, int], int] = {}
+        self._group_seq: int | None = None
+        self._running: set[OpContext] = set()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
         self._lock = asyncio.Lock()
@@ -323,6 +362,7 @@ class Communicator:
             return
         self._conns[peer] = conn
         conn.set_failure_callback(lambda lost: self._on_conn_lost(peer, lost))
+        conn.set_arrival_callback(functools.partial(self._on_arrival, peer))
         fut = self._connecting.pop(peer, None)
         if fut is not None and not fut.done():
             fut.set_result(conn)
@@ -434,21 +474,32 @@ class Communicator:
     async def close(self) -> None:
         """Orderly close: wait for in-flight ops on every rank, then release everything.
 
-        Every rank must call it. A failed communicator is released without waiting.
+        Every rank must call it; it starts with a barrier. A rank that closes while its
+        peers are inside another call makes them fail at once (``InvalidUsage`` naming the
+        close). Resources are always released; if the closing barrier failed (a peer
+        died, or did not close within the deadline), the error is raised afterwards. A
+        communicator that had already failed is released without waiting for anyone.
         """
         if self._closed:
             return
-        if self._error is None:
-            with contextlib.suppress(AcollError):
-                await self.barrier()
+        failure: AcollError | None = None
+        was_failed = self._error is not None
+        if not was_failed:
+            try:
+                await self._execute(Descriptor(Coll.CLOSE, 0, 0, 0, 0), self._barrier_algo())
+            except AcollError as exc:
+                failure = exc
         self._closed = True
         for conn in self._conns.values():
             conn.close()
         self._listener.close()
         waits = [conn.wait_closed() for conn in self._conns.values()]
         if waits:
+            # A failed communicator queued its failure notice when it failed: give it a
+            # moment to leave, but never wait for a peer that stopped reading.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.gather(*waits), _LINGER)
+                await asyncio.wait_for(asyncio.gather(*waits),
+                                       _FAILED_LINGER if was_failed or failure else _LINGER)
         for conn in self._conns.values():
             conn.abort()
         for task in list(self._tasks):
@@ -456,6 +507,8 @@ class Communicator:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         await self._boot.close()
+        if failure is not None:
+            raise failure
 
     async def __aenter__(self) -> Communicator:
         return self
@@ -484,8 +537,10 @@ class Communicator:
                        tag_base: int | None = None) -> None:
         self._check_usable()
         if tag_base is None:
-            tag_base = (self._seq & 0x7FFFFFFF) << 32
+            seq = self._seq & _SEQ_MASK
+            tag_base = seq << 32
             self._seq += 1
+            self._issue(seq, desc)
         if self._group is not None:
             self._group.append((tag_base >> 32, desc, tag_base, make))
             return
@@ -501,16 +556,98 @@ class Communicator:
         finally:
             self._lock.release()
 
+    # ------------------------------------------------------------------ mismatch detection
+    def _issue(self, seq: int, desc: Descriptor) -> None:
+        """Record what this rank runs at ``seq``; compare with what a peer already sent."""
+        self._issued[seq] = desc
+        self._issued.pop((seq - _ISSUED_WINDOW) & _SEQ_MASK, None)
+        early = self._early.pop(seq, None)
+        if early is not None and self.check and early[1] != desc.packed:
+            err = InvalidUsage(desc.describe_difference(Descriptor.unpack(early[1]),
+                                                        self.rank, early[0]))
+            self.fail(err)
+            raise err
+
+    def _p2p_stamp(self) -> int:
+        """The collective sequence number a send/recv issued now is stamped with."""
+        return (self._group_seq if self._group_seq is not None else self._seq) & _SEQ_MASK
+
+    def _on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
+        """A message came from ``peer`` before any receive was posted for it.
+
+        Legitimate early arrivals are for operations this rank will run later. Anything
+        else proves the ranks disagree, and waiting would only end at the deadline:
+        a message for an operation this rank runs (or ran) with another descriptor, a
+        send issued before a collective this rank is already past, or a collective
+        message from a peer this rank waits on in a receive issued before it.
+        """
+        if self._error is not None or self._closed or not self.check:
+            return
+        if tag & _P2P:
+            self._p2p_arrival(peer, tag, meta)
+            return
+        seq = (tag >> 32) & _SEQ_MASK
+        mine = self._issued.get(seq)
+        if mine is None:
+            self._early.setdefault(seq, (peer, meta))
+            self._p2p_blocked(peer, seq, meta)
+            return
+        if meta != mine.packed:
+            self.fail(InvalidUsage(mine.describe_difference(Descriptor.unpack(meta),
+                                                            self.rank, peer)))
+
+    def _p2p_arrival(self, peer: int, tag: int, meta: bytes) -> None:
+        other = Descriptor.unpack(meta)
+        index = (tag >> 32) & _SEQ_MASK
+        stamp = self._recv_stamps.get((peer, index))
+        if stamp is None and index < (self._p2p_recv[peer] & _SEQ_MASK):
+            return  # that receive already completed: a transport-level duplicate
+        if stamp is None:
+            # Our matching receive is not issued yet: it will carry at least this stamp.
+            stamp = self._p2p_stamp()
+            if other.root >= stamp:
+                return
+        elif other.root == stamp:
+            return
+        mine = self._issued.get(other.root)
+        where = f"collective #{other.root}" + (
+            f" ({mine.coll.name.lower()})" if mine is not None else "")
+        self.fail(InvalidUsage(
+            f"send/recv order mismatch between rank {self.rank} and rank {peer}: rank "
+            f"{peer} sent before its {where}, but rank {self.rank} "
+            + ("was already past it" if other.root < stamp else
+               f"posts the matching recv before collective #{stamp}")))
+
+    def _p2p_blocked(self, peer: int, seq: int, meta: bytes) -> None:
+        """``peer`` runs collective ``seq`` while we still wait for its send issued earlier."""
+        for (frm, _index), stamp in self._recv_stamps.items():
+            if frm == peer and stamp <= seq and seq not in self._issued:
+                # Its send (stamped before seq) should have come first; give messages that
+                # travel on other sockets a moment before calling it a mismatch.
+                self._loop.call_later(0.05, self._p2p_blocked_check, peer, _index, seq, meta)
+                return
+
+    def _p2p_blocked_check(self, peer: int, index: int, seq: int, meta: bytes) -> None:
+        if (peer, index) not in self._recv_stamps or self._error is not None or self._closed:
+            return
+        coll = Descriptor.unpack(meta).coll.name.lower()
+        self.fail(InvalidUsage(
+            f"send/recv order mismatch between rank {self.rank} and rank {peer}: rank "
+            f"{self.rank} waits in recv from rank {peer}, which is already in {coll} "
+            f"#{seq}: the ranks issued their calls in different orders"))
+
     def _cancelled(self, name: str, seq: int) -> None:
         self.fail(RemoteError(f"rank {self.rank} cancelled {name} #{seq}; the "
                               "communicator was aborted", self.rank))
 
     async def _run(self, ctx: OpContext, make: Callable[[OpContext], _Algo]) -> None:
         name = ctx.desc.coll.name.lower()
-        timer = self._loop.call_later(self.timeout, self._timed_out, name, ctx.seq)
+        timer = self._loop.call_later(self.timeout, self._timed_out, name, ctx)
+        self._running.add(ctx)
         check: asyncio.Task[None] | None = None
         try:
-            if ctx.check and ctx.desc.coll in _ROOTED and self.size > 1:
+            if ctx.check and self.size > 1 and (ctx.desc.coll in _ROOTED or (
+                    ctx.desc.count == 0 and ctx.desc.coll not in _NO_DATA)):
                 check = await self._start_agreement(ctx)
             await make(ctx).run()
             if check is not None:
@@ -524,6 +661,7 @@ class Communicator:
             raise (first or exc) from None
         finally:
             timer.cancel()
+            self._running.discard(ctx)
             if check is not None and not check.done():
                 check.cancel()
                 with contextlib.suppress(BaseException):
@@ -582,9 +720,32 @@ class Communicator:
 
         return self._loop.create_task(run())
 
-    def _timed_out(self, name: str, seq: int) -> None:
-        self.fail(AcollTimeoutError(f"{name} #{seq} did not complete within "
-                                    f"{self.timeout:g} s on rank {self.rank}"))
+    def _timed_out(self, name: str, ctx: OpContext) -> None:
+        """The op's deadline passed: fail, naming the rank(s) it was waiting for.
+
+        A rank waiting only on peers that did send something in this op is blocked behind
+        someone else: it waits a short grace first, so that the rank that heard nothing
+        from the stalled one reports first and its cause is the one every rank sees.
+        """
+        if self._error is not None or self._closed or ctx not in self._running:
+            return
+        ops = tuple(self._running)
+        peers = sorted({c.waiting_on for c in ops if c.waiting_on is not None})
+        silent = [p for p in peers if not any(p in c.heard for c in ops)]
+        if peers and not silent and not ctx.grace_used:
+            ctx.grace_used = True
+            self._loop.call_later(min(5.0, self.timeout / 10 + 0.2), self._timed_out,
+                                  name, ctx)
+            return
+        peers = silent or peers
+        waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
+                  f"{', '.join(map(str, peers))}, "
+                  + ("which sent nothing in this call (stalled, or not in this call)"
+                     if silent else "which had started this call")
+                  if peers else "")
+        self.fail(AcollTimeoutError(f"{name} #{ctx.seq} did not complete within "
+                                    f"{self.timeout:g} s on rank {self.rank}{waited}",
+                                    peers[0] if len(peers) == 1 else None))
 
     @contextlib.asynccontextmanager
     async def group(self) -> AsyncIterator[None]:
@@ -598,13 +759,16 @@ class Communicator:
             yield
             return
         self._group = []
+        self._group_seq = self._seq
         try:
             yield
         except BaseException:
+            self._group_seq = None
             ops, self._group = self._group, None
             if ops:  # enqueued ops hold sequence numbers the peers will wait for
                 self._cancelled("group", ops[0][0])
             raise
+        self._group_seq = None
         ops, self._group = self._group, None
         if not ops:
             return
@@ -626,9 +790,10 @@ class Communicator:
 
     # ------------------------------------------------------------------ collectives
     def _desc(self, coll: Coll, arr: npt.NDArray[Any], op: int = 0, root: int = 0,
-              count: int | None = None) -> Descriptor:
+              count: int | None = None, algo: type | None = None) -> Descriptor:
         return Descriptor(coll, dtype_code(arr.dtype), op, root,
-                          arr.size if count is None else count)
+                          arr.size if count is None else count,
+                          algos.ALGO_CODES.get(algo, 0) if algo is not None else 0)
 
     def _root(self, root: int) -> int:
         if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < self.size:
@@ -667,21 +832,29 @@ class Communicator:
         return bool(block.__array_interface__["data"][0] == base + self.rank * block.nbytes)
 
     async def _small_or_empty(self, desc: Descriptor, count: int) -> bool:
-        """Handle 0 elements (check only) and reserve no network for 1 rank."""
+        """Handle 0 elements (check only) and reserve no network for 1 rank.
+
+        With checks on, a zero-element call still runs the full agreement (every rank
+        learns every rank's descriptor), so that no rank returns from a call its peers
+        did not make.
+        """
         if count == 0:
             if self.size > 1 and self.check:
-                await self._execute(desc, algos.EmptyExchange)
+                await self._execute(desc, _Nothing)
             elif self.size > 1:
                 self._seq += 1
             return True
         return False
 
+    @_announced
     async def all_reduce(self, send: Any, recv: Any = None,
                          op: ReduceOp | str = ReduceOp.SUM) -> Any:
         """Reduce ``send`` across ranks into ``recv`` on every rank (in place if ``None``)."""
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
-        desc = self._desc(Coll.ALL_REDUCE, s, rop)
+        check_op_dtype(rop, s.dtype, "all_reduce")
+        cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self._small)
+        desc = self._desc(Coll.ALL_REDUCE, s, rop, algo=cls)
         if await self._small_or_empty(desc, s.size):
             return out
         if self.size == 1:
@@ -689,21 +862,22 @@ class Communicator:
             if not self._same(s, r):
                 r[...] = s
             return out
-        cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self._small)
         await self._execute(desc, lambda ctx: cls(ctx, s, r, rop))
         return out
 
+    @_announced
     async def broadcast(self, buf: Any, root: int = 0) -> Any:
         """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
         b = as_host_array(buf, "buf", writable=True)
         root = self._root(root)
-        desc = self._desc(Coll.BROADCAST, b, 0, root)
+        cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self._small)
+        desc = self._desc(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.size) or self.size == 1:
             return buf
-        cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self._small)
         await self._execute(desc, lambda ctx: cls(ctx, b, root))
         return buf
 
+    @_announced
     async def reduce(self, send: Any, recv: Any = None, op: ReduceOp | str = ReduceOp.SUM,
                      root: int = 0) -> Any:
         """Reduce ``send`` across ranks into ``recv`` on ``root`` (``recv`` unused elsewhere).
@@ -717,7 +891,9 @@ class Communicator:
         else:
             s = as_host_array(send, "send")
             r, out = None, recv if recv is not None else send
-        desc = self._desc(Coll.REDUCE, s, rop, root)
+        check_op_dtype(rop, s.dtype, "reduce")
+        cls = algos.choose("reduce", s.nbytes, self.size, self._algo, self._small)
+        desc = self._desc(Coll.REDUCE, s, rop, root, algo=cls)
         if await self._small_or_empty(desc, s.size):
             return out
         if self.size == 1:
@@ -725,10 +901,10 @@ class Communicator:
             if not self._same(s, r):
                 r[...] = s
             return out
-        cls = algos.choose("reduce", s.nbytes, self.size, self._algo, self._small)
         await self._execute(desc, lambda ctx: cls(ctx, s, r, root, rop))
         return out
 
+    @_announced
     async def all_gather(self, send: Any, recv: Any) -> Any:
         """Concatenate every rank's ``send`` into ``recv`` (``size * len(send)``, rank order).
 
@@ -745,11 +921,13 @@ class Communicator:
         await self._execute(desc, lambda ctx: algos.RingAllGather(ctx, s, r))
         return out
 
+    @_announced
     async def reduce_scatter(self, send: Any, recv: Any,
                              op: ReduceOp | str = ReduceOp.SUM) -> Any:
         """Reduce ``send`` (``size`` blocks) across ranks; block ``rank`` lands in ``recv``."""
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
+        check_op_dtype(rop, s.dtype, "reduce_scatter")
         desc = self._desc(Coll.REDUCE_SCATTER, r, rop)
         if await self._small_or_empty(desc, r.size):
             return out
@@ -760,6 +938,7 @@ class Communicator:
         await self._execute(desc, lambda ctx: algos.RingReduceScatter(ctx, s, r, rop))
         return out
 
+    @_announced
     async def all_to_all(self, send: Any, recv: Any) -> Any:
         """Block ``p`` of ``send`` goes to rank ``p``; block ``q`` of ``recv`` comes from ``q``."""
         s, r, out = self._pair(send, recv, "all_to_all")
@@ -776,14 +955,19 @@ class Communicator:
         await self._execute(desc, lambda ctx: algos.DirectAllToAll(ctx, s, r))
         return out
 
+    @_announced
     async def barrier(self) -> None:
         """Return once every rank has entered the barrier."""
         self._check_usable()
         if self.size == 1:
             return
         desc = Descriptor(Coll.BARRIER, 0, 0, 0, 0)
-        algo = algos.DisseminationBarrier if self.size <= 64 else algos.TreeBarrier
-        await self._execute(desc, algo)
+        await self._execute(desc, self._barrier_algo())
+
+    def _barrier_algo(self) -> Callable[[OpContext], _Algo]:
+        if self.size == 1:
+            return _Nothing
+        return algos.DisseminationBarrier if self.size <= 64 else algos.TreeBarrier
 
     def _peer(self, peer: int) -> int:
         if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < self.size:
@@ -792,26 +976,36 @@ class Communicator:
             raise InvalidUsage("send/recv to self: use a local copy")
         return peer
 
+    @_announced
     async def send(self, buf: Any, peer: int) -> Any:
         """Send ``buf`` to ``peer``, matched in order with ``peer``'s ``recv`` from us."""
         b = as_host_array(buf, "buf")
         peer = self._peer(peer)
+        self._check_usable()
         seq = self._p2p_send[peer]
         self._p2p_send[peer] = seq + 1
-        tag = _P2P | ((seq & 0x7FFFFFFF) << 32)
-        desc = self._desc(Coll.SEND_RECV, b)
+        tag = _P2P | ((seq & _SEQ_MASK) << 32)
+        desc = self._desc(Coll.SEND_RECV, b, root=self._p2p_stamp())
         await self._execute(desc, lambda ctx: _Send(ctx, peer, b), tag_base=tag)
         return buf
 
+    @_announced
     async def recv(self, buf: Any, peer: int) -> Any:
         """Receive into ``buf`` the next message ``peer`` sends us; sizes must match."""
         b = as_host_array(buf, "buf", writable=True)
         peer = self._peer(peer)
+        self._check_usable()
         seq = self._p2p_recv[peer]
         self._p2p_recv[peer] = seq + 1
-        tag = _P2P | ((seq & 0x7FFFFFFF) << 32)
-        desc = self._desc(Coll.SEND_RECV, b)
-        await self._execute(desc, lambda ctx: _Recv(ctx, peer, b), tag_base=tag)
+        tag = _P2P | ((seq & _SEQ_MASK) << 32)
+        stamp = self._p2p_stamp()
+        desc = self._desc(Coll.SEND_RECV, b, root=stamp)
+        key = (peer, seq & _SEQ_MASK)
+        self._recv_stamps[key] = stamp
+        try:
+            await self._execute(desc, lambda ctx: _Recv(ctx, peer, b), tag_base=tag)
+        finally:
+            self._recv_stamps.pop(key, None)
         return buf
 
     # ------------------------------------------------------------------ split
@@ -880,6 +1074,16 @@ class _Send:
     async def run(self) -> None:
         await self.ctx.connect(self.peer)
         await self.ctx.wait_send(self.ctx.post_send(self.peer, self.arr, 0), self.peer)
+
+
+class _Nothing:
+    """The data part of a zero-element collective (the agreement does the checking)."""
+
+    def __init__(self, ctx: OpContext) -> None:
+        self.ctx = ctx
+
+    async def run(self) -> None:
+        return
 
 
 class _Recv:

@@ -114,6 +114,21 @@ def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
         arr[...] = (np.sign(arr) * q).astype(arr.dtype)
 
 
+def check_op_dtype(op: ReduceOp, dt: np.dtype[Any], coll: str) -> None:
+    """Refuse combinations whose result would be silently wrong.
+
+    AVG sums before dividing, in the buffer's own type: for 8-bit integers the sum wraps
+    around after two or three ranks (the average of four 100s would be -28), so AVG is
+    refused for int8 and uint8. Wider integers wrap too, but only past 2**31 (as NCCL).
+
+    Raises:
+        InvalidUsage: naming the op and dtype, and what to do instead.
+    """
+    if op == ReduceOp.AVG and dt.kind in "iu" and dt.itemsize == 1:
+        raise InvalidUsage(f"{coll}: AVG on {dt} would wrap around while summing; "
+                           "convert to a wider type (e.g. int32) or use SUM and divide")
+
+
 def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray[Any]:
     """A 1-D view (no copy) of a contiguous host buffer with a supported dtype.
 

@@ -72,7 +72,18 @@ class RemoteError(AcollError):
 
 
 class TimeoutError(AcollError, builtins.TimeoutError):
-    """A network wait passed its deadline (``ACOLL_TIMEOUT`` or a ``timeout=`` argument)."""
+    """A network wait passed its deadline (``ACOLL_TIMEOUT`` or a ``timeout=`` argument).
+
+    Attributes:
+        rank: the rank that was being waited for, when it is one rank (else ``None``).
+    """
+
+    def __init__(self, message: str, rank: int | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+
+    def __reduce__(self) -> tuple[type[TimeoutError], tuple[str, int | None]]:
+        return (type(self), (str(self), self.rank))
 
 
 class ClosedError(AcollError):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import socket
 from collections import deque
@@ -39,7 +40,7 @@ from ..errors import (
     RemoteError,
 )
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import READ_LIMIT, AuthFailed, FramedConnection, PeerClosed
+from .stream import READ_LIMIT, AuthFailed, FramedConnection, PeerClosed, close_if_cancelled
 from .wire import Address, Error, Hello, PeerHello, RingInfo, Tagged
 
 __all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
@@ -60,7 +61,7 @@ def error_to_wire(exc: BaseException, rank: int) -> Error:
     if isinstance(exc, InvalidUsage):
         return Error("usage", str(exc), rank)
     if isinstance(exc, AcollTimeoutError):
-        return Error("timeout", str(exc), rank)
+        return Error("timeout", str(exc), -1 if exc.rank is None else exc.rank)
     if isinstance(exc, RemoteError):
         return Error("remote", str(exc), rank if exc.rank is None else exc.rank)
     return Error("remote", f"rank {rank} failed: {exc}", rank)
@@ -72,7 +73,7 @@ def error_from_wire(err: Error, via: int | None = None) -> AcollError:
     if err.kind == "usage":
         return InvalidUsage(err.message)
     if err.kind == "timeout":
-        return AcollTimeoutError(err.message)
+        return AcollTimeoutError(err.message, err.rank if err.rank >= 0 else None)
     if err.kind == "bootstrap":
         return BootstrapError(err.message)
     if err.kind == "closed":
@@ -279,6 +280,7 @@ class Bootstrap:
         task = asyncio.get_running_loop().create_task(self._read_peer(reader, writer))
         self._readers.add(task)
         task.add_done_callback(self._readers.discard)
+        task.add_done_callback(functools.partial(close_if_cancelled, writer))
 
     async def _read_peer(self, reader: asyncio.StreamReader,
                          writer: asyncio.StreamWriter) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import socket
 import threading
 from collections.abc import Coroutine
@@ -33,7 +34,7 @@ from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import READ_LIMIT, FramedConnection
+from .stream import READ_LIMIT, FramedConnection, close_if_cancelled
 from .wire import Error, Hello, RingInfo
 
 __all__ = ["RootServer", "listen_socket", "start_root"]
@@ -128,6 +129,7 @@ class RootServer:
         task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
+        task.add_done_callback(functools.partial(close_if_cancelled, writer))
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)

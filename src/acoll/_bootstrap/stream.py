@@ -21,12 +21,19 @@ from .wire import (
     encode,
 )
 
-__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "set_nodelay"]
+__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "close_if_cancelled", "set_nodelay"]
 
 _READ_SIZE = 1 << 15
 #: StreamReader buffer limit of bootstrap connections (what a peer can make us hold
 #: beyond the frame being decoded).
 READ_LIMIT = 1 << 15
+
+
+def close_if_cancelled(writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:
+    """Done-callback for a connection's handler task: a task cancelled before it ran
+    never reached its own cleanup, so close the connection here (idempotent)."""
+    if task.cancelled():
+        writer.close()
 
 
 class PeerClosed(TransportError):

@@ -488,6 +488,12 @@ class EmptyExchange:
 
 
 # --------------------------------------------------------------------------- tuner
+#: Algorithm codes carried in descriptors, so ranks that chose differently (different
+#: ACOLL_ALGO or ACOLL_SMALL_MSG) are told so instead of waiting on unmatched messages.
+ALGO_CODES: dict[type, int] = {
+    RingAllReduce: 1, RecursiveDoublingAllReduce: 2, TreeBroadcast: 3, ChainBroadcast: 4,
+    TreeReduce: 3, ChainReduce: 4,
+}
 _CHOICES: dict[str, dict[str, type]] = {
     "all_reduce": {"ring": RingAllReduce, "rd": RecursiveDoublingAllReduce},
     "broadcast": {"tree": TreeBroadcast, "chain": ChainBroadcast},

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import struct
 import time
 from collections.abc import Awaitable, Callable
@@ -33,33 +34,53 @@ class Coll(enum.IntEnum):
     ALL_TO_ALL = 6
     BARRIER = 7
     SEND_RECV = 8
+    CLOSE = 9  # the barrier inside close()
 
 
-_DESC = struct.Struct("<BBBxIQ")
+#: Names of the algorithm codes carried in descriptors (0: the collective has one).
+ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain"}
+
+
+_DESC = struct.Struct("<BBBBIQ")
 
 
 class Descriptor:
-    """What one rank believes an operation is: kind, dtype, op, root, count.
+    """What one rank believes an operation is: kind, dtype, op, root, count, algorithm.
 
     Packed into the 16-byte ``meta`` of every message, so a receiver can tell when its
-    peer is running a different operation and say exactly which field differs.
+    peer is running a different operation and say exactly which field differs. For
+    send/recv, ``root`` holds the sender's (receiver's) collective sequence number when
+    the call was issued, so that a send and a recv issued at different places in the two
+    ranks' call orders are reported instead of waiting.
     """
 
-    __slots__ = ("coll", "count", "dtype_code", "op", "packed", "root")
+    __slots__ = ("algo", "coll", "count", "dtype_code", "op", "packed", "root")
 
-    def __init__(self, coll: Coll, dtype_code: int, op: int, root: int, count: int) -> None:
-        self.coll, self.dtype_code, self.op, self.root, self.count = (
-            coll, dtype_code, op, root, count)
-        self.packed = _DESC.pack(coll, dtype_code, op, root & 0xFFFFFFFF, count)
+    def __init__(self, coll: Coll, dtype_code: int, op: int, root: int, count: int,
+                 algo: int = 0) -> None:
+        self.coll, self.dtype_code, self.op, self.root, self.count, self.algo = (
+            coll, dtype_code, op, root, count, algo)
+        self.packed = _DESC.pack(coll, dtype_code, op, algo, root & 0xFFFFFFFF, count)
 
     @classmethod
     def unpack(cls, raw: bytes) -> Descriptor:
-        coll, dt, op, root, count = _DESC.unpack(raw)
+        coll, dt, op, algo, root, count = _DESC.unpack(raw)
         return cls(Coll(coll) if coll in Coll._value2member_map_ else Coll.BARRIER,
-                   dt, op, root, count)
+                   dt, op, root, count, algo)
 
     def describe_difference(self, other: Descriptor, me: int, peer: int) -> str:
         """A message naming each field where ``other`` (from ``peer``) differs."""
+        if Coll.CLOSE in (self.coll, other.coll) and self.coll != other.coll:
+            closer, busy, op = ((me, peer, other.coll) if self.coll == Coll.CLOSE
+                                else (peer, me, self.coll))
+            return (f"rank {closer} closed the communicator while rank {busy} was in "
+                    f"{op.name.lower()}")
+        if Coll.SEND_RECV in (self.coll, other.coll) and self.coll != other.coll:
+            p2p, coll = (me, other) if self.coll == Coll.SEND_RECV else (peer, self)
+            other_rank = peer if p2p == me else me
+            return (f"rank {p2p} is in send/recv while rank {other_rank} is in "
+                    f"{coll.coll.name.lower()}: the ranks issued their calls in different "
+                    "orders")
         diffs = []
         if self.coll != other.coll:
             diffs.append(f"operation {self.coll.name.lower()} vs {other.coll.name.lower()}")
@@ -72,7 +93,12 @@ class Descriptor:
         if self.op != other.op:
             diffs.append(f"op {_op_name(self.op)} vs {_op_name(other.op)}")
         if self.root != other.root:
-            diffs.append(f"root {self.root} vs {other.root}")
+            what = "issued after collective #" if self.coll == Coll.SEND_RECV else "root "
+            diffs.append(f"{what}{self.root} vs {other.root}")
+        if self.algo != other.algo and not diffs:
+            diffs.append(f"algorithm {ALGO_NAMES.get(self.algo, self.algo)} vs "
+                         f"{ALGO_NAMES.get(other.algo, other.algo)} (do ACOLL_ALGO and "
+                         "ACOLL_SMALL_MSG differ between the ranks?)")
         what = ", ".join(diffs) or "sequence"
         return (f"{self.coll.name.lower()} mismatch between rank {me} and rank {peer}: "
                 f"{what}")
@@ -117,8 +143,8 @@ class OpContext:
     :meth:`wait_recv`, which check the peer's descriptor and name failing peers.
     """
 
-    __slots__ = ("check", "comm", "conns", "desc", "in_group", "n", "rank", "seq", "spin",
-                 "tag_base")
+    __slots__ = ("check", "comm", "conns", "desc", "grace_used", "heard", "in_group", "n",
+                 "rank", "seq", "spin", "tag_base", "waiting_on")
 
     def __init__(self, comm: Communicator, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -131,6 +157,9 @@ class OpContext:
         self.in_group = in_group
         self.tag_base = tag_base
         self.conns: dict[int, Connection] = {}
+        self.waiting_on: int | None = None  # the peer the op waits for now
+        self.heard: set[int] = set()  # peers from which a message of this op arrived
+        self.grace_used = False
         # Busy-polling pays only for latency-bound (small) ops.
         dtype = DTYPE_BY_CODE.get(desc.dtype_code)
         nbytes = desc.count * (dtype.itemsize if dtype is not None else 1)
@@ -147,7 +176,31 @@ class OpContext:
 
     def post_recv(self, peer: int, arr: npt.NDArray[Any], step: int
                   ) -> asyncio.Future[bytes]:
-        return self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
+        fut = self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
+        # Checked as soon as it completes, not only when (if ever) the algorithm awaits it:
+        # a mismatch on any posted receive fails the op on every rank at once.
+        fut.add_done_callback(functools.partial(self._recv_done, peer))
+        return fut
+
+    def _recv_done(self, peer: int, fut: asyncio.Future[bytes]) -> None:
+        if fut.cancelled():
+            return
+        exc = fut.exception()
+        if exc is None:
+            self.heard.add(peer)
+        if isinstance(exc, MessageSizeError):
+            self.comm.fail(self._size_error(peer, exc))
+        elif exc is None and self.check and fut.result() != self.desc.packed:
+            other = Descriptor.unpack(fut.result())
+            self.comm.fail(InvalidUsage(self.desc.describe_difference(other, self.rank,
+                                                                      peer)))
+
+    def _size_error(self, peer: int, exc: MessageSizeError) -> InvalidUsage:
+        other = Descriptor.unpack(exc.meta)
+        if other.packed != self.desc.packed:
+            return InvalidUsage(self.desc.describe_difference(other, self.rank, peer))
+        return InvalidUsage(f"{self.desc.coll.name.lower()}: rank {peer} sent {exc.got} "
+                            f"bytes where rank {self.rank} expected {exc.expected}")
 
     def progress(self, fut: asyncio.Future[Any], peer: int) -> None:
         """Try to complete ``fut`` (a receive from ``peer``) before the caller sleeps."""
@@ -165,26 +218,25 @@ class OpContext:
 
     async def wait_recv(self, fut: asyncio.Future[bytes], peer: int) -> None:
         self.progress(fut, peer)
+        self.waiting_on = peer
         try:
             meta = await fut
         except MessageSizeError as exc:
-            other = Descriptor.unpack(exc.meta)
-            if other.packed != self.desc.packed:
-                raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer)
-                                   ) from None
-            raise InvalidUsage(f"{self.desc.coll.name.lower()}: rank {peer} sent {exc.got} "
-                               f"bytes where rank {self.rank} expected {exc.expected}") from None
+            raise self._size_error(peer, exc) from None
         except ConnectionLost as exc:
             raise self.comm._peer_error(peer, exc) from None
+        self.waiting_on = None
         if self.check and meta != self.desc.packed:
             other = Descriptor.unpack(meta)
             raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer))
 
     async def wait_send(self, fut: Awaitable[None], peer: int) -> None:
+        self.waiting_on = peer
         try:
             await fut
         except ConnectionLost as exc:
             raise self.comm._peer_error(peer, exc) from None
+        self.waiting_on = None
 
     async def wait_sends(self, sends: list[tuple[asyncio.Future[None], int]]) -> None:
         for fut, peer in sends:

@@ -22,7 +22,9 @@ Contracts shared by every implementation (checked by ``tests/transport_conforman
   given to :meth:`Connection.set_failure_callback` runs once.
 - :meth:`Connection.close` is orderly: queued sends are flushed, then the peer learns that
   the connection ended on purpose (``ConnectionLost.orderly``), with an optional notice;
-  receives the peer posted in time for those messages complete first.
+  receives the peer posted in time for those messages complete first, and a message that
+  had fully arrived before the peer's close can still be received afterwards (everything
+  sent before an orderly close is delivered).
   Cancelling a posted operation's future is not supported: close or abort instead.
 - Connections are authenticated: a transport is made with the job's key, and its listener
   hands out only connections whose connector proved that key with a fresh challenge (and
@@ -116,6 +118,20 @@ class Connection(ABC):
     @abstractmethod
     def failed(self) -> ConnectionLost | None:
         """The error that ended the connection, or ``None`` while it works."""
+
+    _arrival: Callable[[int, bytes], None] | None = None
+
+    def set_arrival_callback(self, callback: Callable[[int, bytes], None] | None) -> None:
+        """Call ``callback(tag, meta)`` for each message that arrives before a receive was
+        posted for it (once per message, from the event loop, never from inside the
+        transport's own read path). The communicator uses it to spot a peer that runs a
+        different operation, whose messages no receive will ever match."""
+        self._arrival = callback
+
+    def _notify_arrival(self, loop: asyncio.AbstractEventLoop, tag: int, meta: bytes) -> None:
+        """For implementations: schedule the arrival callback, if any."""
+        if self._arrival is not None:
+            loop.call_soon(self._arrival, tag, meta)
 
     def poll(self) -> None:  # noqa: B027 - optional hook, empty by default
         """Make progress now without waiting for the event loop (optional; may do nothing).

@@ -71,6 +71,7 @@ _STAGE = 1 << 16  # staging buffer for headers and small payloads
 _READ_BUDGET = 16  # reads per readiness callback before yielding to other sockets
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
+_ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 
 
 class _RecvEntry:
@@ -124,6 +125,22 @@ class _Sock:
         self.sent_close = False  # our close frame went out (and SHUT_WR)
 
 
+def _discard_input(sock: socket.socket) -> None:
+    """Read and drop what is waiting in the receive buffer (bounded, never blocks).
+
+    Closing a socket with unread input makes the kernel send a reset instead of a FIN, and
+    a reset can overtake, at the peer, the close notice sent just before: the peer would
+    then blame this rank instead of the failure the notice names.
+    """
+    junk = bytearray(1 << 16)
+    try:
+        for _ in range(256):
+            if sock.recv_into(junk) <= 0:
+                return
+    except OSError:
+        return
+
+
 def _tune(sock: socket.socket, bufsize: int) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if bufsize:
@@ -148,6 +165,9 @@ class TcpConnection(Connection):
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
         self._peer_notice = b""
+        # set once the peer closed in order: messages that had fully arrived stay
+        # receivable (everything sent before an orderly close is delivered)
+        self._keep_complete = False
         self._released: asyncio.Future[None] = self._loop.create_future()
         for s in self._socks:
             self._loop.add_reader(s.fd, self._on_readable, s)
@@ -191,7 +211,9 @@ class TcpConnection(Connection):
 
     def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
-        if self._failed is not None or self._closing:
+        if self._keep_complete and tag in self._unexpected:
+            pass  # the peer closed in order after this message had arrived: deliver it
+        elif self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
             fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
@@ -250,6 +272,12 @@ class TcpConnection(Connection):
     def abort(self) -> None:
         if self._failed is None:
             self._failed = ConnectionLost("the connection was aborted locally")
+        if self._closing:
+            # A close notice may still be queued (a failure being reported): give it one
+            # non-blocking chance to leave, so the peer learns the cause, not just an EOF.
+            for s in self._socks:
+                if s.fd >= 0 and s.queue and not s.sent_close:
+                    self._flush(s)
         self._fail_pending(self._failed, sends=True)
         self._release()
 
@@ -276,7 +304,11 @@ class TcpConnection(Connection):
                 if entry.fut is not None and not entry.fut.done():
                     entry.fut.set_exception(exc)
                     entry.fut.exception()
-            table.clear()
+            if table is self._unexpected and self._keep_complete:
+                for tag in [t for t, e in table.items() if e.received < e.total]:
+                    del table[tag]
+            else:
+                table.clear()
         for s in self._socks:
             # a part still arriving must not keep writing into a buffer whose receive failed
             if s.direct_left and s.direct_entry is not None and s.direct_entry.buf is not None:
@@ -294,6 +326,8 @@ class TcpConnection(Connection):
         if self._failed is not None:
             return
         self._failed = exc
+        if exc.orderly and not self._closing:
+            self._keep_complete = True
         if self._closing and not exc.orderly:
             exc = ConnectionLost(str(exc), orderly=True)
         self._fail_pending(exc, sends=True)
@@ -316,6 +350,7 @@ class TcpConnection(Connection):
             if s.writing:
                 self._loop.remove_writer(s.fd)
                 s.writing = False
+            _discard_input(s.sock)
             s.sock.close()
             s.fd = -1
         if self._failed is None:
@@ -508,6 +543,7 @@ class TcpConnection(Connection):
             if entry is None:
                 entry = _RecvEntry(None, None, total, tag, self._unexpected)
                 self._unexpected[tag] = entry
+                self._notify_arrival(self._loop, tag, meta)
             elif entry.total != total:
                 raise ProtocolError(f"parts of message {tag:#x} disagree on its size")
         entry.meta = meta
@@ -565,26 +601,31 @@ class TcpListener(Listener):
         self._partial = {}
         self._closed = False
         self._tasks: set[asyncio.Task[None]] = set()
-        self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop())
+        # Accepting from a readiness callback, not a task awaiting sock_accept: a task
+        # cancelled just after the kernel handed it a socket would drop that socket.
+        self._loop = asyncio.get_running_loop()
+        self._loop.add_reader(sock.fileno(), self._on_acceptable)
 
-    async def _accept_loop(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._closed:
+    def _on_acceptable(self) -> None:
+        for _ in range(_ACCEPT_BUDGET):
             try:
-                conn, addr = await loop.sock_accept(self._sock)
-            except asyncio.CancelledError:
-                raise
-            except OSError as exc:
-                if self._is_closed():  # close() may have run while we waited
-                    return
+                conn, addr = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:  # EMFILE and friends: say so, try again on next wake-up
                 log.warning("data listener accept failed: %s", exc)
-                await asyncio.sleep(0.01)
-                continue
-            task = loop.create_task(self._handshake(conn, addr))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
-            task.add_done_callback(functools.partial(self._left_gate, token))
+                return
+            conn.setblocking(False)
+            self._start_handshake(conn, addr)
+
+    def _start_handshake(self, conn: socket.socket, addr: Any) -> None:
+        task = self._loop.create_task(self._handshake(conn, addr))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        # cancelled before it ran, the handshake never reached its own cleanup
+        task.add_done_callback(functools.partial(_close_if_cancelled, conn))
+        token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
+        task.add_done_callback(functools.partial(self._left_gate, token))
 
     def _left_gate(self, token: int, _task: asyncio.Task[None]) -> None:
         self._gate.leave(token)
@@ -656,9 +697,6 @@ class TcpListener(Listener):
         for sock in group.values():
             sock.close()
 
-    def _is_closed(self) -> bool:
-        return self._closed
-
     async def accept(self) -> tuple[bytes, Connection]:
         if self._closed:
             raise ClosedError("listener is closed")
@@ -672,7 +710,7 @@ class TcpListener(Listener):
         if self._closed:
             return
         self._closed = True
-        self._accept_task.cancel()
+        self._loop.remove_reader(self._sock.fileno())
         for task in self._tasks:
             task.cancel()
         for conn_id in list(self._partial):
@@ -683,6 +721,11 @@ class TcpListener(Listener):
             if item is not None:
                 item[1].abort()
         self._ready.put_nowait(None)
+
+
+def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
+    if task.cancelled():
+        sock.close()
 
 
 def _claims(index: int, nsocks: int, conn_id: int, hello: bytes) -> bytes:

@@ -1,0 +1,179 @@
+"""Ranks that disagree on what they run (issue 6.4): every case ends quickly in
+``InvalidUsage`` naming the disagreement on every rank, and no rank returns success from
+a call its peers did not make."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll.testing import run_ranks
+
+Call = Callable[[acoll.Communicator], Awaitable[Any]]
+QUICK = 5.0  # seconds: far below the deadline of the communicators below
+DEADLINE = 30.0
+
+
+async def _outcomes(n: int, calls: dict[int, Call], default: Call) -> list[BaseException]:
+    """Run ``calls[rank]`` (else ``default``) on each of ``n`` ranks; return what each
+    raised (asserting that none succeeded), within :data:`QUICK` seconds."""
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(n, uid, r, timeout=DEADLINE)
+                                   for r in range(n)))
+    t = time.monotonic()
+    try:
+        results = await asyncio.gather(*(calls.get(c.rank, default)(c) for c in comms),
+                                       return_exceptions=True)
+    finally:
+        for c in comms:
+            c.abort()
+    elapsed = time.monotonic() - t
+    assert all(isinstance(r, BaseException) for r in results), \
+        f"a rank returned success from a call its peers did not make: {results}"
+    assert elapsed < QUICK, f"took {elapsed:.1f} s: detected at the deadline, not at once"
+    return list(results)  # type: ignore[arg-type]
+
+
+def _f32(n: int) -> Call:
+    return lambda c: c.all_reduce(np.ones(n, np.float32))
+
+
+async def test_counts_that_pick_different_algorithms() -> None:
+    out = await _outcomes(2, {0: _f32(1000)}, _f32(100_000))
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("count 1000 vs 100000" in str(e) or "count 100000 vs 1000" in str(e)
+               for e in out), out
+
+
+async def test_zero_elements_on_some_ranks() -> None:
+    out = await _outcomes(4, {0: _f32(0), 1: _f32(0)}, _f32(5))
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("count" in str(e) for e in out), out
+
+
+@pytest.mark.parametrize("other", ["broadcast", "all_gather", "barrier", "reduce",
+                                   "reduce_scatter", "all_to_all"])
+async def test_one_rank_in_another_collective(other: str) -> None:
+    calls: dict[str, Call] = {
+        "broadcast": lambda c: c.broadcast(np.ones(8, np.float32), root=1),
+        "all_gather": lambda c: c.all_gather(np.ones(2, np.float32),
+                                             np.ones(8, np.float32)),
+        "barrier": lambda c: c.barrier(),
+        "reduce": lambda c: c.reduce(np.ones(8, np.float32), root=2),
+        "reduce_scatter": lambda c: c.reduce_scatter(np.ones(8, np.float32),
+                                                     np.ones(2, np.float32)),
+        "all_to_all": lambda c: c.all_to_all(np.ones(8, np.float32),
+                                             np.ones(8, np.float32)),
+    }
+    out = await _outcomes(4, {3: calls[other]}, _f32(8))
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("mismatch" in str(e) for e in out), out
+
+
+async def _send_then_barrier(c: acoll.Communicator) -> None:
+    """A send completes once the bytes are handed over (eagerly, before the peer posts
+    its recv); the sender learns of the disagreement at its next call."""
+    await c.send(np.ones(8, np.float32), 1)
+    await asyncio.sleep(0.5)
+    await c.barrier()
+
+
+async def test_one_rank_in_send_while_the_others_all_reduce() -> None:
+    out = await _outcomes(4, {0: _send_then_barrier}, _f32(8))
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("send/recv" in str(e) for e in out), out
+
+
+async def test_send_and_recv_issued_at_different_places() -> None:
+    """Rank 0 sends before the all-reduce, rank 1 receives after it (an order that
+    deadlocks with blocking sends): reported on the receiver, and on the sender at the
+    latest at its next call."""
+    async def sender(c: acoll.Communicator) -> None:
+        await c.send(np.ones(4, np.float32), 1)
+        try:
+            await c.all_reduce(np.ones(4, np.float32))
+        except acoll.InvalidUsage:
+            raise
+        await asyncio.sleep(0.5)
+        await c.barrier()
+
+    async def receiver(c: acoll.Communicator) -> None:
+        await c.all_reduce(np.ones(4, np.float32))
+        await c.recv(np.ones(4, np.float32), 0)
+
+    out = await _outcomes(2, {0: sender, 1: receiver}, sender)
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("order" in str(e) or "issued after collective" in str(e) for e in out), out
+
+
+async def test_recv_waiting_for_a_peer_that_moved_on() -> None:
+    async def receiver(c: acoll.Communicator) -> None:
+        await c.recv(np.ones(4, np.float32), 1)
+        await c.all_reduce(np.ones(4, np.float32))
+
+    async def other(c: acoll.Communicator) -> None:
+        await c.all_reduce(np.ones(4, np.float32))
+        await c.send(np.ones(4, np.float32), 0)
+
+    out = await _outcomes(2, {0: receiver, 1: other}, other)
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+
+
+async def test_different_algorithm_settings_are_named() -> None:
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=DEADLINE)
+                                   for r in range(2)))
+    comms[0]._algo = "ring"
+    comms[1]._algo = "rd"
+    t = time.monotonic()
+    out = await asyncio.gather(*(c.all_reduce(np.ones(64, np.float32)) for c in comms),
+                               return_exceptions=True)
+    for c in comms:
+        c.abort()
+    assert time.monotonic() - t < QUICK
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("algorithm" in str(e) for e in out), out
+
+
+async def test_close_while_the_others_are_in_a_collective() -> None:
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(3, uid, r, timeout=DEADLINE)
+                                   for r in range(3)))
+    t = time.monotonic()
+    out = await asyncio.gather(comms[0].close(), *(c.all_reduce(np.ones(8)) for c in comms[1:]),
+                               return_exceptions=True)
+    for c in comms:
+        c.abort()
+    assert time.monotonic() - t < QUICK
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("rank 0 closed the communicator while rank" in str(e) for e in out[1:]), out
+
+
+async def test_close_that_cannot_complete_raises() -> None:
+    """Issue 7: closing two ranks one after the other in one task used to wait for the
+    deadline and then return as if it had worked."""
+    async def fn(comm: acoll.Communicator) -> None:
+        return None
+
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=1.0) for r in range(2)))
+    with pytest.raises(acoll.TimeoutError, match="waiting for rank 1"):
+        await comms[0].close()
+    await asyncio.sleep(0.1)
+    assert isinstance(comms[1].error, acoll.TimeoutError)  # told by rank 0
+    t = time.monotonic()
+    await comms[1].close()  # a failed communicator is released at once, without raising
+    assert time.monotonic() - t < 1.0
+    assert await run_ranks(1, fn) == [None]
+
+
+async def test_unawaited_posted_receive_mismatch_fails_at_once() -> None:
+    """A size error on a receive the algorithm has not reached yet is acted on at once."""
+    out = await _outcomes(2, {0: _f32(3 << 20)}, _f32((3 << 20) + 4096))
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
