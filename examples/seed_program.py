@@ -1,31 +1,52 @@
-"""The seed article's program, ported to acoll.
+"""The seed article's MPI + NCCL program ("several devices per process"), ported to acoll.
 
-The original (NCCL + MPI): every process computes its *local rank* by hashing host names
-(DJB2a over the name cut at the first '.') and all-gathering the hashes; rank 0 makes the
-unique id and MPI_Bcast's it; every rank calls ncclCommInitRank, all-reduces a float
-buffer, synchronises and destroys the communicator.
+Run it under MPI (needs Open MPI or MPICH and ``pip install 'acoll[mpi]'``)::
 
-Here the processes come from ``acoll-run -n N -- python examples/seed_program.py`` and the
-id travels out of band through a file (any channel works: it is 128 opaque bytes).
+    mpirun -np 2 python examples/seed_program.py
+    mpirun -np 2 python examples/seed_program.py --per-process 2 --count 1048576
+
+(as root Open MPI also wants ``--allow-run-as-root``; with more ranks than cores,
+``--oversubscribe``).
+
+What it does, step by step as the original:
+
+1. MPI gives each process its rank and the number of processes.
+2. The *local rank* (index among the processes on this host) comes from host-name hashes:
+   DJB2a over the name cut at the first '.', all-gathered with ``MPI_Allgather``.
+3. Process 0 makes the unique id (``acoll.get_unique_id()``) and ``MPI_Bcast``'s its 128
+   bytes; the others rebuild it with ``acoll.UniqueId.from_bytes``. No pickle: the id
+   travels as a raw byte buffer.
+4. Each process drives ``D`` communicator ranks ("devices"), ranks ``rank * D + i`` of
+   ``nprocs * D``, initialised together (``ncclGroupStart``/``ncclCommInitRank``/
+   ``ncclGroupEnd`` in the original; here ``asyncio.gather`` in one event loop).
+5. Each rank all-reduces a buffer of ones (SUM) and checks every element equals the number
+   of ranks; then the communicators are closed (``ncclCommDestroy``).
+
+Devices: acoll moves host (NumPy) memory today; ``init_rank(device=...)`` raises
+``InvalidUsage`` until the CUDA transport exists. So ``USE_GPUS`` is ``False`` and each
+"device" is a host buffer, ``--per-process`` of them (default 1). When GPU communicators
+land, set ``USE_GPUS = True``: ``D`` becomes the number of visible GPUs, slot ``i`` of local
+rank ``l`` uses GPU ``l * D + i`` as in the original, and the buffers become CuPy arrays.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
-import os
 import socket
 import sys
-import tempfile
-import time
-from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 import acoll
 
+#: Flip once acoll has GPU communicators (init_rank(device=...)); see the module doc.
+USE_GPUS = False
+
 
 def host_hash(name: str) -> int:
-    """DJB2a over the host name up to the first '.'."""
+    """DJB2a over the host name up to the first '.' (64-bit, as the original's uint64_t)."""
     h = 5381
     for ch in name.split(".")[0].encode():
         h = ((h << 5) + h) ^ ch
@@ -33,53 +54,90 @@ def host_hash(name: str) -> int:
     return h
 
 
-def id_path(job: str) -> Path:
-    """Where rank 0 publishes the unique id for this job."""
-    return Path(tempfile.gettempdir()) / f"acoll-seed-{job}.id"
-
-
-def share_id_out_of_band(rank: int, job: str) -> acoll.UniqueId:
-    """Rank 0 makes the id and writes it; the others read it (our stand-in for MPI_Bcast)."""
-    path = id_path(job)
-    if rank == 0:
-        uid = acoll.get_unique_id()
-        tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(bytes(uid))
-        tmp.rename(path)
-        return uid
-    deadline = time.monotonic() + 30
-    while not path.exists():
-        if time.monotonic() > deadline:
-            raise SystemExit("rank 0 never published the unique id")
-        time.sleep(0.01)
-    return acoll.UniqueId.from_bytes(path.read_bytes())
-
-
-async def main() -> int:
-    rank = int(os.environ["ACOLL_RANK"])
-    nranks = int(os.environ["ACOLL_WORLD_SIZE"])
-    # The id is made by get_unique_id below; ACOLL_COMM_ID (set by acoll-run) would
-    # replace it, so drop it to follow the article's path.
-    job = os.environ.pop("ACOLL_COMM_ID").replace(":", "_").replace(".", "_")
-    uid = share_id_out_of_band(rank, job)
-    comm = await acoll.init_rank(nranks, uid, rank)
-    # Local rank from host hashes, exactly as the article's MPI program does.
-    hashes = np.zeros(nranks, dtype=np.uint64)
+def local_rank_of(mpi_comm: Any) -> int:
+    """This process's index among the processes on its host, via MPI_Allgather of hashes."""
+    rank, nprocs = mpi_comm.Get_rank(), mpi_comm.Get_size()
+    hashes = np.zeros(nprocs, dtype=np.uint64)
     mine = np.array([host_hash(socket.gethostname())], dtype=np.uint64)
-    await comm.all_gather(mine, hashes)
-    local_rank = int(np.sum(hashes[:rank] == mine[0]))
-    size = 32 * 1024 * 1024 // 4
-    send = np.ones(size, dtype=np.float32)
-    recv = np.zeros(size, dtype=np.float32)
-    await comm.all_reduce(send, recv, op=acoll.SUM)
-    ok = bool(np.all(recv == nranks))
-    print(f"rank {rank} (local rank {local_rank}): all_reduce of {size} floats "
-          f"{'ok' if ok else 'WRONG'}")
-    await comm.close()
+    mpi_comm.Allgather(mine, hashes)
+    return int(np.count_nonzero(hashes[:rank] == mine[0]))
+
+
+def share_unique_id(mpi_comm: Any) -> acoll.UniqueId:
+    """Process 0 makes the id; MPI_Bcast carries its 128 bytes to everyone."""
+    buf = np.zeros(128, dtype=np.uint8)
+    if mpi_comm.Get_rank() == 0:
+        buf[:] = np.frombuffer(bytes(acoll.get_unique_id()), dtype=np.uint8)
+    mpi_comm.Bcast(buf, root=0)
+    return acoll.UniqueId.from_bytes(buf.tobytes())
+
+
+def devices_per_process(requested: int) -> int:
+    if not USE_GPUS:
+        return requested
+    import cupy  # only with GPUs
+
+    count = int(cupy.cuda.runtime.getDeviceCount())
+    if count < 1:
+        raise SystemExit("USE_GPUS is set but no GPU is visible")
+    return count
+
+
+async def run_process(uid: acoll.UniqueId, rank: int, nprocs: int, local_rank: int,
+                      ndev: int, count: int) -> bool:
+    """Initialise this process's ``ndev`` ranks together, all-reduce, check, close."""
+    nranks = nprocs * ndev
+
+    async def init(i: int) -> acoll.Communicator:
+        device = local_rank * ndev + i if USE_GPUS else None
+        return await acoll.init_rank(nranks, uid, rank * ndev + i, device=device)
+
+    comms = await asyncio.gather(*(init(i) for i in range(ndev)))
+    try:
+        sends = [np.ones(count, dtype=np.float32) for _ in comms]
+        recvs = [np.zeros(count, dtype=np.float32) for _ in comms]
+        await asyncio.gather(*(c.all_reduce(s, r, op=acoll.SUM)
+                               for c, s, r in zip(comms, sends, recvs, strict=True)))
+        ok = [bool(np.all(r == nranks)) for r in recvs]
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await asyncio.gather(*(c.close() for c in comms))
+    for i, good in enumerate(ok):
+        print(f"rank {rank * ndev + i} of {nranks} (process {rank}, local rank {local_rank}, "
+              f"device {i}): all_reduce of {count} floats {'ok' if good else 'WRONG'}",
+              flush=True)
+    return all(ok)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-process", type=int, default=1, metavar="D",
+                        help="host 'devices' (communicator ranks) per process (default 1)")
+    parser.add_argument("--count", type=int, default=32 * 1024 * 1024,
+                        help="floats per buffer (default 32M, as the original)")
+    args = parser.parse_args(argv)
+    try:
+        from mpi4py import MPI
+    except ImportError:
+        print("seed_program.py needs mpi4py: pip install 'acoll[mpi]' (and an MPI library)",
+              file=sys.stderr)
+        return 2
+    world = MPI.COMM_WORLD
+    rank, nprocs = world.Get_rank(), world.Get_size()
+    local_rank = local_rank_of(world)
+    uid = share_unique_id(world)
+    ndev = devices_per_process(args.per_process)
+    ok = asyncio.run(run_process(uid, rank, nprocs, local_rank, ndev, args.count))
+    # Every process learns whether all succeeded (MPI_Allreduce of a flag, LAND).
+    flags = np.array([1 if ok else 0], dtype=np.int32)
+    world.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)
     if rank == 0:
-        await asyncio.to_thread(id_path(job).unlink, missing_ok=True)
-    return 0 if ok else 1
+        print(f"{'success' if flags[0] else 'FAILED'}: {nprocs} processes x {ndev} devices",
+              flush=True)
+    return 0 if flags[0] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main()))
+    sys.exit(main())

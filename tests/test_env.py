@@ -12,6 +12,7 @@ from acoll._env import (
     LaunchInfo,
     expand_nodelist,
     init_from_env,
+    ompi_port,
     ranks_from_env,
     slurm_port,
     tasks_per_node,
@@ -245,3 +246,42 @@ def test_init_from_env_calls_init_rank(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (nranks, rank, kw) == (2, 1, {"timeout": 5.0})
     assert uid == UniqueId.from_address("127.0.0.1:29501")
     assert uid.from_env
+
+
+def _ompi(**extra: str) -> dict[str, str]:
+    env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4",
+           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "4",
+           "PMIX_NAMESPACE": "1491075073"}
+    env.update(extra)
+    return env
+
+
+def test_openmpi_single_host_derives_a_loopback_root() -> None:
+    info = ranks_from_env(_ompi())
+    assert info.comm_id == f"127.0.0.1:{ompi_port('1491075073')}"
+    assert info.comm_id_from.startswith("single host")
+    # every rank of the job derives the same address; another job another port
+    assert ranks_from_env(_ompi(OMPI_COMM_WORLD_RANK="3",
+                                OMPI_COMM_WORLD_LOCAL_RANK="3")).comm_id == info.comm_id
+    assert ompi_port("1491075073") != ompi_port("1491075074")
+    assert 40000 <= ompi_port("x") < 60000
+
+
+def test_openmpi_jobid_fallback_and_explicit_address_wins() -> None:
+    env = _ompi(OMPI_MCA_ess_base_jobid="77")
+    del env["PMIX_NAMESPACE"]
+    assert ranks_from_env(env).comm_id == f"127.0.0.1:{ompi_port('77')}"
+    assert ranks_from_env(_ompi(ACOLL_COMM_ID="n1:9")).comm_id == "n1:9"
+
+
+def test_openmpi_across_hosts_says_what_to_pass() -> None:
+    with pytest.raises(InvalidUsage) as info:
+        ranks_from_env(_ompi(OMPI_COMM_WORLD_LOCAL_SIZE="2"))
+    text = str(info.value)
+    assert "several hosts" in text
+    assert "mpirun -x ACOLL_COMM_ID -x ACOLL_COMM_SECRET" in text
+
+
+def test_pmi_says_what_to_pass() -> None:
+    with pytest.raises(InvalidUsage, match=r"export ACOLL_COMM_ID=.*before mpiexec"):
+        ranks_from_env({"PMI_RANK": "0", "PMI_SIZE": "1", "PMI_LOCAL_SIZE": "1"})

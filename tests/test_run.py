@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import json
 import os
 import signal
@@ -304,3 +305,161 @@ def test_usage_error_from_the_command_line() -> None:
     res = launch("-n", "0", "--", PY, "-c", "pass")
     assert res.returncode == 2
     assert "-n/--nranks: must be >= 1" in res.stderr
+
+
+# --- blame: the first rank to fail, not the first to exit -----------------------------------
+
+# Ranks 0 and 1 fail *because* rank 2 left (an uncaught RemoteError naming it) and exit at
+# once; rank 2 exits 7 a moment later, as a real rank does while its interpreter shuts down.
+_CONSEQUENCE = (
+    "import os, sys, time\n"
+    "from acoll.errors import RemoteError\n"
+    "r = int(os.environ['ACOLL_RANK'])\n"
+    "mark = os.path.join(D, 'left')\n"
+    "if r == 2:\n"
+    "    open(mark, 'w').close()\n"
+    "    time.sleep(0.4)\n"
+    "    sys.exit(7)\n"
+    "while not os.path.exists(mark):\n"
+    "    time.sleep(0.01)\n"
+    "raise RemoteError('rank 2 is gone', 2)\n"
+)
+
+
+def test_rank_exiting_after_its_peers_is_still_blamed(tmp_path: Path) -> None:
+    for attempt in range(2):
+        folder = tmp_path / str(attempt)
+        folder.mkdir()
+        res = launch("-n", "3", "--", PY, "-c", f"D = {str(folder)!r}\n" + _CONSEQUENCE)
+        assert res.returncode == 7, res.stderr
+        [line] = [ln for ln in res.stderr.splitlines() if ln.startswith("acoll-run:")]
+        assert line.startswith("acoll-run: rank 2 (pid "), line
+        assert "exited with code 7" in line
+        assert "after losing a peer" in line  # ranks 0 and 1 really exited first
+
+
+def test_consequential_failure_is_blamed_when_nobody_else_failed(tmp_path: Path) -> None:
+    # Rank 1 ends cleanly; rank 0 then fails naming it: rank 0's own code is the job's.
+    code = ("import os, sys\n"
+            "from acoll.errors import RemoteError\n"
+            "if os.environ['ACOLL_RANK'] == '0':\n"
+            "    raise RemoteError('rank 1 is gone', 1)\n")
+    start = time.monotonic()
+    res = launch("-n", "2", "--", PY, "-c", code)
+    assert res.returncode == 1
+    assert "rank 0 (pid" in res.stderr
+    assert "exited with code 1 after losing rank 1" in res.stderr
+    assert time.monotonic() - start < acoll_run._BLAME_WAIT_S + 10
+
+
+def test_consequential_failure_waits_only_briefly_for_a_live_peer(pid_dir: Path) -> None:
+    # Rank 1 stays alive: rank 0's failure is blamed after the bounded wait, then 1 stopped.
+    body = ("record(f'rank{r}', os.getpid())\n"
+            "if r == 0:\n"
+            "    from acoll.errors import RemoteError\n"
+            "    raise RemoteError('rank 1 is gone', 1)\n"
+            "time.sleep(60)\n")
+    start = time.monotonic()
+    res = launch("-n", "2", "--", PY, "-c", rank_code(pid_dir, body))
+    elapsed = time.monotonic() - start
+    assert res.returncode == 1
+    assert "rank 0 (pid" in res.stderr
+    assert "after losing rank 1; stopping the other 1 rank" in res.stderr
+    assert acoll_run._BLAME_WAIT_S <= elapsed < acoll_run._BLAME_WAIT_S + 12
+    assert _wait_gone([int(f.read_text()) for f in pid_dir.glob("*.pid")]) == []
+
+
+# The issue's scenario with real communicators: the last rank leaves with sys.exit(7) inside
+# ``async with``; the others fail in their next all_reduce. Several jobs at once, so that
+# some of them see the peers exit first (they did in 3 to 6 of 10 runs before the fix).
+_REAL = (
+    "import asyncio, sys\n"
+    "import numpy as np\n"
+    "import acoll\n"
+    "async def main():\n"
+    "    async with await acoll.init_from_env() as comm:\n"
+    "        x = np.ones(1000, np.float32)\n"
+    "        for _ in range(20):\n"
+    "            await comm.all_reduce(x)\n"
+    "        if comm.rank == 2:\n"
+    "            sys.exit(7)\n"
+    "        for _ in range(20):\n"
+    "            await comm.all_reduce(x)\n"
+    "asyncio.run(main())\n"
+)
+
+
+def test_real_job_blames_the_rank_that_left() -> None:
+    jobs = 4
+    env = {**os.environ, "ACOLL_TIMEOUT": "20"}
+    procs = [subprocess.Popen([PY, "-m", "acoll.run", "-n", "3", "--", PY, "-c", _REAL],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(jobs)]
+    results = []
+    for proc in procs:
+        try:
+            _out, err = proc.communicate(timeout=60)
+        finally:
+            proc.kill()
+        results.append((proc.returncode, [ln for ln in err.splitlines()
+                                          if ln.startswith("acoll-run:")]))
+    for code, lines in results:
+        assert code == 7, (code, lines)
+        assert len(lines) == 1
+        assert lines[0].startswith("acoll-run: rank 2 (pid "), lines
+
+
+# --- the job's secret ------------------------------------------------------------------------
+
+_SHOW_SECRET = ("import json, os\n"
+                "print(json.dumps([os.environ.get('ACOLL_COMM_SECRET'),"
+                " os.environ.get('ACOLL_COMM_SECRET_FILE'),"
+                " open('/proc/self/cmdline', 'rb').read().decode(errors='replace')]))\n")
+
+
+def _secrets(env: dict[str, str]) -> list[list[str | None]]:
+    res = launch("-n", "3", "--", PY, "-c", _SHOW_SECRET, env=env)
+    assert res.returncode == 0, res.stderr
+    return [json.loads(line.partition("] ")[2]) for line in res.stdout.splitlines()]
+
+
+def test_every_rank_gets_one_random_secret_per_job() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in acoll_run._SECRET_VARS}
+    first, second = _secrets(env), _secrets(env)
+    for seen in (first, second):
+        assert len(seen) == 3
+        values = {s for s, _f, _c in seen}
+        assert len(values) == 1
+        [secret] = values
+        assert secret is not None
+        assert len(secret) == 64
+        assert int(secret, 16) >= 0
+        assert all(f is None for _s, f, _c in seen)
+        assert all(secret not in cmdline for _s, _f, cmdline in seen)  # environment only
+    assert first[0][0] != second[0][0]
+
+
+@pytest.mark.parametrize("var", ["ACOLL_COMM_SECRET", "ACOLL_COMM_SECRET_FILE"])
+def test_secret_from_the_launchers_environment_passes_through(var: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in acoll_run._SECRET_VARS}
+    env[var] = "given-by-user"
+    seen = _secrets(env)
+    expect = ["given-by-user", None] if var == "ACOLL_COMM_SECRET" else [None, "given-by-user"]
+    assert [s[:2] for s in seen] == [expect] * 3
+
+
+def test_find_remote_error_follows_causes_and_groups() -> None:
+    from acoll._exitreport import find_remote_error
+    from acoll.errors import RemoteError
+
+    remote = RemoteError("rank 3 is gone", 3)
+    wrapped = RuntimeError("wrapped")
+    wrapped.__cause__ = remote
+    outer = ValueError("while handling")
+    outer.__context__ = wrapped
+    assert find_remote_error(outer) is remote
+    group_type = getattr(builtins, "BaseExceptionGroup", None)  # Python >= 3.11
+    if group_type is not None:
+        assert find_remote_error(group_type("g", [ValueError(), remote])) is remote
+    assert find_remote_error(ValueError("plain")) is None
+    assert find_remote_error(None) is None

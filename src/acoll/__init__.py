@@ -14,7 +14,9 @@ from . import errors
 from ._communicator import Communicator, get_unique_id, init_rank
 from ._dtypes import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ._env import init_from_env
+from ._exitreport import install as _install_exit_report
 from ._uid import UniqueId
+from ._version import __version__ as __version__
 from .errors import (
                      AcollError,
                      BootstrapError,
@@ -26,7 +28,7 @@ from .errors import (
                      TransportError,
 )
 
-__version__ = "0.1.0"
+_install_exit_report()
 
 __all__ = [
     "AVG",

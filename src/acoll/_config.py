@@ -6,9 +6,21 @@ environment variable -> default*, and logs the choice at ``ACOLL_DEBUG=INFO``.
 
 Logging goes through the stdlib :mod:`logging` module under the ``acoll`` logger, with one
 child per subsystem (``acoll.INIT``, ``acoll.BOOTSTRAP``, ``acoll.NET``, ``acoll.COLL``,
-``acoll.ENV``). ``ACOLL_DEBUG`` (``WARN``, ``INFO``, ``TRACE``) attaches a stderr handler;
+``acoll.ENV``). ``ACOLL_DEBUG`` attaches a stderr handler, as ``NCCL_DEBUG`` does:
+
+* ``VERSION``: only the line ``acoll <version>``; ``WARN``: that and warnings; ``INFO``: also
+  progress and every setting's resolved value; ``TRACE``: everything.
+* ``1``/``true``/``yes``/``on`` mean ``INFO``; ``0``/``false``/``no``/``off`` or empty mean
+  off. Any other value is treated as ``WARN`` and a warning says so (importing acoll never
+  fails because of it).
+* Whenever the handler is attached, ``acoll <version>`` is printed once per process (at
+  import).
+
 ``ACOLL_DEBUG_SUBSYS`` (comma list, ``^`` prefix to exclude, ``ALL``) filters subsystems.
 Applications that configure logging themselves can leave ``ACOLL_DEBUG`` unset.
+
+Each setting's value is logged at INFO once per process (again only if it changes); repeated
+resolutions of the same value are logged at TRACE.
 """
 
 from __future__ import annotations
@@ -20,6 +32,7 @@ import sys
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from ._version import __version__
 from .errors import InvalidUsage
 
 __all__ = ["Setting", "get_logger", "parse_bool", "parse_seconds"]
@@ -28,9 +41,15 @@ T = TypeVar("T")
 
 TRACE = 5
 logging.addLevelName(TRACE, "TRACE")
+#: The level of the version line: shown at ``ACOLL_DEBUG=VERSION`` and every lower level.
+VERSION = logging.WARNING + 5
+logging.addLevelName(VERSION, "VERSION")
 SUBSYSTEMS = ("INIT", "BOOTSTRAP", "NET", "COLL", "ENV", "P2P")
 _LEVELS = {"WARN": logging.WARNING, "WARNING": logging.WARNING, "INFO": logging.INFO,
-           "TRACE": TRACE, "DEBUG": logging.DEBUG, "VERSION": logging.WARNING}
+           "TRACE": TRACE, "DEBUG": logging.DEBUG, "VERSION": VERSION,
+           "1": logging.INFO, "TRUE": logging.INFO, "YES": logging.INFO, "ON": logging.INFO}
+_OFF = ("", "0", "FALSE", "NO", "OFF")
+_version_logged = False
 
 
 def get_logger(subsys: str) -> logging.Logger:
@@ -52,19 +71,36 @@ class _SubsysFilter(logging.Filter):
         return not hit if self.exclude else hit
 
 
+def debug_level(text: str | None) -> tuple[int | None, bool]:
+    """``(level, known)`` for an ``ACOLL_DEBUG`` value; level ``None`` means off.
+
+    Unknown text gives ``(logging.WARNING, False)``; never raises.
+    """
+    key = (text or "").strip().upper()
+    if key in _OFF:
+        return None, True
+    level = _LEVELS.get(key)
+    return (logging.WARNING, False) if level is None else (level, True)
+
+
 def configure_logging(environ: dict[str, str] | None = None) -> None:
-    """Attach acoll's stderr handler according to ``ACOLL_DEBUG``/``ACOLL_DEBUG_SUBSYS``."""
+    """Attach acoll's stderr handler according to ``ACOLL_DEBUG``/``ACOLL_DEBUG_SUBSYS``.
+
+    Never raises on bad values (see the module doc); prints ``acoll <version>`` once per
+    process when the handler is attached.
+    """
+    global _version_logged
     env = os.environ if environ is None else environ
-    level_name = env.get("ACOLL_DEBUG", "").strip().upper()
+    text = env.get("ACOLL_DEBUG", "")
     root = logging.getLogger("acoll")
-    for h in list(root.handlers):
-        if getattr(h, "_acoll", False):
-            root.removeHandler(h)
-    if not level_name:
-        return
-    level = _LEVELS.get(level_name)
+    ours = [h for h in root.handlers if getattr(h, "_acoll", False)]
+    for h in ours:
+        root.removeHandler(h)
+    level, known = debug_level(text)
     if level is None:
-        raise InvalidUsage(f"ACOLL_DEBUG={level_name!r}: expected one of WARN, INFO, TRACE")
+        if ours:
+            root.setLevel(logging.NOTSET)
+        return
     handler = logging.StreamHandler(sys.stderr)
     handler._acoll = True  # type: ignore[attr-defined]
     host = socket.gethostname().split(".")[0]
@@ -73,6 +109,12 @@ def configure_logging(environ: dict[str, str] | None = None) -> None:
     handler.addFilter(_SubsysFilter(env.get("ACOLL_DEBUG_SUBSYS", "ALL")))
     root.addHandler(handler)
     root.setLevel(level)
+    if not _version_logged:
+        _version_logged = True
+        get_logger("INIT").log(VERSION, "acoll %s", __version__)
+    if not known:
+        get_logger("ENV").warning("ACOLL_DEBUG=%r is not one of VERSION, WARN, INFO, TRACE "
+                                  "(or 1/0); using WARN", text.strip())
 
 
 def parse_bool(text: str) -> bool:
@@ -112,6 +154,8 @@ class Setting(Generic[T]):
     """
 
     registry: dict[str, Setting[object]] = {}
+    #: name -> (origin, repr(value)) last logged at INFO (settings are logged once each).
+    logged: dict[str, tuple[str, str]] = {}
 
     def __init__(self, name: str, parse: Callable[[str], T], default: T, doc: str,
                  subsys: str = "ENV") -> None:
@@ -134,9 +178,8 @@ class Setting(Generic[T]):
         Raises:
             InvalidUsage: the environment variable holds text ``parse`` rejects.
         """
-        log = get_logger(self.subsys)
         if value is not None:
-            log.info("%s = %r (argument)", self.env_name, value)
+            self._log(value, "argument")
             return value
         text = self.raw()
         if text is not None:
@@ -144,10 +187,19 @@ class Setting(Generic[T]):
                 parsed = self.parse(text)
             except (ValueError, TypeError) as exc:
                 raise InvalidUsage(f"{self.env_name}={text!r} is invalid: {exc}") from exc
-            log.info("%s = %r (environment)", self.env_name, parsed)
+            self._log(parsed, "environment")
             return parsed
-        log.debug("%s = %r (default)", self.env_name, self.default)
+        self._log(self.default, "default")
         return self.default
+
+    def _log(self, value: object, origin: str) -> None:
+        """INFO the first time (and when the value or its origin changes), TRACE after."""
+        key = (origin, repr(value))
+        first = Setting.logged.get(self.name) != key
+        if first:
+            Setting.logged[self.name] = key
+        get_logger(self.subsys).log(logging.INFO if first else TRACE, "%s = %r (%s)",
+                                    self.env_name, value, origin)
 
 
 TIMEOUT = Setting("TIMEOUT", parse_seconds, 300.0,

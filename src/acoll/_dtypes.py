@@ -8,6 +8,7 @@ ml_dtypes' own loops), as NCCL does; AVG divides the sum in float32 for them.
 
 from __future__ import annotations
 
+import ctypes
 import enum
 from typing import Any
 
@@ -132,7 +133,9 @@ def check_op_dtype(op: ReduceOp, dt: np.dtype[Any], coll: str) -> None:
 def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray[Any]:
     """A 1-D view (no copy) of a contiguous host buffer with a supported dtype.
 
-    Accepts NumPy arrays, objects with ``__dlpack__`` on the CPU (torch tensors...), and
+    Accepts NumPy arrays, objects with ``__dlpack__`` on the CPU (torch tensors...,
+    bfloat16 included: NumPy cannot import bf16 DLTensors, so they are viewed as uint16 and
+    reinterpreted as ``ml_dtypes.bfloat16``), objects with ``__array_interface__``, and
     anything with the buffer protocol.
 
     Raises:
@@ -145,10 +148,12 @@ def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray
         raise InvalidUsage(f"{what} is a GPU buffer; this communicator moves host memory "
                            "(GPU buffers need a communicator created with device=...)")
     elif hasattr(obj, "__dlpack__"):
+        arr = _from_dlpack(obj, what)
+    elif hasattr(obj, "__array_interface__"):
         try:
-            arr = np.from_dlpack(obj)
-        except (BufferError, TypeError, RuntimeError) as exc:
-            raise InvalidUsage(f"{what}: cannot view it as host memory: {exc}") from exc
+            arr = np.asarray(obj)
+        except (TypeError, ValueError) as exc:
+            raise InvalidUsage(f"{what}: bad __array_interface__: {exc}") from exc
     else:
         try:
             arr = np.asarray(memoryview(obj))
@@ -160,6 +165,81 @@ def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray
         raise InvalidUsage(f"{what} is read-only")
     dtype_code(arr.dtype) if arr.dtype in DTYPES else _bad_dtype(arr.dtype, what)
     return arr.reshape(-1, order="A")
+
+
+# DLPack (dlpack.h): DLDeviceType kDLCPU and DLDataTypeCode kDLUInt, kDLBfloat.
+_KDLCPU, _KDLUINT, _KDLBFLOAT = 1, 1, 4
+_PTR = ctypes.sizeof(ctypes.c_void_p)
+# Offset of DLTensor.dtype in DLTensor: after void* data, DLDevice {int32, int32}, int32 ndim.
+_DTYPE_IN_TENSOR = _PTR + 8 + 4
+# Where the DLTensor starts in each capsule's struct: DLManagedTensor ("dltensor") begins
+# with it; DLManagedTensorVersioned ("dltensor_versioned", DLPack >= 1.0) puts it after
+# DLPackVersion {uint32, uint32}, void* manager_ctx, the deleter and uint64 flags.
+_CAPSULES = {b"dltensor_versioned": 8 + 2 * _PTR + 8, b"dltensor": 0}
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+_capsule_pointer = ctypes.pythonapi.PyCapsule_GetPointer
+_capsule_pointer.restype = ctypes.c_void_p
+_capsule_pointer.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_capsule_is_valid = ctypes.pythonapi.PyCapsule_IsValid
+_capsule_is_valid.restype = ctypes.c_int
+_capsule_is_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+
+
+class _Capsule:
+    """Hands NumPy one already-exported DLPack capsule (the DLPack consumer protocol)."""
+
+    def __init__(self, capsule: object) -> None:
+        self.capsule = capsule
+
+    def __dlpack__(self, **_kw: Any) -> object:
+        return self.capsule
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (_KDLCPU, 0)
+
+
+def _from_dlpack(obj: Any, what: str) -> npt.NDArray[Any]:
+    """View a CPU DLPack exporter as an array; bfloat16 through a uint16 relabelling."""
+    try:
+        device = obj.__dlpack_device__()
+    except (AttributeError, TypeError, BufferError):
+        device = None
+    if device is not None and int(device[0]) != _KDLCPU:
+        raise InvalidUsage(f"{what} is not in host memory (DLPack device {tuple(device)}); "
+                           "this communicator moves host memory")
+    try:
+        return np.from_dlpack(obj)
+    except (BufferError, TypeError, RuntimeError) as exc:
+        first = exc
+    # NumPy knows no bfloat16. Export a capsule ourselves (versioned if the producer can:
+    # it carries the read-only flag); if it holds bf16, mark it uint16 (same size; the
+    # producer's deleter never reads the dtype) and let NumPy import that.
+    try:
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0
+            capsule = obj.__dlpack__()
+    except (BufferError, TypeError, RuntimeError) as exc:
+        raise InvalidUsage(f"{what}: cannot view it as host memory: {exc}") from exc
+    name = next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
+    if name is None:
+        raise InvalidUsage(f"{what}: cannot view it as host memory: {first}") from first
+    tensor = _capsule_pointer(capsule, name) + _CAPSULES[name]
+    dtype = _DLDataType.from_address(tensor + _DTYPE_IN_TENSOR)
+    if (dtype.code, dtype.bits, dtype.lanes) != (_KDLBFLOAT, 16, 1):
+        raise InvalidUsage(f"{what}: cannot view it as host memory: {first}") from first
+    dtype.code = _KDLUINT
+    relabelled: Any = _Capsule(capsule)
+    try:
+        raw = np.from_dlpack(relabelled)
+    except (BufferError, TypeError, RuntimeError) as exc:
+        raise InvalidUsage(f"{what}: cannot view it as host memory: {exc}") from exc
+    return raw.view(BFLOAT16)
 
 
 def _bad_dtype(dt: np.dtype[Any], what: str) -> None:

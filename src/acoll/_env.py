@@ -24,12 +24,24 @@ The root's address (``comm_id``), for every source: ``ACOLL_COMM_ID`` if set; el
 torch.distributed's store: torchrun's agent listens there); else, under Slurm only, the first
 host of ``SLURM_STEP_NODELIST``/``SLURM_JOB_NODELIST``/``SLURM_NODELIST`` (where task 0 runs
 with Slurm's block and cyclic distributions) and a port derived from ``SLURM_JOB_ID`` and
-``SLURM_STEP_ID``.
+``SLURM_STEP_ID``; else, under Open MPI only and only when every rank is on one host
+(``OMPI_COMM_WORLD_LOCAL_SIZE == OMPI_COMM_WORLD_SIZE``), ``127.0.0.1`` and a port derived
+from the job's ``PMIX_NAMESPACE`` (or ``OMPI_MCA_ess_base_jobid``), the same on every rank
+and different for concurrent jobs. Open MPI does not say on which host rank 0 runs, so
+across hosts (and under PMI, which names no job either) the address must be passed::
+
+    export ACOLL_COMM_ID=<host of rank 0>:29400
+    export ACOLL_COMM_SECRET=$(python -c 'import os; print(os.urandom(32).hex())')
+    mpirun -x ACOLL_COMM_ID -x ACOLL_COMM_SECRET -np 4 python prog.py
+
+(``-x NAME`` forwards the variable's value from mpirun's environment, so the secret never
+appears on a command line; ``MASTER_ADDR``/``MASTER_PORT`` work too.)
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import os
 import re
 from collections.abc import Iterator, Mapping
@@ -43,7 +55,7 @@ from .errors import InvalidUsage
 if TYPE_CHECKING:
     from ._communicator import Communicator
 
-__all__ = ["LaunchInfo", "expand_nodelist", "init_from_env", "ranks_from_env",
+__all__ = ["LaunchInfo", "expand_nodelist", "init_from_env", "ompi_port", "ranks_from_env",
            "slurm_port", "tasks_per_node"]
 
 #: Offset from ``MASTER_PORT`` to the port acoll's root uses.
@@ -51,6 +63,9 @@ MASTER_PORT_OFFSET = 1
 #: Derived Slurm ports lie in ``[SLURM_PORT_BASE, SLURM_PORT_BASE + SLURM_PORT_SPAN)``.
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
+#: Derived single-host Open MPI ports lie in ``[OMPI_PORT_BASE, OMPI_PORT_BASE + SPAN)``.
+OMPI_PORT_BASE = 40000
+OMPI_PORT_SPAN = 20000
 
 _log = get_logger("ENV")
 
@@ -268,6 +283,28 @@ def _slurm_comm_id(env: Mapping[str, str]) -> str | None:
     return _format_address(host, slurm_port(job_id, step))
 
 
+# --- Open MPI helpers ----------------------------------------------------------------------
+
+def ompi_port(job: str) -> int:
+    """The root port derived from an Open MPI job's name (same on every rank of the job)."""
+    digest = hashlib.blake2b(job.encode(), digest_size=4).digest()
+    return OMPI_PORT_BASE + int.from_bytes(digest, "big") % OMPI_PORT_SPAN
+
+
+def _ompi_comm_id(env: Mapping[str, str], world_size: int,
+                  local_size: int | None) -> str | None:
+    """``127.0.0.1:<port>`` for a single-host Open MPI job, else ``None``."""
+    job = _get(env, "PMIX_NAMESPACE") or _get(env, "OMPI_MCA_ess_base_jobid")
+    if job is None or local_size != world_size:
+        return None
+    return _format_address("127.0.0.1", ompi_port(job))
+
+
+_MPI_HINT = ("pass the root's address to every rank, e.g. `export ACOLL_COMM_ID=<host of "
+             "rank 0>:29400` and `mpirun -x ACOLL_COMM_ID -x ACOLL_COMM_SECRET ...` "
+             "(or MASTER_ADDR/MASTER_PORT)")
+
+
 # --- the root's address --------------------------------------------------------------------
 
 def _format_address(host: str, port: int) -> str:
@@ -275,7 +312,8 @@ def _format_address(host: str, port: int) -> str:
     return f"[{bare}]:{port}" if ":" in bare else f"{bare}:{port}"
 
 
-def _comm_id(env: Mapping[str, str], source: str) -> tuple[str, str]:
+def _comm_id(env: Mapping[str, str], source: str, world_size: int,
+             local_size: int | None) -> tuple[str, str]:
     """Return ``(comm_id, where)``; ``where`` names the variables it came from."""
     text = _get(env, "ACOLL_COMM_ID")
     if text is not None:
@@ -302,6 +340,22 @@ def _comm_id(env: Mapping[str, str], source: str) -> tuple[str, str]:
         raise InvalidUsage(
             "slurm: no root address: set ACOLL_COMM_ID=host:port or MASTER_ADDR/MASTER_PORT, "
             "or run inside a job step (SLURM_JOB_NODELIST and SLURM_JOB_ID)")
+    if source == "openmpi":
+        derived = _ompi_comm_id(env, world_size, local_size)
+        if derived is not None:
+            return derived, "single host: PMIX_NAMESPACE/OMPI_MCA_ess_base_jobid"
+        why = ("the ranks span several hosts (OMPI_COMM_WORLD_LOCAL_SIZE < "
+               "OMPI_COMM_WORLD_SIZE) and Open MPI does not say where rank 0 runs"
+               if local_size is not None and local_size < world_size else
+               "it can only be derived for a single-host job with OMPI_COMM_WORLD_LOCAL_SIZE "
+               "and PMIX_NAMESPACE set")
+        raise InvalidUsage(f"openmpi: no root address: ACOLL_COMM_ID and "
+                           f"MASTER_ADDR/MASTER_PORT are unset, and {why}; {_MPI_HINT}")
+    if source == "pmi":
+        raise InvalidUsage("pmi: no root address: ACOLL_COMM_ID and MASTER_ADDR/MASTER_PORT "
+                           "are unset; export ACOLL_COMM_ID=<host of rank 0>:29400 (and "
+                           "ACOLL_COMM_SECRET) before mpiexec, which forwards the environment "
+                           "(Hydra: -genvlist ACOLL_COMM_ID,ACOLL_COMM_SECRET)")
     raise InvalidUsage(
         f"{source}: no root address: set ACOLL_COMM_ID=host:port or MASTER_ADDR/MASTER_PORT")
 
@@ -351,7 +405,7 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
         if local_rank >= local_size:
             raise InvalidUsage(f"{local_name}={local_rank} must be < {lsize_name}={local_size}")
 
-    comm_id, where = _comm_id(env, src.name)
+    comm_id, where = _comm_id(env, src.name, world_size, local_size)
     return LaunchInfo(rank, world_size, local_rank, local_size, comm_id, src.name, where)
 
 

@@ -14,9 +14,17 @@ Contract:
 * Output is forwarded line by line with a ``[rank R] `` prefix, stdout to stdout and stderr
   to stderr (``--no-prefix``: the ranks write to the launcher's stdout/stderr directly).
   ``PYTHONUNBUFFERED=1`` is set for the ranks unless already set, so Python output is live.
-* The first rank to exit non-zero (or die by a signal) ends the job: the others get SIGTERM,
-  then SIGKILL after ``--grace`` seconds, and the launcher exits with that rank's code
-  (``128 + signal`` for a signal), naming the rank on stderr.
+* ``ACOLL_COMM_SECRET`` is set for every rank to one random 64-hex-digit value per job
+  (``os.urandom(32)``; passed in the environment only, never on a command line), unless the
+  launcher's own environment has ``ACOLL_COMM_SECRET`` or ``ACOLL_COMM_SECRET_FILE``: those
+  reach the ranks unchanged.
+* The first rank to fail ends the job: the others get SIGTERM, then SIGKILL after
+  ``--grace`` seconds, and the launcher exits with that rank's code (``128 + signal`` for a
+  signal), naming the rank on stderr. A rank that failed *because a peer was lost* (an
+  uncaught :class:`~acoll.errors.RemoteError`, reported through ``ACOLL_RUN_REPORT``, see
+  :mod:`acoll._exitreport`) often exits before the peer that caused it; so such an exit is
+  blamed only if no other rank exits non-zero for another reason within ``_BLAME_WAIT_S``
+  seconds (nothing is stopped meanwhile).
 * SIGINT/SIGTERM/SIGHUP to the launcher are forwarded to every rank (SIGKILL follows after
   ``--grace``; a second signal kills at once); the launcher then exits ``128 + signal``.
 * ``--timeout S``: after ``S`` seconds the job is stopped the same way and the launcher
@@ -30,14 +38,18 @@ import argparse
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import IO
 
+from ._exitreport import ENV_VAR as _REPORT_VAR
+from ._exitreport import read_report
 from ._uid import parse_host_port
 from .errors import InvalidUsage
 
@@ -46,6 +58,8 @@ __all__ = ["main"]
 EXIT_TIMEOUT = 124
 _MAX_LINE = 1 << 16  # a partial line longer than this is forwarded without waiting for "\n"
 _DRAIN_S = 2.0  # how long output is still read after every rank has exited
+_BLAME_WAIT_S = 2.0  # how long a consequential failure waits for the rank that caused it
+_SECRET_VARS = ("ACOLL_COMM_SECRET", "ACOLL_COMM_SECRET_FILE")
 _PROG = "acoll-run"
 
 
@@ -132,6 +146,7 @@ class _Options:
     prefix: bool
     timeout: float | None
     grace: float
+    secret: str | None  # ACOLL_COMM_SECRET for the ranks; None: the environment provides one
 
 
 def _free_comm_id(host: str) -> str:
@@ -163,7 +178,9 @@ def _parse(argv: Sequence[str]) -> _Options:
             parser.error(f"--host {ns.host}: cannot bind a port there: {exc}")
     if command[0].endswith(".py"):
         command = [sys.executable, *command]
-    return _Options(ns.nranks, command, comm_id, not ns.no_prefix, ns.timeout, ns.grace)
+    secret = None if any(os.environ.get(v) for v in _SECRET_VARS) else os.urandom(32).hex()
+    return _Options(ns.nranks, command, comm_id, not ns.no_prefix, ns.timeout, ns.grace,
+                    secret)
 
 
 # --- output forwarding -----------------------------------------------------------------------
@@ -291,6 +308,10 @@ class _Job:
         self.result: int | None = None  # the exit code once the job is ending
         self.stopping = False
         self.killer: asyncio.Task[None] | None = None
+        self.report_dir = tempfile.mkdtemp(prefix="acoll-run-")
+        # Ranks that failed because a peer was lost: (rank, pid, code, peer), in exit order.
+        self.consequential: list[tuple[int, int, int, int | None]] = []
+        self.blame_timer: asyncio.TimerHandle | None = None
 
     # signals ---------------------------------------------------------------------------
 
@@ -338,19 +359,58 @@ class _Job:
         env.update(ACOLL_RANK=str(rank), ACOLL_WORLD_SIZE=str(self.opts.nranks),
                    ACOLL_LOCAL_RANK=str(rank), ACOLL_LOCAL_SIZE=str(self.opts.nranks),
                    ACOLL_COMM_ID=self.opts.comm_id)
+        if self.opts.secret is not None:
+            env["ACOLL_COMM_SECRET"] = self.opts.secret
+        env[_REPORT_VAR] = self._report_path(rank)
         if self.opts.prefix:
             env.setdefault("PYTHONUNBUFFERED", "1")
         return env
+
+    def _report_path(self, rank: int) -> str:
+        return os.path.join(self.report_dir, f"rank{rank}.json")
+
+    def _live(self) -> int:
+        return sum(not r.exited.done() for r, _ in self.ranks)
+
+    def _fail(self, rank: int, pid: int, code: int, note: str = "") -> None:
+        others = self._live()
+        tail = f"; stopping the other {_ranks(others)}" if others else ""
+        self._end(_exit_code(code), f"rank {rank} (pid {pid}) {_describe(code)}{note}{tail}")
+        self.stop()
+
+    def _blame_consequential(self) -> None:
+        """No rank failed for its own reason in time: blame the first consequential exit."""
+        if self.blame_timer is not None:
+            self.blame_timer.cancel()
+            self.blame_timer = None
+        if self.result is not None or self.stopping or not self.consequential:
+            return
+        rank, pid, code, peer = self.consequential[0]
+        lost = "a peer" if peer is None else f"rank {peer}"
+        self._fail(rank, pid, code, f" after losing {lost}")
 
     async def _watch(self, rank: _Rank, pid: int) -> None:
         code = await rank.exited
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # leftovers of the rank's group
-        if code != 0 and not self.stopping:
-            others = sum(not r.exited.done() for r, _ in self.ranks)
-            tail = f"; stopping the other {_ranks(others)}" if others else ""
-            self._end(_exit_code(code), f"rank {rank.rank} (pid {pid}) {_describe(code)}{tail}")
-            self.stop()
+        if code == 0 or self.stopping:
+            return
+        report = read_report(self._report_path(rank.rank)) if code > 0 else None
+        if report is None:  # failed for its own reason: it is the one to blame
+            note = ""
+            if self.consequential:
+                firsts = ", ".join(str(c[0]) for c in self.consequential)
+                which = "rank" if len(self.consequential) == 1 else "ranks"
+                note = f" ({which} {firsts} exited before it, after losing a peer)"
+            self._fail(rank.rank, pid, code, note)
+            return
+        # Its peer was lost: the rank that caused that may still be exiting. Wait for it.
+        self.consequential.append((rank.rank, pid, code, report[0]))
+        if self._live() == 0:
+            self._blame_consequential()
+        elif self.blame_timer is None:
+            self.blame_timer = asyncio.get_running_loop().call_later(
+                _BLAME_WAIT_S, self._blame_consequential)
 
     async def _start(self, rank: int) -> bool:
         opts = self.opts
@@ -379,7 +439,10 @@ class _Job:
                 protocol, transport = self.ranks[-1]
                 watchers.append(asyncio.ensure_future(self._watch(protocol, transport.get_pid())))
             await asyncio.gather(*watchers)
+            self._blame_consequential()
         finally:
+            if self.blame_timer is not None:
+                self.blame_timer.cancel()
             if self.killer is not None:
                 self.killer.cancel()
             if self.ranks:
@@ -388,6 +451,7 @@ class _Job:
             for protocol, transport in self.ranks:
                 protocol.flush()
                 transport.close()
+            shutil.rmtree(self.report_dir, ignore_errors=True)
         return 0 if self.result is None else self.result
 
 

@@ -461,7 +461,14 @@ def find_interfaces(ifname: str | None = None, family: socket.AddressFamily | No
             or they cannot be listed.
     """
     spec = SOCKET_IFNAME.resolve(ifname)
-    fam = SOCKET_FAMILY.resolve(family)
+    # ``family`` is not always the user's: init_rank passes the unique id's root family.
+    # Resolve (and log) the setting itself from the environment; the caller's family wins.
+    setting = SOCKET_FAMILY.resolve()
+    fam = setting if family is None else family
+    if family is not None and setting is not None and family != setting:
+        _LOG.info("ACOLL_SOCKET_FAMILY=%s not used: the caller needs %s (the "
+                  "family argument or the unique id's root address)",
+                  setting.name, family.name)
     if comm_addr is None:
         comm_addr = _comm_id_host()
     try:

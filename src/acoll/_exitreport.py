@@ -1,0 +1,89 @@
+"""Tell ``acoll-run`` why a rank is exiting, so it can blame the rank that failed first.
+
+When a rank leaves, its peers fail with :class:`~acoll.errors.RemoteError` and often exit
+*before* it does (the rank that left closes its sockets first, then runs the interpreter's
+shutdown). Process exit order therefore does not say who failed first. ``acoll-run`` gives
+each rank a file path in ``ACOLL_RUN_REPORT``; at import, acoll wraps ``sys.excepthook`` so
+that an uncaught exception caused by a lost peer (a ``RemoteError`` anywhere in its
+cause/context chain or exception groups) writes ``{"peer": rank-or-null, "error": text}``
+as JSON there before the process exits. The launcher treats such a rank's failure as a
+consequence and waits briefly for the rank that caused it (see :mod:`acoll.run`).
+
+Contract: nothing is written for any other exit (``sys.exit(n)``, signals, other errors);
+writing never raises; the previous ``sys.excepthook`` is always called.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from types import TracebackType
+
+from .errors import RemoteError
+
+__all__ = ["ENV_VAR", "find_remote_error", "install", "read_report"]
+
+#: The variable through which ``acoll-run`` passes a rank its report file.
+ENV_VAR = "ACOLL_RUN_REPORT"
+
+
+def find_remote_error(exc: BaseException | None) -> RemoteError | None:
+    """The first :class:`RemoteError` in ``exc``, its causes, contexts and groups."""
+    seen: set[int] = set()
+    todo: list[BaseException] = [] if exc is None else [exc]
+    while todo:
+        e = todo.pop(0)
+        if id(e) in seen:
+            continue
+        seen.add(id(e))
+        if isinstance(e, RemoteError):
+            return e
+        todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
+        todo.extend(getattr(e, "exceptions", ()))  # BaseExceptionGroup (3.11+)
+    return None
+
+
+def _write(path: str, exc: BaseException) -> None:
+    remote = find_remote_error(exc)
+    if remote is None:
+        return
+    try:
+        text = json.dumps({"peer": remote.rank, "error": f"{type(remote).__name__}: {remote}"})
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except (OSError, ValueError):
+        pass
+
+
+def install(environ: dict[str, str] | None = None) -> bool:
+    """Wrap ``sys.excepthook`` when ``ACOLL_RUN_REPORT`` is set; return whether it did."""
+    path = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    if not path or getattr(sys.excepthook, "_acoll_report", False):
+        return False
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], exc: BaseException,
+             tb: TracebackType | None) -> None:
+        _write(path, exc)
+        previous(kind, exc, tb)
+
+    hook._acoll_report = True  # type: ignore[attr-defined]
+    sys.excepthook = hook
+    return True
+
+
+def read_report(path: str) -> tuple[int | None, str] | None:
+    """``(peer, error)`` from a report file, or ``None`` when there is none (or it is bad)."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict):
+        return None
+    peer = data.get("peer")
+    error = data.get("error")
+    return (peer if isinstance(peer, int) else None, error if isinstance(error, str) else "")

@@ -1,0 +1,34 @@
+"""The source distribution: what it carries, and that building it warns of nothing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_sdist_has_tests_examples_license_and_no_deprecation(tmp_path: Path) -> None:
+    # The PEP 517 hook that `python -m build --sdist` calls, without an isolated env.
+    code = ("import sys\nfrom setuptools import build_meta\n"
+            "print(build_meta.build_sdist(sys.argv[1]))\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert "deprecat" not in (res.stdout + res.stderr).lower(), res.stderr
+    name = res.stdout.strip().splitlines()[-1]
+    with tarfile.open(tmp_path / name) as tar:
+        names = {n.partition("/")[2] for n in tar.getnames()}
+        top = name.removesuffix(".tar.gz")
+        info = tar.extractfile(f"{top}/PKG-INFO")
+        assert info is not None
+        pkg_info = info.read().decode()
+    for path in ("LICENSE", "tests/conftest.py", "tests/collective_cases.py",
+                 "tests/transport_conformance.py", "tests/netns.py", "tests/mp_kill.py",
+                 "tests/test_run.py", "examples/seed_program.py", "examples/allreduce_demo.py",
+                 "Makefile"):
+        assert path in names, path
+    assert "License-Expression: Apache-2.0" in pkg_info
+    assert "Apache License" in (ROOT / "LICENSE").read_text()
