@@ -135,10 +135,11 @@ async def _await_host_func(stream: Any, method: str, deadline: float | None,
             os.close(r)
     else:
         stream.launch_host_func(_wake, (loop, fut))
-    timer = None
-    if deadline is not None:
-        timer = loop.call_at(deadline, lambda: fut.done() or fut.set_exception(
-            _timeout(what)))
+    def expire() -> None:
+        if not fut.done():
+            fut.set_exception(_timeout(what))
+
+    timer = None if deadline is None else loop.call_at(deadline, expire)
     try:
         await fut
     finally:

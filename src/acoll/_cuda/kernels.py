@@ -114,17 +114,17 @@ def _dtype_name(dtype: Any) -> tuple[np.dtype[Any], str]:
     return dt, DTYPE_NAMES[dt]
 
 
-def _float_helpers(wide: str, sfx: str) -> str:
-    # Device: explicit round-to-nearest intrinsics (immune to contraction/fast-math flags).
-    # Host (CPU emulation in tests): plain IEEE arithmetic.
-    ops = (("add", "+"), ("mul", "*"), ("div", "/"))
-    lines = []
-    for nm, sym in ops:
-        lines.append(
-            f"static __host__ __device__ __forceinline__ {wide} acoll_{nm}({wide} x, {wide} y) {{\n"
+def _float_helper(nm: str, wide: str) -> str:
+    """``acoll_<nm>`` (add, mul, div) in ``wide`` (float or double).
+
+    Device: explicit round-to-nearest intrinsics (immune to contraction/fast-math flags).
+    Host (CPU emulation in tests): plain IEEE arithmetic.
+    """
+    sfx = "f" if wide == "float" else "d"
+    sym = {"add": "+", "mul": "*", "div": "/"}[nm]
+    return (f"static __host__ __device__ __forceinline__ {wide} acoll_{nm}({wide} x, {wide} y) {{\n"
             f"#ifdef __CUDA_ARCH__\n  return __{sfx}{nm}_rn(x, y);\n#else\n"
             f"  return x {sym} y;\n#endif\n}}\n")
-    return "".join(lines)
 
 
 def _op_code(ct: _CType, itemsize: int, op: ReduceOp) -> tuple[str, str]:
@@ -139,23 +139,21 @@ def _op_code(ct: _CType, itemsize: int, op: ReduceOp) -> tuple[str, str]:
             ReduceOp.MIN: "a < b ? a : b",
         }[op]
         return "", f"{sig} {{ return {expr}; }}\n"
+    wide = ct.ctype if ct.family == "float" else "float"
     if ct.family == "float":
-        helpers = _float_helpers(ct.ctype, "f" if ct.ctype == "float" else "d")
-        fa, fb = "a", "b"
-        wrap = "{}"
+        fa, fb, wrap = "a", "b", "{}"
     else:
-        helpers = _float_helpers("float", "f")
-        fa, fb = f"{ct.to_f}(a)", f"{ct.to_f}(b)"
-        wrap = ct.from_f + "({})"
+        fa, fb, wrap = f"{ct.to_f}(a)", f"{ct.to_f}(b)", ct.from_f + "({})"
     if op in (ReduceOp.SUM, ReduceOp.PROD):
-        fn = "acoll_add" if op == ReduceOp.SUM else "acoll_mul"
-        return helpers, f"{sig} {{ return {wrap.format(f'{fn}({fa}, {fb})')}; }}\n"
+        fn = "add" if op == ReduceOp.SUM else "mul"
+        return (_float_helper(fn, wide),
+                f"{sig} {{ return {wrap.format(f'acoll_{fn}({fa}, {fb})')}; }}\n")
     cmp = ">" if op == ReduceOp.MAX else "<"
     if ct.max_tie_keeps_a:
         cmp += "="
     # NaN in a -> a; NaN in b (a not NaN) -> the comparison is false -> b. Selects the
     # original bits, so NaN payloads and signed zeros pass through unchanged.
-    return helpers, (f"{sig} {{\n  const auto x = {fa}, y = {fb};\n"
+    return "", (f"{sig} {{\n  const auto x = {fa}, y = {fb};\n"
                      f"  return (x != x || x {cmp} y) ? a : b;\n}}\n")
 
 
@@ -168,9 +166,9 @@ def _finish_code(ct: _CType) -> tuple[str, str, str]:
         return "", f"{sig} {{ return (T)((unsigned long long)x / d); }}\n", \
             "unsigned long long"
     if ct.family == "float":
-        return (_float_helpers(ct.ctype, "f" if ct.ctype == "float" else "d"),
+        return (_float_helper("div", ct.ctype),
                 f"{sig} {{ return acoll_div(x, d); }}\n", ct.ctype)
-    return (_float_helpers("float", "f"),
+    return (_float_helper("div", "float"),
             f"{sig} {{ return {ct.from_f}(acoll_div({ct.to_f}(x), d)); }}\n", "float")
 
 
@@ -180,13 +178,16 @@ typedef unsigned long long u64;
 """
 
 _BINARY_VEC = """\
+// memcpy, not pointer casts, to view a 16-byte vector as elements (no aliasing UB; it
+// compiles to register moves).
 static __host__ __device__ __forceinline__ uint4 acoll_vop(uint4 x, uint4 y) {{
-  uint4 r;
-  const T* xs = reinterpret_cast<const T*>(&x);
-  const T* ys = reinterpret_cast<const T*>(&y);
-  T* rs = reinterpret_cast<T*>(&r);
+  T xs[{V}], ys[{V}], rs[{V}];
+  __builtin_memcpy((void*)xs, &x, 16);
+  __builtin_memcpy((void*)ys, &y, 16);
 #pragma unroll
   for (int k = 0; k < {V}; ++k) rs[k] = acoll_op(xs[k], ys[k]);
+  uint4 r;
+  __builtin_memcpy(&r, (const void*)rs, 16);
   return r;
 }}
 
@@ -197,19 +198,16 @@ static __host__ __device__ __forceinline__ void acoll_body(
   const uint4* av = reinterpret_cast<const uint4*>(a + head);
   const uint4* bv = reinterpret_cast<const uint4*>(b + head);
   uint4* ov = reinterpret_cast<uint4*>(out + head);
-  for (u64 i = tid; i < nvec; i += nthreads * {U}) {{
+  u64 i = tid;
+  // {U} independent 16-byte loads of each input in flight before the first use.
+  for (; i + ({U} - 1) * nthreads < nvec; i += {U} * nthreads) {{
     uint4 x[{U}], y[{U}];
 #pragma unroll
-    for (int u = 0; u < {U}; ++u) {{
-      const u64 j = i + u * nthreads;
-      if (j < nvec) {{ x[u] = av[j]; y[u] = bv[j]; }}
-    }}
+    for (int u = 0; u < {U}; ++u) {{ x[u] = av[i + u * nthreads]; y[u] = bv[i + u * nthreads]; }}
 #pragma unroll
-    for (int u = 0; u < {U}; ++u) {{
-      const u64 j = i + u * nthreads;
-      if (j < nvec) ov[j] = acoll_vop(x[u], y[u]);
-    }}
+    for (int u = 0; u < {U}; ++u) ov[i + u * nthreads] = acoll_vop(x[u], y[u]);
   }}
+  for (; i < nvec; i += nthreads) ov[i] = acoll_vop(av[i], bv[i]);
   const u64 tail = head + nvec * {V};  // n - tail < {V} trailing elements
   if (tid < head) {{
     out[tid] = acoll_op(a[tid], b[tid]);
@@ -229,28 +227,28 @@ static __host__ __device__ __forceinline__ void acoll_body(
 """
 
 _UNARY_VEC = """\
+static __host__ __device__ __forceinline__ uint4 acoll_vfin(uint4 v, D d) {{
+  T vs[{V}];
+  __builtin_memcpy((void*)vs, &v, 16);
+#pragma unroll
+  for (int k = 0; k < {V}; ++k) vs[k] = acoll_fin(vs[k], d);
+  __builtin_memcpy(&v, (const void*)vs, 16);
+  return v;
+}}
+
 static __host__ __device__ __forceinline__ void acoll_body(
     T* x, u64 n, u64 head, D d, u64 tid, u64 nthreads) {{
   const u64 nvec = (n - head) / {V};
   uint4* xv = reinterpret_cast<uint4*>(x + head);
-  for (u64 i = tid; i < nvec; i += nthreads * {U}) {{
+  u64 i = tid;
+  for (; i + ({U} - 1) * nthreads < nvec; i += {U} * nthreads) {{
     uint4 v[{U}];
 #pragma unroll
-    for (int u = 0; u < {U}; ++u) {{
-      const u64 j = i + u * nthreads;
-      if (j < nvec) v[u] = xv[j];
-    }}
+    for (int u = 0; u < {U}; ++u) v[u] = xv[i + u * nthreads];
 #pragma unroll
-    for (int u = 0; u < {U}; ++u) {{
-      const u64 j = i + u * nthreads;
-      if (j < nvec) {{
-        T* vs = reinterpret_cast<T*>(&v[u]);
-#pragma unroll
-        for (int k = 0; k < {V}; ++k) vs[k] = acoll_fin(vs[k], d);
-        xv[j] = v[u];
-      }}
-    }}
+    for (int u = 0; u < {U}; ++u) xv[i + u * nthreads] = acoll_vfin(v[u], d);
   }}
+  for (; i < nvec; i += nthreads) xv[i] = acoll_vfin(xv[i], d);
   const u64 tail = head + nvec * {V};
   if (tid < head) {{
     x[tid] = acoll_fin(x[tid], d);
