@@ -387,10 +387,10 @@ def test_gpu_kernels_match_host(op: ReduceOp, dtype: np.dtype[Any]) -> None:
         for name, oo, oa, ob, inplace in _layouts(n, dtype.itemsize):
             a, b = make_pair(dtype, n, seed=3 * n + int(op), avg=op == ReduceOp.AVG)
             want = host_result(a, b, op, navg)
-            ra, pa = _dev_buffer(a, oa)
-            _rb, pb = _dev_buffer(b, ob)
-            ro, po = (ra, pa) if inplace else _dev_buffer(np.zeros_like(a), oo)
-            with stream:
+            with stream:  # everything on one stream: no cross-stream ordering needed
+                ra, pa = _dev_buffer(a, oa)
+                _rb, pb = _dev_buffer(b, ob)
+                ro, po = (ra, pa) if inplace else _dev_buffer(np.zeros_like(a), oo)
                 K.launch_reduce(po, pa, pb, n, op, dtype, stream)
                 if op == ReduceOp.AVG:
                     K.launch_finish_avg(po, n, navg, dtype, stream)
