@@ -37,12 +37,15 @@ from acoll._cuda.spin import spin
 from acoll._dtypes import BFLOAT16
 
 cp: Any = None
-lines: list[str] = []
+out_file: Any = None
 
 
 def emit(line: str = "") -> None:
+    """Print a line and append it to the results file at once (a run cut short keeps it)."""
     print(line, flush=True)
-    lines.append(line)
+    if out_file is not None:
+        out_file.write(line + "\n")
+        out_file.flush()
 
 
 def fmt_size(n: int) -> str:
@@ -181,7 +184,7 @@ def compile_times() -> None:
 
 
 def main() -> None:
-    global cp
+    global cp, out_file
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", help="file to write the tables to")
     ap.add_argument("--quick", action="store_true", help="few sizes and waits")
@@ -189,6 +192,7 @@ def main() -> None:
     args = ap.parse_args()
     import cupy
     cp = cupy
+    out_file = open(args.results, "w")  # noqa: SIM115 - kept open for the whole run
     props = cp.cuda.runtime.getDeviceProperties(0)
     name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
     emit("# acoll GPU kernels and completion waits")
@@ -207,8 +211,7 @@ def main() -> None:
         bandwidth(args.quick)
     if "completion" in only:
         completion(args.quick)
-    with open(args.results, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    out_file.close()
 
 
 if __name__ == "__main__":
