@@ -249,6 +249,10 @@ def _emulation_unit(srcs: list[K.KernelSource]) -> str:
     return "".join(parts)
 
 
+#: What CuPy's NVRTC compile gets: our options, then its unconditional -ftz=true.
+NVCC_OPTS = [*(o.replace("--", "-", 1) for o in K.NVRTC_OPTIONS), "-ftz=true"]
+
+
 def _nvcc_build(unit: str, out_dir: Path, tag: str) -> tuple[Path | None, str]:
     """(shared library, "") or (None, nvcc's command and output)."""
     digest = hashlib.sha256(unit.encode()).hexdigest()[:16]
@@ -256,8 +260,7 @@ def _nvcc_build(unit: str, out_dir: Path, tag: str) -> tuple[Path | None, str]:
     if lib.exists():
         return lib, ""
     src.write_text(unit)
-    opts = [o.replace("--", "-", 1) for o in K.NVRTC_OPTIONS]
-    cmd = [str(NVCC), "-arch=sm_90", *opts, "-O2", "--Werror", "all-warnings",
+    cmd = [str(NVCC), "-arch=sm_90", *NVCC_OPTS, "-O2", "--Werror", "all-warnings",
            "-Xcompiler", "-fPIC,-Wall,-Wno-unknown-pragmas", "-shared", "-o", str(lib),
            str(src)]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
@@ -301,6 +304,24 @@ def test_sources_compile_for_sm90(emulators: Callable[[np.dtype[Any]], Any],
         for op in OPS[:4]:
             assert hasattr(lib, "emu_" + K.reduce_source(op, dtype, vec).name)
         assert hasattr(lib, "emu_" + K.finish_avg_source(dtype, vec).name)
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_float_kernels_never_flush_subnormals(tmp_path: Path, dtype: str) -> None:
+    """Under CuPy's forced -ftz=true, no float instruction may carry .ftz (that would make
+    float32/bfloat16 subnormals differ from NumPy)."""
+    srcs = [s for s in K.all_sources() if DTYPE_NAMES[s.dtype] == dtype]
+    unit = _emulation_unit(srcs)
+    (tmp_path / "k.cu").write_text(unit)
+    proc = subprocess.run([str(NVCC), "-arch=sm_90", *NVCC_OPTS, "--ptx", "-o",
+                           str(tmp_path / "k.ptx"), str(tmp_path / "k.cu")],
+                          capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    ptx = (tmp_path / "k.ptx").read_text()
+    flushing = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+    assert not flushing, flushing[:5]
+    assert ".entry" in ptx
 
 
 def _ptr(arr: np.ndarray[Any, Any]) -> ctypes.c_void_p:
@@ -462,6 +483,8 @@ def test_wait_returns_after_kernel_and_loop_keeps_running(method: str,
                 now = loop.time()
                 worst, last, ticks = max(worst, now - last), now, ticks + 1
 
+        spin(0, stream)  # compiles the spin kernel (NVRTC blocks) before the ticker starts
+        stream.synchronize()
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.005)
         fds = len(os.listdir("/proc/self/fd"))

@@ -13,11 +13,14 @@ Contract (the same as the host path in :mod:`acoll._dtypes`, bit for bit):
 - ``finish_avg``: floats divide with IEEE division (16-bit floats in float32), integers
   truncate toward zero.
 
-Kernels are compiled with ``--fmad=false --ftz=false --prec-div=true`` so no compiler flag
-can change these results. One source exists per (kernel, dtype, vectorised): the vectorised
-form moves 16 bytes per load/store when ``out``, ``a`` and ``b`` share the same offset
-modulo 16 (elements before the first 16-byte boundary and after the last are done one by
-one); otherwise the scalar form runs. Both use grid-stride loops and no scratch memory.
+No compiler flag can change these results: float32 arithmetic and comparisons are explicit
+non-flushing PTX (CuPy forces ``-ftz=true`` on NVRTC), float64 uses ``__d*_rn`` intrinsics,
+and ``--fmad=false`` is passed as well.
+
+One source exists per (kernel, dtype, vectorised): the vectorised form moves 16 bytes per
+load/store when ``out``, ``a`` and ``b`` share the same offset modulo 16 (elements before
+the first 16-byte boundary and after the last are done one by one); otherwise the scalar
+form runs. Both use grid-stride loops and no scratch memory.
 Element functions and kernel bodies are ``__host__ __device__`` so tests can run the same
 code on a CPU (see ``tests/test_cuda_kernels.py``).
 """
@@ -48,8 +51,9 @@ BLOCKS_PER_SM = 4
 UNROLL = 4
 VEC_BYTES = 16
 #: Options that pin the arithmetic (for NVRTC through CuPy; nvcc takes the same spelling).
-NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false", "--ftz=false",
-                                  "--prec-div=true")
+#: CuPy appends ``-ftz=true`` after these; the sources do not depend on it (see
+#: ``_float_helper``).
+NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false", "--prec-div=true")
 
 _REDUCE_OPS = (ReduceOp.SUM, ReduceOp.PROD, ReduceOp.MAX, ReduceOp.MIN)
 
@@ -114,22 +118,71 @@ def _dtype_name(dtype: Any) -> tuple[np.dtype[Any], str]:
     return dt, DTYPE_NAMES[dt]
 
 
-def _float_helper(nm: str, wide: str) -> str:
-    """``acoll_<nm>`` (add, mul, div) in ``wide`` (float or double).
+_PTX_BINARY = {"add": "add.rn.f32", "mul": "mul.rn.f32", "div": "div.rn.f32"}
+_C_BINARY = {"add": "+", "mul": "*", "div": "/"}
+_C_CMP = {"gt": ">", "ge": ">=", "lt": "<", "le": "<="}
+_HD = "static __host__ __device__ __forceinline__"
 
-    Device: explicit round-to-nearest intrinsics (immune to contraction/fast-math flags).
-    Host (CPU emulation in tests): plain IEEE arithmetic.
+
+def _float_helper(nm: str, wide: str) -> str:
+    """``acoll_<nm>(x, y)`` in ``wide`` (float or double): add, mul, div, or the
+    comparisons gt, ge, lt, le; plus ``acoll_isnan``.
+
+    CuPy appends ``-ftz=true`` to every NVRTC compile, which would flush float32
+    subnormals in arithmetic and comparisons. So on the device float32 uses explicit
+    non-ftz PTX instructions (round-to-nearest-even; ``div.rn`` is IEEE division) and a
+    bit test for NaN; float64 is never flushed and uses the ``_rn`` intrinsics (immune to
+    contraction). On the host (CPU emulation in tests) plain IEEE C++ arithmetic.
     """
-    sfx = "f" if wide == "float" else "d"
-    sym = {"add": "+", "mul": "*", "div": "/"}[nm]
-    return (f"static __host__ __device__ __forceinline__ {wide} acoll_{nm}({wide} x, {wide} y) {{\n"
-            f"#ifdef __CUDA_ARCH__\n  return __{sfx}{nm}_rn(x, y);\n#else\n"
-            f"  return x {sym} y;\n#endif\n}}\n")
+    if nm == "isnan":
+        dev = ("return (__float_as_uint(x) & 0x7fffffffu) > 0x7f800000u;" if wide == "float"
+               else "return x != x;")
+        return (f"{_HD} bool acoll_isnan({wide} x) {{\n#ifdef __CUDA_ARCH__\n  {dev}\n"
+                f"#else\n  return x != x;\n#endif\n}}\n")
+    if nm in _C_CMP:
+        if wide == "float":
+            dev = ("unsigned int r;\n  asm(\"{ .reg .pred p; setp."
+                   f"{nm}.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }}\" : \"=r\"(r) "
+                   ": \"f\"(x), \"f\"(y));\n  return r != 0;")
+        else:
+            dev = f"return x {_C_CMP[nm]} y;"
+        return (f"{_HD} bool acoll_{nm}({wide} x, {wide} y) {{\n#ifdef __CUDA_ARCH__\n"
+                f"  {dev}\n#else\n  return x {_C_CMP[nm]} y;\n#endif\n}}\n")
+    if wide == "float":
+        dev = (f"float r;\n  asm(\"{_PTX_BINARY[nm]} %0, %1, %2;\" : \"=f\"(r) "
+               ": \"f\"(x), \"f\"(y));\n  return r;")
+    else:
+        dev = f"return __d{nm}_rn(x, y);"
+    return (f"{_HD} {wide} acoll_{nm}({wide} x, {wide} y) {{\n#ifdef __CUDA_ARCH__\n"
+            f"  {dev}\n#else\n  return x {_C_BINARY[nm]} y;\n#endif\n}}\n")
+
+
+def _bits_code(ct: _CType, itemsize: int) -> str:
+    """``S`` (unsigned storage of T's size), ``acoll_from(S) -> T``, ``acoll_to(T) -> S``."""
+    storage = {1: "unsigned char", 2: "unsigned short", 4: "unsigned int",
+               8: "unsigned long long"}[itemsize]
+    head = f"typedef {storage} S;\n"
+    if ct.family in ("int", "uint"):
+        return (head + f"{_HD} T acoll_from(S s) {{ return (T)s; }}\n"
+                f"{_HD} S acoll_to(T t) {{ return (S)t; }}\n")
+    dev_from, dev_to = {
+        "float": ("__uint_as_float(s)", "__float_as_uint(t)"),
+        "double": ("__longlong_as_double((long long)s)", "(S)__double_as_longlong(t)"),
+        "__half": ("__ushort_as_half(s)", "__half_as_ushort(t)"),
+        "__nv_bfloat16": ("__ushort_as_bfloat16(s)", "__bfloat16_as_ushort(t)"),
+    }[ct.ctype]
+    return (head
+            + f"{_HD} T acoll_from(S s) {{\n#ifdef __CUDA_ARCH__\n  return {dev_from};\n"
+            "#else\n  T t;\n  __builtin_memcpy((void*)&t, &s, sizeof t);\n  return t;\n"
+            "#endif\n}\n"
+            f"{_HD} S acoll_to(T t) {{\n#ifdef __CUDA_ARCH__\n  return {dev_to};\n"
+            "#else\n  S s;\n  __builtin_memcpy(&s, (const void*)&t, sizeof s);\n  return s;\n"
+            "#endif\n}\n")
 
 
 def _op_code(ct: _CType, itemsize: int, op: ReduceOp) -> tuple[str, str]:
     """(helpers, element function ``T acoll_op(T a, T b)``)."""
-    sig = "static __host__ __device__ __forceinline__ T acoll_op(T a, T b)"
+    sig = f"{_HD} T acoll_op(T a, T b)"
     if ct.family in ("int", "uint"):
         wide = "unsigned long long" if itemsize == 8 else "unsigned int"
         expr = {
@@ -148,18 +201,17 @@ def _op_code(ct: _CType, itemsize: int, op: ReduceOp) -> tuple[str, str]:
         fn = "add" if op == ReduceOp.SUM else "mul"
         return (_float_helper(fn, wide),
                 f"{sig} {{ return {wrap.format(f'acoll_{fn}({fa}, {fb})')}; }}\n")
-    cmp = ">" if op == ReduceOp.MAX else "<"
-    if ct.max_tie_keeps_a:
-        cmp += "="
+    cmp = ("g" if op == ReduceOp.MAX else "l") + ("e" if ct.max_tie_keeps_a else "t")
     # NaN in a -> a; NaN in b (a not NaN) -> the comparison is false -> b. Selects the
     # original bits, so NaN payloads and signed zeros pass through unchanged.
-    return "", (f"{sig} {{\n  const auto x = {fa}, y = {fb};\n"
-                     f"  return (x != x || x {cmp} y) ? a : b;\n}}\n")
+    return (_float_helper("isnan", wide) + _float_helper(cmp, wide),
+            f"{sig} {{\n  const {wide} x = {fa}, y = {fb};\n"
+            f"  return (acoll_isnan(x) || acoll_{cmp}(x, y)) ? a : b;\n}}\n")
 
 
 def _finish_code(ct: _CType) -> tuple[str, str, str]:
     """(helpers, ``T acoll_fin(T x, D d)``, D)."""
-    sig = "static __host__ __device__ __forceinline__ T acoll_fin(T x, D d)"
+    sig = f"{_HD} T acoll_fin(T x, D d)"
     if ct.family == "int":
         return "", f"{sig} {{ return (T)((long long)x / d); }}\n", "long long"
     if ct.family == "uint":
@@ -178,17 +230,18 @@ typedef unsigned long long u64;
 """
 
 _BINARY_VEC = """\
-// memcpy, not pointer casts, to view a 16-byte vector as elements (no aliasing UB; it
-// compiles to register moves).
+// A 16-byte vector seen as {V} storage words (a union of trivial types; element values
+// come from bit casts, so no pointer punning).
+union acoll_vec {{ uint4 v; S s[{V}]; }};
+
 static __host__ __device__ __forceinline__ uint4 acoll_vop(uint4 x, uint4 y) {{
-  T xs[{V}], ys[{V}], rs[{V}];
-  __builtin_memcpy((void*)xs, &x, 16);
-  __builtin_memcpy((void*)ys, &y, 16);
+  acoll_vec xa, ya, r;
+  xa.v = x;
+  ya.v = y;
 #pragma unroll
-  for (int k = 0; k < {V}; ++k) rs[k] = acoll_op(xs[k], ys[k]);
-  uint4 r;
-  __builtin_memcpy(&r, (const void*)rs, 16);
-  return r;
+  for (int k = 0; k < {V}; ++k)
+    r.s[k] = acoll_to(acoll_op(acoll_from(xa.s[k]), acoll_from(ya.s[k])));
+  return r.v;
 }}
 
 static __host__ __device__ __forceinline__ void acoll_body(
@@ -227,13 +280,14 @@ static __host__ __device__ __forceinline__ void acoll_body(
 """
 
 _UNARY_VEC = """\
+union acoll_vec {{ uint4 v; S s[{V}]; }};
+
 static __host__ __device__ __forceinline__ uint4 acoll_vfin(uint4 v, D d) {{
-  T vs[{V}];
-  __builtin_memcpy((void*)vs, &v, 16);
+  acoll_vec x;
+  x.v = v;
 #pragma unroll
-  for (int k = 0; k < {V}; ++k) vs[k] = acoll_fin(vs[k], d);
-  __builtin_memcpy(&v, (const void*)vs, 16);
-  return v;
+  for (int k = 0; k < {V}; ++k) x.s[k] = acoll_to(acoll_fin(acoll_from(x.s[k]), d));
+  return x.v;
 }}
 
 static __host__ __device__ __forceinline__ void acoll_body(
@@ -304,6 +358,7 @@ def reduce_source(op: ReduceOp | str | int, dtype: Any, vectorised: bool) -> Ker
     name = f"acoll_{rop.name.lower()}_{dname}_{'v' if vec else 's'}"
     v = VEC_BYTES // dt.itemsize
     body = (_PRELUDE.format(ctype=ct.ctype) + helpers + opfn
+            + (_bits_code(ct, dt.itemsize) if vec else "")
             + (_BINARY_VEC if vec else _BINARY_SCALAR).format(V=v, U=UNROLL)
             + _GLOBAL_BINARY.format(threads=THREADS, name=name))
     return KernelSource(name, "reduce", rop, dt, vec,
@@ -323,6 +378,7 @@ def finish_avg_source(dtype: Any, vectorised: bool) -> KernelSource:
     name = f"acoll_avgdiv_{dname}_{'v' if vec else 's'}"
     v = VEC_BYTES // dt.itemsize
     body = (_PRELUDE.format(ctype=ct.ctype) + f"typedef {dtype_c} D;\n" + helpers + fin
+            + (_bits_code(ct, dt.itemsize) if vec else "")
             + (_UNARY_VEC if vec else _UNARY_SCALAR).format(V=v, U=UNROLL)
             + _GLOBAL_UNARY.format(threads=THREADS, name=name))
     return KernelSource(name, "finish_avg", None, dt, vec,
