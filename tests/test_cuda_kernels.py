@@ -324,6 +324,54 @@ def test_float_kernels_never_flush_subnormals(tmp_path: Path, dtype: str) -> Non
     assert ".entry" in ptx
 
 
+def _find_nvrtc() -> str | None:
+    """libnvrtc: $ACOLL_NVRTC_LIB, else an nvidia-cuda-nvrtc wheel's, else the system's."""
+    import ctypes.util
+    import glob
+    import site
+    if os.environ.get("ACOLL_NVRTC_LIB"):
+        return os.environ["ACOLL_NVRTC_LIB"]
+    for d in site.getsitepackages():
+        hits = sorted(glob.glob(f"{d}/nvidia/*/lib/libnvrtc.so*"))
+        if hits:
+            return hits[0]
+    return ctypes.util.find_library("nvrtc")
+
+
+NVRTC = _find_nvrtc()
+
+
+@pytest.mark.skipif(NVRTC is None, reason="no libnvrtc (set ACOLL_NVRTC_LIB or install "
+                    "nvidia-cuda-nvrtc): sources not compiled the way CuPy compiles them")
+def test_every_source_compiles_with_nvrtc_as_cupy_would() -> None:
+    """NVRTC has no host headers or GCC builtins: compile each source as CuPy does (our
+    options, CuPy's -ftz=true, sm_90), no device needed. Warnings count as failures."""
+    import glob
+    assert NVRTC is not None
+    for builtins in glob.glob(os.path.join(os.path.dirname(NVRTC), "libnvrtc-builtins.so*")):
+        ctypes.CDLL(builtins, mode=ctypes.RTLD_GLOBAL)  # found by soname when nvrtc asks
+    lib = ctypes.CDLL(NVRTC)
+    inc = [f"-I{d}" for d in ("/usr/local/cuda/include",) if os.path.isdir(d)]
+    opts = [o.encode() for o in (*K.NVRTC_OPTIONS, *inc, "-ftz=true", "-arch=sm_90")]
+    from acoll._cuda.spin import SPIN_SOURCE
+    units = [(s.name, s.code) for s in K.all_sources()] + [("acoll_spin", SPIN_SOURCE)]
+    failures = []
+    for name, code in units:
+        prog = ctypes.c_void_p()
+        assert lib.nvrtcCreateProgram(ctypes.byref(prog), code.encode(),
+                                      f"{name}.cu".encode(), 0, None, None) == 0
+        rc = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+        text = log.value.decode(errors="replace")
+        if rc != 0 or "warning" in text:
+            failures.append(f"{name}: rc={rc}\n{text}")
+    assert not failures, "\n".join(failures[:3])
+
+
 def _ptr(arr: np.ndarray[Any, Any]) -> ctypes.c_void_p:
     return ctypes.c_void_p(arr.ctypes.data)
 
