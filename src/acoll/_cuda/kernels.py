@@ -27,6 +27,7 @@ code on a CPU (see ``tests/test_cuda_kernels.py``).
 
 from __future__ import annotations
 
+import functools
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -351,8 +352,13 @@ def reduce_source(op: ReduceOp | str | int, dtype: Any, vectorised: bool) -> Ker
     """
     rop = ReduceOp.coerce(op)
     rop = ReduceOp.SUM if rop == ReduceOp.AVG else rop
-    dt, dname = _dtype_name(dtype)
-    vec = _check_vec(vectorised)
+    dt, _ = _dtype_name(dtype)
+    return _reduce_source(rop, dt, _check_vec(vectorised))
+
+
+@functools.cache
+def _reduce_source(rop: ReduceOp, dt: np.dtype[Any], vec: bool) -> KernelSource:
+    dname = DTYPE_NAMES[dt]
     ct = _CTYPES[dname]
     helpers, opfn = _op_code(ct, dt.itemsize, rop)
     name = f"acoll_{rop.name.lower()}_{dname}_{'v' if vec else 's'}"
@@ -371,8 +377,13 @@ def finish_avg_source(dtype: Any, vectorised: bool) -> KernelSource:
     Raises:
         InvalidUsage: unsupported dtype or a non-bool ``vectorised``.
     """
-    dt, dname = _dtype_name(dtype)
-    vec = _check_vec(vectorised)
+    dt, _ = _dtype_name(dtype)
+    return _finish_avg_source(dt, _check_vec(vectorised))
+
+
+@functools.cache
+def _finish_avg_source(dt: np.dtype[Any], vec: bool) -> KernelSource:
+    dname = DTYPE_NAMES[dt]
     ct = _CTYPES[dname]
     helpers, fin, dtype_c = _finish_code(ct)
     name = f"acoll_avgdiv_{dname}_{'v' if vec else 's'}"
@@ -424,10 +435,31 @@ def get_kernel(src: KernelSource) -> Any:
     return kern
 
 
-def _grid(work: int) -> int:
-    """Blocks for ``work`` items: one item per thread, at most BLOCKS_PER_SM per SM."""
-    sms = _sm_count.get(import_cupy().cuda.runtime.getDevice(), 132)
-    return max(1, min(-(-work // THREADS), sms * BLOCKS_PER_SM))
+_launch: dict[tuple[Any, ...], tuple[Any, KernelSource, int]] = {}
+
+
+def _prepared(kind: str, rop: ReduceOp | None, dt: np.dtype[Any], vec: bool
+              ) -> tuple[Any, KernelSource, int]:
+    """(kernel, source, most blocks) for the current device; cached, so a launch costs
+    little more than CuPy's own kernel call."""
+    dev = import_cupy().cuda.runtime.getDevice()
+    key = (kind, rop, dt, vec, dev)
+    hit = _launch.get(key)
+    if hit is None:
+        src = (_reduce_source(rop, dt, vec) if rop is not None
+               else _finish_avg_source(dt, vec))
+        kern = get_kernel(src)
+        hit = _launch[key] = (kern, src, _sm_count[dev] * BLOCKS_PER_SM)
+    return hit
+
+
+def _blocks(work: int, most: int) -> int:
+    """Blocks for ``work`` items: one item per thread, at most ``most``."""
+    return max(1, min(-(-work // THREADS), most))
+
+
+def _dt(dtype: Any) -> np.dtype[Any]:
+    return dtype if isinstance(dtype, np.dtype) and dtype in DTYPES else parse_dtype(dtype)
 
 
 def _head(ptrs: tuple[int, ...], itemsize: int, count: int) -> int | None:
@@ -446,17 +478,17 @@ def launch_reduce(out_ptr: int, a_ptr: int, b_ptr: int, count: int,
     current device. AVG runs SUM (then call :func:`launch_finish_avg`).
     """
     rop = ReduceOp.coerce(op)
-    dt = parse_dtype(dtype)
+    rop = ReduceOp.SUM if rop == ReduceOp.AVG else rop
+    dt = _dt(dtype)
     if count < 0:
         raise InvalidUsage(f"count must be >= 0, not {count}")
     if count == 0:
         return
     head = _head((out_ptr, a_ptr, b_ptr), dt.itemsize, count)
-    src = reduce_source(rop, dt, head is not None)
-    kern = get_kernel(src)
+    kern, src, most = _prepared("reduce", rop, dt, head is not None)
     work = (count - (head or 0)) // src.elems_per_vec if head is not None else count
     u64 = np.uint64
-    kern((_grid(work),), (THREADS,),
+    kern((_blocks(work, most),), (THREADS,),
          (u64(out_ptr), u64(a_ptr), u64(b_ptr), u64(count), u64(head or 0)), stream=stream)
 
 
@@ -467,7 +499,7 @@ def _divisor(src: KernelSource, n: int) -> Any:
 
 def launch_finish_avg(ptr: int, count: int, n: int, dtype: Any, stream: Any = None) -> None:
     """Enqueue the in-place division of a sum of ``n`` contributions (no-op for n == 1)."""
-    dt = parse_dtype(dtype)
+    dt = _dt(dtype)
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise InvalidUsage(f"finish_avg needs a positive rank count, not {n!r}")
     if count < 0:
@@ -475,10 +507,9 @@ def launch_finish_avg(ptr: int, count: int, n: int, dtype: Any, stream: Any = No
     if n == 1 or count == 0:
         return
     head = _head((ptr,), dt.itemsize, count)
-    src = finish_avg_source(dt, head is not None)
-    kern = get_kernel(src)
+    kern, src, most = _prepared("finish_avg", None, dt, head is not None)
     work = (count - (head or 0)) // src.elems_per_vec if head is not None else count
-    kern((_grid(work),), (THREADS,),
+    kern((_blocks(work, most),), (THREADS,),
          (np.uint64(ptr), np.uint64(count), np.uint64(head or 0), _divisor(src, n)),
          stream=stream)
 
