@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-mpi lint bench venv clean
+.PHONY: demo test test-mpi test-gpu lint bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,16 @@ test-mpi: venv
 	@$(BIN)/python -c "import mpi4py" 2>/dev/null || \
 	  $(BIN)/python -m pip install -q -e '.[test,lint,plot,mpi]'
 	ACOLL_TEST_MPI=1 $(BIN)/python -m pytest -m mpi tests/test_mpi.py
+
+# On a GPU host (no package registry): the host's own python3 with its CuPy/NumPy/msgpack/
+# uvloop, plus pure-Python wheels carried in .whl/ (pytest, pytest-asyncio, ..., and an acoll
+# wheel for its entry points; the code itself is imported from src/). Whole suite + GPU tests.
+GPU_SITE ?= /tmp/acoll-site
+test-gpu:
+	@if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
+	  --no-cache-dir --upgrade --target $(GPU_SITE) .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR)/src:$(GPU_SITE) PATH=$(GPU_SITE)/bin:$$PATH NCCL_NVLS_ENABLE=0 \
+	  python3 -m pytest -p no:cacheprovider $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check src tests examples

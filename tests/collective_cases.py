@@ -56,6 +56,8 @@ async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[An
     for count in counts:
         for dt in dtypes:
             for op in ops:
+                if op == acoll.AVG and np.dtype(dt).kind in "iu" and np.dtype(dt).itemsize == 1:
+                    continue  # refused (would wrap): tests/test_failures.py checks the error
                 tag = f"n={n} count={count} dtype={dt} op={op.name} rank={r}"
                 ins = [make_input(q, count, dt, op) for q in range(n)]
                 want = reference(ins, op)

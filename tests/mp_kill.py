@@ -1,9 +1,14 @@
-"""A rank that dies (rank 2) or reports how the others' collectives failed."""
+"""A rank that dies (``os._exit``, or stops itself with SIGSTOP) while the others run
+all_reduces; the others report how their collectives failed, naming the blamed rank.
+
+Usage: mp_kill.py RANK NRANKS [VICTIM] [kill|stop]
+"""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 
 import numpy as np
@@ -11,22 +16,29 @@ import numpy as np
 import acoll
 
 
-async def main(rank: int, n: int) -> int:
+async def main(rank: int, n: int, victim: int, how: str) -> int:
     uid = acoll.get_unique_id()  # ACOLL_COMM_ID is set: rank 0 hosts the root
     comm = await acoll.init_rank(n, uid, rank)
     x = np.ones(1 << 18, np.float32)
     for i in range(1000):
-        if rank == 2 and i == 3:
-            os._exit(9)
+        if rank == victim and i == 3:
+            if how == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                os._exit(9)
         try:
             await comm.all_reduce(x)
-        except acoll.RemoteError as exc:
-            print(f"RemoteError on rank {rank} at iteration {i}: {exc} (rank={exc.rank})")
-            comm.abort()
+        except (acoll.RemoteError, acoll.TimeoutError) as exc:
+            print(f"{type(exc).__name__} on rank {rank} at iteration {i}: {exc} "
+                  f"(rank={exc.rank})")
+            comm.abort()  # as error handlers do: must not make peers blame this rank
             return 0
     print("never failed")
     return 1
 
 
 if __name__ == "__main__":
-    sys.exit(asyncio.run(main(int(sys.argv[1]), int(sys.argv[2]))))
+    args = sys.argv[1:]
+    sys.exit(asyncio.run(main(int(args[0]), int(args[1]),
+                              int(args[2]) if len(args) > 2 else 2,
+                              args[3] if len(args) > 3 else "kill")))

@@ -78,7 +78,7 @@ def test_killed_process_is_remote_error_on_survivors() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{_free_port()}"
     env["ACOLL_TIMEOUT"] = "60"
-    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3"],
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3", "2"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(3)]
     t = time.monotonic()
@@ -90,6 +90,41 @@ def test_killed_process_is_remote_error_on_survivors() -> None:
         assert "RemoteError" in outs[r], outs[r]
         assert "rank 2" in outs[r], outs[r]
     assert elapsed < 30
+
+
+def _run_victim_job(n: int, victim: int, how: str, timeout: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{_free_port()}"
+    env["ACOLL_COMM_SECRET"] = os.urandom(32).hex()
+    env["ACOLL_TIMEOUT"] = timeout
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), str(n),
+                               str(victim), how], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(n)]
+    try:
+        return [procs[r].communicate(timeout=60)[0] for r in range(n) if r != victim]
+    finally:
+        procs[victim].kill()
+        procs[victim].communicate(timeout=10)
+
+
+def test_killed_rank_blamed_everywhere_when_survivors_abort() -> None:
+    """Issue 6.6: survivors that abort() in their error handlers used to make other
+    survivors blame them (a reset overtook their failure notice)."""
+    for _ in range(3):
+        outs = _run_victim_job(5, 2, "kill", "60")
+        for out in outs:
+            assert "RemoteError" in out, out
+            assert "(rank=2)" in out, outs
+
+
+def test_stopped_rank_is_the_one_the_timeout_names() -> None:
+    """Issue 6.6: a SIGSTOPped rank used to give every survivor a TimeoutError naming
+    only the reporting rank."""
+    outs = _run_victim_job(4, 3, "stop", "3")
+    for out in outs:
+        assert "TimeoutError" in out, out
+        assert "rank 3" in out, outs
+        assert "(rank=3)" in out, outs
 
 
 def _free_port() -> int:

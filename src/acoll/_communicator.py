@@ -257,6 +257,8 @@ class Communicator:
         self._issued: dict[int, Descriptor] = {}
         self._early: dict[int, tuple[int, bytes]] = {}
         self._recv_stamps: dict[tuple[int, int], int] = {}
+        self._recv_futs: dict[tuple[int, int], asyncio.Future[bytes]] = {}
+        self._p2p_seen: set[tuple[int, int]] = set()  # p2p messages that arrived early
         self._group_seq: int | None = None
         self._running: set[OpContext] = set()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
@@ -599,6 +601,8 @@ class Communicator:
     def _p2p_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         other = Descriptor.unpack(meta)
         index = (tag >> 32) & _SEQ_MASK
+        if (peer, index) in self._recv_stamps:
+            self._p2p_seen.add((peer, index))
         stamp = self._recv_stamps.get((peer, index))
         if stamp is None and index < (self._p2p_recv[peer] & _SEQ_MASK):
             return  # that receive already completed: a transport-level duplicate
@@ -624,11 +628,14 @@ class Communicator:
             if frm == peer and stamp <= seq and seq not in self._issued:
                 # Its send (stamped before seq) should have come first; give messages that
                 # travel on other sockets a moment before calling it a mismatch.
-                self._loop.call_later(0.05, self._p2p_blocked_check, peer, _index, seq, meta)
+                self._loop.call_later(0.2, self._p2p_blocked_check, peer, _index, seq, meta)
                 return
 
     def _p2p_blocked_check(self, peer: int, index: int, seq: int, meta: bytes) -> None:
-        if (peer, index) not in self._recv_stamps or self._error is not None or self._closed:
+        key = (peer, index)
+        fut = self._recv_futs.get(key)
+        if (key not in self._recv_stamps or key in self._p2p_seen
+                or (fut is not None and fut.done()) or self._error is not None or self._closed):
             return
         coll = Descriptor.unpack(meta).coll.name.lower()
         self.fail(InvalidUsage(
@@ -818,8 +825,14 @@ class Communicator:
         if s.dtype != r.dtype:
             raise InvalidUsage(f"{what}: send has dtype {s.dtype}, recv has {r.dtype}")
         if s.size * ratio_recv != r.size * ratio_send:
+            if ratio_send > ratio_recv:  # reduce_scatter: the send side is the multiple
+                need = f"send must hold {r.size * ratio_send // ratio_recv} ({self.size} x recv)"
+            else:
+                need = f"recv must hold {s.size * ratio_recv // ratio_send}"
+                if ratio_recv > 1:
+                    need += f" ({self.size} x send)"
             raise InvalidUsage(f"{what}: send holds {s.size} elements and recv {r.size}; "
-                               f"recv must hold {s.size * ratio_recv // ratio_send}")
+                               f"{need}")
         if not self._same(s, r) and np.shares_memory(s, r) and not (
                 (what == "all_gather" and self._inside(s, r))
                 or (what == "reduce_scatter" and self._inside(r, s))):
@@ -1003,9 +1016,12 @@ class Communicator:
         key = (peer, seq & _SEQ_MASK)
         self._recv_stamps[key] = stamp
         try:
-            await self._execute(desc, lambda ctx: _Recv(ctx, peer, b), tag_base=tag)
+            await self._execute(desc, lambda ctx: _Recv(ctx, peer, b, self._recv_futs, key),
+                                tag_base=tag)
         finally:
             self._recv_stamps.pop(key, None)
+            self._recv_futs.pop(key, None)
+            self._p2p_seen.discard(key)
         return buf
 
     # ------------------------------------------------------------------ split
@@ -1087,12 +1103,15 @@ class _Nothing:
 
 
 class _Recv:
-    def __init__(self, ctx: OpContext, peer: int, arr: npt.NDArray[Any]) -> None:
-        self.ctx, self.peer, self.arr = ctx, peer, arr
+    def __init__(self, ctx: OpContext, peer: int, arr: npt.NDArray[Any],
+                 posted: dict[tuple[int, int], asyncio.Future[bytes]], key: tuple[int, int]
+                 ) -> None:
+        self.ctx, self.peer, self.arr, self.posted, self.key = ctx, peer, arr, posted, key
 
     async def run(self) -> None:
         await self.ctx.connect(self.peer)
-        await self.ctx.wait_recv(self.ctx.post_recv(self.peer, self.arr, 0), self.peer)
+        fut = self.posted[self.key] = self.ctx.post_recv(self.peer, self.arr, 0)
+        await self.ctx.wait_recv(fut, self.peer)
 
 
 def raise_nofile_limit() -> None:

@@ -111,8 +111,10 @@ def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
     elif arr.dtype.kind == "u":
         np.floor_divide(arr, arr.dtype.type(n), out=arr)
     else:  # C-style truncation toward zero, as NCCL's integer average
-        q = np.abs(arr.astype(np.int64)) // n
-        arr[...] = (np.sign(arr) * q).astype(arr.dtype)
+        wide = arr.astype(np.int64)
+        q = wide // n  # floors; step back toward zero where a negative sum did not divide
+        q += (wide < 0) & (q * n != wide)
+        arr[...] = q.astype(arr.dtype)
 
 
 def check_op_dtype(op: ReduceOp, dt: np.dtype[Any], coll: str) -> None:

@@ -59,6 +59,7 @@ EXIT_TIMEOUT = 124
 _MAX_LINE = 1 << 16  # a partial line longer than this is forwarded without waiting for "\n"
 _DRAIN_S = 2.0  # how long output is still read after every rank has exited
 _BLAME_WAIT_S = 2.0  # how long a consequential failure waits for the rank that caused it
+_BLAME_WAIT_NAMED_S = 10.0  # ... when it names that rank and the rank is still running
 _SECRET_VARS = ("ACOLL_COMM_SECRET", "ACOLL_COMM_SECRET_FILE")
 _PROG = "acoll-run"
 
@@ -409,8 +410,14 @@ class _Job:
         if self._live() == 0:
             self._blame_consequential()
         elif self.blame_timer is None:
+            # A rank named as the lost peer is still exiting (interpreter shutdown can take
+            # seconds on a loaded machine): wait longer for that one.
+            peer = report[0]
+            named_alive = (peer is not None and 0 <= peer < len(self.ranks)
+                           and not self.ranks[peer][0].exited.done())
             self.blame_timer = asyncio.get_running_loop().call_later(
-                _BLAME_WAIT_S, self._blame_consequential)
+                _BLAME_WAIT_NAMED_S if named_alive else _BLAME_WAIT_S,
+                self._blame_consequential)
 
     async def _start(self, rank: int) -> bool:
         opts = self.opts
