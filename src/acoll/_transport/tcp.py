@@ -45,10 +45,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
-import numpy as np
 
 from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
+from .._dtypes import empty_bytes
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
 
@@ -96,7 +96,7 @@ class _RecvEntry:
         self.table = table  # the dict of the connection that holds this entry
         self.received = 0
         self.meta = b""
-        self.storage: memoryview | None = None  # np.empty: pages are touched as data comes
+        self.storage: memoryview | None = None  # pages are faulted in as data comes
         self.drop = False  # payload is read and thrown away (size mismatch being drained)
         # set when the receive fails on a size mismatch: raised once the whole message has
         # been drained, so the caller may post the same tag again without catching its tail
@@ -608,8 +608,8 @@ class TcpConnection(Connection):
         if entry.buf is not None and entry.storage is None:
             return entry.buf[offset:offset + length]
         if entry.storage is None:
-            # np.empty, not bytearray: no zeroing pass over a large message up front
-            entry.storage = np.empty(entry.total, np.uint8).data
+            # not bytearray: no zeroing pass over a large message up front
+            entry.storage = empty_bytes(entry.total).data
         return entry.storage[offset:offset + length]
 
     def _maybe_complete(self, entry: _RecvEntry) -> None:
