@@ -85,8 +85,15 @@ async def _paced(ctx: OpContext, key: tuple[Any, ...], n: int, itemsize: int,
     _piece_items[key] = per
 
 
+_SMALL_WORK = 16 << 10  # bytes: reduced or copied at once, no pacing bookkeeping
+
+
 async def _reduce(ctx: OpContext, out: Array, a: Array, b: Array, op: ReduceOp) -> None:
     """``out[:] = a (op) b`` (:func:`reduce_into`), in paced pieces."""
+    if out.nbytes <= _SMALL_WORK:
+        reduce_into(out, a, b, op)
+        return
+
     def work(i: int, j: int) -> None:
         reduce_into(out[i:j], a[i:j], b[i:j], op)
 
@@ -95,6 +102,10 @@ async def _reduce(ctx: OpContext, out: Array, a: Array, b: Array, op: ReduceOp) 
 
 async def _avg(ctx: OpContext, arr: Array, n: int) -> None:
     """:func:`finish_avg` in paced pieces."""
+    if arr.nbytes <= _SMALL_WORK:
+        finish_avg(arr, n)
+        return
+
     def work(i: int, j: int) -> None:
         finish_avg(arr[i:j], n)
 
@@ -104,6 +115,10 @@ async def _avg(ctx: OpContext, arr: Array, n: int) -> None:
 
 async def _copy(ctx: OpContext, dst: Array, src: Array) -> None:
     """``dst[...] = src`` in paced pieces."""
+    if dst.nbytes <= _SMALL_WORK:
+        dst[...] = src
+        return
+
     def work(i: int, j: int) -> None:
         dst[i:j] = src[i:j]
 
