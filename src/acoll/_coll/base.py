@@ -24,7 +24,7 @@ __all__ = ["STEP_NS", "Coll", "Descriptor", "OpContext", "chunk_ranges", "split_
 #: The bound on one step of an op's coroutine: after this much time (ns) since it last
 #: slept it yields to the loop at the next checkpoint (each wait, and between the pieces
 #: of a reduction or copy). With the piece in progress, a step stays under about 1 ms.
-STEP_NS = 400_000
+STEP_NS = 250_000
 
 
 class Coll(enum.IntEnum):

@@ -17,8 +17,8 @@ A message larger than ``stripe`` bytes is cut into one part per socket, so with
 
 Bounded work per loop step: every reader or writer callback, and every :meth:`poll`, moves
 data in calls of at most ``_IO_SLICE`` bytes (256 KiB) for receives and ``_SEND_SLICE``
-(1 MiB) for sends, 0.05 to 0.5 ms of copying each, and starts no new call once ``_IO_NS``
-(0.3 ms) have passed, then returns to the loop, which calls it again while the socket stays
+(512 KiB) for sends, 0.05 to 0.3 ms of copying each, and starts no new call once ``_IO_NS``
+(0.2 ms) have passed, then returns to the loop, which calls it again while the socket stays
 ready. A message that waited in memory for its
 receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
@@ -80,9 +80,9 @@ _MAX_HELLO = 1 << 16
 _MAX_NOTICE = (1 << 16) - 64  # a close frame must fit the staging buffer
 _STAGE = 1 << 16  # staging buffer for headers and small payloads
 _IO_SLICE = 256 << 10  # bytes per recv_into call (and per piece of a copy-out)
-_SEND_SLICE = 1 << 20  # bytes per sendmsg call: loopback sendmsg costs more per byte in
-# smaller calls (measured: 256 KiB calls cost about 25% more CPU than unbounded ones)
-_IO_NS = 300_000  # a reader/writer callback or poll starts no new call after this (ns)
+_SEND_SLICE = 512 << 10  # bytes per sendmsg call (loopback sendmsg costs more per byte in
+# small calls: 256 KiB calls took about 25% more CPU than unbounded ones in a profile)
+_IO_NS = 200_000  # a reader/writer callback or poll starts no new call after this (ns)
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 
