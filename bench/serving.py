@@ -74,14 +74,16 @@ async def _health(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
         writer.close()
 
 
-async def _ticker(lags: list[float], stop: asyncio.Event) -> None:
+async def _ticker(lags: list[float], cpus: list[float], stop: asyncio.Event) -> None:
     # perf_counter, not loop.time(): uvloop's clock has millisecond resolution. A timer
     # may fire up to one millisecond early or late by the loop's own rounding, so lags
-    # below 1 ms are noise.
+    # below 1 ms are noise. ``cpus``: CPU time the loop's thread used between two ticks;
+    # a lag much larger than it was spent waiting for a CPU (preempted), not running.
     while not stop.is_set():
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         await asyncio.sleep(TICK)
         lags.append(max(time.perf_counter() - t - TICK, 0.0))
+        cpus.append(time.thread_time() - c)
 
 
 async def _rank_main(args: argparse.Namespace) -> None:
@@ -91,6 +93,7 @@ async def _rank_main(args: argparse.Namespace) -> None:
     server = await asyncio.start_server(_health, "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     lags: list[float] = []
+    cpus: list[float] = []
     ops = 0
     comm = None
     if args.collectives:
@@ -102,7 +105,7 @@ async def _rank_main(args: argparse.Namespace) -> None:
         for _ in range(2):  # warm-up: scratch buffers allocated and touched
             await comm.all_reduce(x)
     print(f"READY {port}", flush=True)
-    ticker = asyncio.ensure_future(_ticker(lags, stop))
+    ticker = asyncio.ensure_future(_ticker(lags, cpus, stop))
     t0 = time.perf_counter()
     if comm is not None:
         while True:
@@ -119,7 +122,7 @@ async def _rank_main(args: argparse.Namespace) -> None:
     if comm is not None:
         await comm.close()
     server.close()
-    print(json.dumps({"lags": lags, "ops": ops, "wall": wall}), flush=True)
+    print(json.dumps({"lags": lags, "cpus": cpus, "ops": ops, "wall": wall}), flush=True)
 
 
 # ----------------------------------------------------------------------------- client
@@ -207,7 +210,7 @@ def _scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
             if p.poll() is None:
                 p.kill()
             p.wait()
-    lags = results[0]["lags"]
+    lags, cpus = results[0]["lags"], results[0]["cpus"]
     ops, wall = results[0]["ops"], results[0]["wall"]
     busbw = ops * args.size / wall / 1e9 if ops else float("nan")  # 2 ranks: factor 1
     return {"name": name, "n": len(times),
@@ -216,6 +219,8 @@ def _scenario(name: str, args: argparse.Namespace) -> dict[str, Any]:
             "lag_p50": _pct(lags, 0.5) * 1e3, "lag_p99": _pct(lags, 0.99) * 1e3,
             "lag_max": max(lags) * 1e3 if lags else float("nan"),
             "lag_mean": statistics.fmean(lags) * 1e3 if lags else float("nan"),
+            "cpu_p99": _pct(cpus, 0.99) * 1e3,
+            "cpu_max": max(cpus) * 1e3 if cpus else float("nan"),
             "ops_s": ops / wall if ops else 0.0, "busbw": busbw}
 
 
@@ -223,12 +228,14 @@ def _table(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     size = f"{args.size >> 20} MiB" if args.size >= 1 << 20 else f"{args.size} B"
     lines = [
         f"| scenario | requests | server p50 (ms) | p99 (ms) | max (ms) | loop lag p99 (ms) | "
-        f"lag max (ms) | all_reduce {size}/s | busbw (GB/s) |",
-        "|---|---|---|---|---|---|---|---|---|"]
+        f"lag max (ms) | tick CPU p99 (ms) | tick CPU max (ms) | all_reduce {size}/s | "
+        f"busbw (GB/s) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         extra = (f"{r['ops_s']:.1f} | {r['busbw']:.2f}" if r["ops_s"] else "- | -")
         lines.append(f"| {r['name']} | {r['n']} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                     f"{r['max']:.1f} | {r['lag_p99']:.2f} | {r['lag_max']:.1f} | {extra} |")
+                     f"{r['max']:.1f} | {r['lag_p99']:.2f} | {r['lag_max']:.1f} | "
+                     f"{r['cpu_p99']:.2f} | {r['cpu_max']:.1f} | {extra} |")
     return "\n".join(lines)
 
 
@@ -246,8 +253,9 @@ def _drive(args: argparse.Namespace) -> None:
             f"{load1[0]:.2f} {load1[1]:.2f} {load1[2]:.2f}\n"
             f"# command: {' '.join(['python', *sys.argv])}\n"
             f"# client: one request at a time to rank 0, {CLIENT_GAP * 1e3:g} ms apart, "
-            f"{args.seconds} s; ticker: sleeps {TICK * 1e3:g} ms, lag = lateness; "
-            f"burner scenario: {args.burners} CPU-burning processes\n")
+            f"{args.seconds} s; ticker (rank 0): sleeps {TICK * 1e3:g} ms, lag = lateness, "
+            f"tick CPU = CPU time of the loop's thread between two ticks (lag well above it "
+            f"= waiting for a CPU); burner scenario: {args.burners} CPU-burning processes\n")
     text = head + _table(rows, args) + "\n"
     print(text, end="")
     if args.out:
