@@ -85,7 +85,7 @@ async def _paced(ctx: OpContext, key: tuple[Any, ...], n: int, itemsize: int,
     _piece_items[key] = per
 
 
-_SMALL_WORK = 16 << 10  # bytes: reduced or copied at once, no pacing bookkeeping
+_SMALL_WORK = 64 << 10  # bytes (ACOLL_SMALL_MSG): reduced or copied at once, unpaced
 
 
 async def _reduce(ctx: OpContext, out: Array, a: Array, b: Array, op: ReduceOp) -> None:

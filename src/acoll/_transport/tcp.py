@@ -377,16 +377,17 @@ class TcpConnection(Connection):
             self._internal_error("sending to", exc)
 
     def _flush(self, s: _Sock) -> None:
-        """Write queued frames for ``_IO_NS`` at most (calls of ``_IO_SLICE`` bytes); the
-        writer callback does the rest in later loop steps (registered while anything is
-        queued)."""
+        """Write queued frames for ``_IO_NS`` at most, in calls of ``_SEND_SLICE`` payload
+        bytes (headers ride along, so a chunk of exactly that size is not left with a
+        48-byte tail for a later call); the writer callback does the rest in later loop
+        steps (registered while anything is queued)."""
         queue = s.queue
         sock = s.sock
         until = time.perf_counter_ns() + _IO_NS
-        cap = _SEND_SLICE
         while queue:
             bufs: list[Any] = []
             size = 0
+            room = _SEND_SLICE  # payload bytes this call may still carry
             for item in queue:
                 hdr, view, sent = item[0], item[1], item[2]
                 if sent < len(hdr):
@@ -395,11 +396,12 @@ class TcpConnection(Connection):
                     size += len(head)
                 else:
                     view = view[sent - len(hdr):]
-                if size + view.nbytes > cap:
-                    view = view[:max(cap - size, 0)]
+                if view.nbytes > room:
+                    view = view[:room]
                 bufs.append(view)
                 size += view.nbytes
-                if size >= cap or len(bufs) >= _IOV:
+                room -= view.nbytes
+                if room <= 0 or len(bufs) >= _IOV:
                     break
             try:
                 n = sock.sendmsg(bufs)
