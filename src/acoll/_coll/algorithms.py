@@ -56,7 +56,9 @@ _PIECE_NS = 200_000  # target duration of one piece of a reduction or copy
 _FIRST_PIECE = 1 << 14  # items, before the speed of a kind of piece is known
 # Largest piece whatever the learnt speed: memory written for the first time costs a page
 # fault per 4 KiB (several us in a VM), so a size learnt on warm buffers would overrun.
-_MAX_PIECE_BYTES = 256 << 10
+# Equal to the default chunk, so that a ring step reduces its chunk and posts the send
+# without a yield in between (that gap is on the critical path of the pipeline).
+_MAX_PIECE_BYTES = 512 << 10
 _piece_items: dict[tuple[Any, ...], int] = {}  # learnt piece size per (work, dtype, op)
 
 
