@@ -186,8 +186,15 @@ class OpContext:
                 conn.poll()
 
     async def wait_recv(self, fut: asyncio.Future[bytes], peer: int) -> None:
-        """Wait for a receive; check the sender's descriptor. Never runs past the step
-        bound: a receive completed without sleeping still yields when the step is due."""
+        """Wait for a receive; check the sender's descriptor.
+
+        The step bound is checked first: when due, yield before looking for the data (the
+        loop's reader may complete it meanwhile). A receive then completed without
+        sleeping lets the caller go straight on to reduce and send the result, which the
+        peer waits for: a yield there would delay the whole pipeline.
+        """
+        if time.perf_counter_ns() >= self.yield_at:
+            await self.pause()
         self.progress(fut, peer)
         slept = not fut.done()
         try:
@@ -206,8 +213,6 @@ class OpContext:
             raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer))
         if slept:
             self.yield_at = time.perf_counter_ns() + STEP_NS
-        elif time.perf_counter_ns() >= self.yield_at:
-            await self.pause()
 
     async def wait_send(self, fut: Awaitable[None], peer: int) -> None:
         """Wait for a send to complete (with the same step bound as :meth:`wait_recv`)."""
