@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import msgpack
 import pytest
@@ -20,6 +20,7 @@ from acoll.errors import InvalidUsage, ProtocolError
 from acoll.errors import TimeoutError as AcollTimeoutError
 from transport_conformance import (
     DEADLINE,
+    FailureRecorder,
     GarbageCase,
     TransportConformance,
     TransportHarness,
@@ -429,3 +430,170 @@ async def test_silent_connection_flood_is_bounded(monkeypatch: pytest.MonkeyPatc
         for sock in socks:
             sock.close()
         listener.close()
+
+
+# ------------------------------------------------------------------ hostile data frames
+def _frame(tag: int, total: int, length: int, offset: int = 0, payload_bytes: bytes = b"",
+           kind: int = tcp._DATA) -> bytes:
+    return tcp._HDR.pack(tcp._MAGIC, kind, 0, length, tag, total, offset,
+                         meta_for(tag)) + payload_bytes
+
+
+class _RawPeer:
+    """A raw socket that passed the listener's handshake, and the accepted connection."""
+
+    def __init__(self, listener: tcp.TcpListener, sock: socket.socket,
+                 conn: TcpConnection) -> None:
+        self.listener, self.sock, self.conn = listener, sock, conn
+        self.failures = FailureRecorder()
+        conn.set_failure_callback(self.failures)
+
+    @classmethod
+    async def open(cls) -> _RawPeer:
+        listener = await within(_transport(1).listen())
+        assert isinstance(listener, tcp.TcpListener)
+        sock = await _authed(listener.handle, 0, 1, 99)
+        _hello, conn = await within(listener.accept())
+        assert isinstance(conn, TcpConnection)
+        return cls(listener, sock, conn)
+
+    async def send(self, data: bytes) -> None:
+        await within(asyncio.get_running_loop().sock_sendall(self.sock, data))
+
+    async def lost(self) -> ConnectionLost:
+        """The connection's failure (it must come, through the callback)."""
+        await within(self.failures.event.wait())
+        assert self.conn.failed is not None
+        return self.failures.calls[0]
+
+    async def close(self) -> None:
+        self.conn.abort()
+        await within(self.conn.wait_closed())
+        self.sock.close()
+        self.listener.close()
+
+
+@pytest.fixture
+async def raw_peer() -> AsyncIterator[_RawPeer]:
+    peer = await _RawPeer.open()
+    try:
+        yield peer
+    finally:
+        await peer.close()
+
+
+async def test_absurd_total_early_fails_connection(raw_peer: _RawPeer) -> None:
+    """Issue 6 item 5: a message of 2**62 bytes must not be allocated (MemoryError in the
+    read callback used to escape to the loop and leave the connection hanging)."""
+    await raw_peer.send(_frame(1, 1 << 62, 16, payload_bytes=b"x" * 16))
+    lost = await raw_peer.lost()
+    assert "broke the protocol" in str(lost)
+    assert "ACOLL_SOCKET_MAX_EARLY" in str(lost)
+    with pytest.raises(ConnectionLost):
+        await within(raw_peer.conn.irecv(memoryview(bytearray(16)), 2))
+
+
+async def test_absurd_total_against_posted_receive_fails_connection(
+        raw_peer: _RawPeer) -> None:
+    pending = raw_peer.conn.irecv(memoryview(bytearray(16)), 1)
+    await raw_peer.send(_frame(1, 1 << 62, 16, payload_bytes=b"x" * 16))
+    with pytest.raises(ConnectionLost, match="where a receive of 16 bytes was posted"):
+        await within(pending)
+    await raw_peer.lost()
+
+
+@pytest.mark.parametrize(("total", "length", "offset"), [
+    (16, 32, 0),  # part longer than the message
+    (16, 8, 12),  # part runs past the end
+    (16, 8, (1 << 64) - 4),  # offset wraps around
+])
+async def test_part_outside_message_fails_connection(raw_peer: _RawPeer, total: int,
+                                                     length: int, offset: int) -> None:
+    pending = raw_peer.conn.irecv(memoryview(bytearray(total)), 1)
+    await raw_peer.send(_frame(1, total, length, offset, b"y" * length))
+    with pytest.raises(ConnectionLost, match="exceeds message size"):
+        await within(pending)
+
+
+async def test_overlapping_parts_fail_connection(raw_peer: _RawPeer) -> None:
+    buf = bytearray(16)
+    pending = raw_peer.conn.irecv(memoryview(buf), 1)
+    await raw_peer.send(_frame(1, 16, 12, 0, b"a" * 12) + _frame(1, 16, 12, 4, b"b" * 12))
+    with pytest.raises(ConnectionLost, match="exceed its size"):
+        await within(pending)
+
+
+async def test_early_message_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to ACOLL_SOCKET_MAX_EARLY an early message is kept; above it the connection fails."""
+    monkeypatch.setenv("ACOLL_SOCKET_MAX_EARLY", "4K")
+    peer = await _RawPeer.open()
+    try:
+        await peer.send(_frame(1, 4096, 4096, payload_bytes=b"k" * 4096))
+        await asyncio.sleep(0.05)
+        out = bytearray(4096)
+        assert await within(peer.conn.irecv(memoryview(out), 1)) == meta_for(1)
+        assert out == b"k" * 4096
+        await peer.send(_frame(2, 4097, 1, payload_bytes=b"k"))
+        assert "4097 bytes arrived before its receive was posted" in str(await peer.lost())
+    finally:
+        await peer.close()
+
+
+async def test_wrong_size_message_is_dropped_not_stored(raw_peer: _RawPeer,
+                                                        monkeypatch: pytest.MonkeyPatch
+                                                        ) -> None:
+    """A message whose size differs from the posted receive (under the cap) fails that
+    receive once drained, without keeping its bytes anywhere; the connection stays up."""
+    stored: list[int] = []
+    monkeypatch.setattr(tcp, "empty_bytes", lambda n: stored.append(n))
+    pending = raw_peer.conn.irecv(memoryview(bytearray(8)), 1)
+    big = 3 * tcp._STAGE + 5  # arrives over several reads, mostly outside the stage
+    await raw_peer.send(_frame(1, big, big, payload_bytes=b"z" * big))
+    with pytest.raises(tcp.MessageSizeError):
+        await within(pending)
+    assert stored == []
+    assert raw_peer.conn.failed is None
+    out = bytearray(3)
+    rfut = raw_peer.conn.irecv(memoryview(out), 2)
+    await raw_peer.send(_frame(2, 3, 3, payload_bytes=b"abc"))
+    await within(rfut)
+    assert out == b"abc"
+
+
+@pytest.mark.parametrize("where", ["_parse", "_maybe_complete"])
+async def test_bug_in_read_path_fails_connection_not_loop(
+        raw_peer: _RawPeer, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+    """Last resort: any exception in a loop callback fails the connection with a clear
+    message; nothing reaches the loop's exception handler (the loop guard checks)."""
+    def broken(*_args: object) -> None:
+        raise MemoryError("simulated")
+
+    monkeypatch.setattr(TcpConnection, where, broken)
+    pending = raw_peer.conn.irecv(memoryview(bytearray(4)), 1)
+    await raw_peer.send(_frame(1, 4, 4, payload_bytes=b"abcd"))
+    with pytest.raises(ConnectionLost, match="internal error while reading from"):
+        await within(pending)
+    assert "MemoryError('simulated')" in str(await raw_peer.lost())
+
+
+async def test_bug_in_write_path_fails_connection_not_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    harness = _harness("w", 1)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        failures = FailureRecorder()
+        p.a.set_failure_callback(failures)
+        data = bytearray(64 << 20)  # more than the socket buffers: the writer callback runs
+        sfut = p.a.isend(memoryview(data), 1, meta_for(1))
+        assert p.a._socks[0].writing
+
+        def broken(*_args: object) -> None:
+            raise RuntimeError("simulated")
+
+        monkeypatch.setattr(TcpConnection, "_flush", broken)
+        with pytest.raises(ConnectionLost, match="internal error while sending to"):
+            await within(sfut)
+        await within(failures.event.wait())
+    finally:
+        await p.aclose()

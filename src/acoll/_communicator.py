@@ -40,7 +40,7 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._config import TIMEOUT, Setting, get_logger, parse_bool
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, as_host_array, check_op_dtype, dtype_code
+from ._dtypes import ReduceOp, as_host_array, check_op_dtype, dtype_code, empty_bytes
 from ._net.interfaces import find_interfaces
 from ._transport.base import Connection, ConnectionLost, Listener, Transport
 from ._transport.select import select_transport
@@ -531,7 +531,7 @@ class Communicator:
         nbytes = count * dtype.itemsize
         buf = self._scratch_bufs.get(slot)
         if buf is None or buf.size < nbytes:
-            buf = np.empty(max(nbytes, 64), np.uint8)
+            buf = empty_bytes(max(nbytes, 64))  # no huge pages: see empty_bytes
             self._scratch_bufs[slot] = buf
         return buf[:nbytes].view(dtype)
 

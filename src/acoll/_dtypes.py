@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import mmap
+import time
+import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ml_dtypes
@@ -247,6 +251,44 @@ def _from_dlpack(obj: Any, what: str) -> npt.NDArray[Any]:
 def _bad_dtype(dt: np.dtype[Any], what: str) -> None:
     raise InvalidUsage(f"{what} has dtype {dt}, which is not supported; use one of "
                        f"{', '.join(DTYPE_NAMES.values())}")
+
+
+_MMAP_MIN = 1 << 20
+_unmapper: ThreadPoolExecutor | None = None
+
+
+def empty_bytes(nbytes: int) -> npt.NDArray[np.uint8]:
+    """An uninitialised byte array whose pages are faulted in as they are first written.
+
+    From 1 MiB on it is an anonymous ``mmap`` (4 KiB pages), not ``np.empty``: NumPy
+    madvises large arrays for transparent huge pages, and the first write to each 2 MiB
+    then zeroes (and may compact memory for) a whole huge page inside one call — a stall
+    of up to milliseconds in whichever loop callback touches it first. Unmapping many
+    small pages is slow too (about 0.3 ms per MiB), so when the array is collected its
+    mapping is released on a worker thread (``munmap`` runs without the GIL).
+    """
+    if nbytes < _MMAP_MIN:
+        return np.empty(nbytes, np.uint8)
+    mm = mmap.mmap(-1, nbytes)
+    arr = np.frombuffer(mm, np.uint8)
+    weakref.finalize(arr, _unmap_later, mm).atexit = False
+    return arr
+
+
+def _unmap_later(mm: mmap.mmap) -> None:
+    global _unmapper
+    if _unmapper is None:
+        _unmapper = ThreadPoolExecutor(1, thread_name_prefix="acoll-unmap")
+    _unmapper.submit(_unmap, mm)
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    for _ in range(1000):  # the array may still be finishing its deallocation
+        try:
+            mm.close()
+            return
+        except BufferError:
+            time.sleep(0.001)
 
 
 def byte_view(arr: npt.NDArray[Any]) -> memoryview:

@@ -11,11 +11,19 @@ reduce-scatter step ``s`` sends segment ``r - s`` and receives segment ``r - s -
 which is reduced with the local input and becomes the next step's send; after ``n - 1``
 steps rank ``r`` holds the total of segment ``r + 1``. All-gather step ``s`` then sends
 segment ``r + 1 - s`` and receives segment ``r - s`` straight into the output.
+
+Bounded steps: ``run`` never holds the event loop for long, whatever the message size.
+Reductions and local copies go through :func:`_paced`, which cuts them into pieces that
+take about ``_PIECE_NS`` each (the piece size is learnt per dtype and op) and checks the
+op's step bound (:data:`.base.STEP_NS`) between pieces; waits check it too, and loops that
+post many chunks check it per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -42,6 +50,81 @@ Array = npt.NDArray[Any]
 
 def _chunk_items(ctx: OpContext, itemsize: int) -> int:
     return max(1, ctx.comm.chunk_bytes // itemsize)
+
+
+_PIECE_NS = 200_000  # target duration of one piece of a reduction or copy
+_FIRST_PIECE = 1 << 14  # items, before the speed of a kind of piece is known
+# Largest piece whatever the learnt speed: memory written for the first time costs a page
+# fault per 4 KiB (several us in a VM), so a size learnt on warm buffers would overrun.
+# Equal to the default chunk, so that a ring step reduces its chunk and posts the send
+# without a yield in between (that gap is on the critical path of the pipeline).
+_MAX_PIECE_BYTES = 512 << 10
+_piece_items: dict[tuple[Any, ...], int] = {}  # learnt piece size per (work, dtype, op)
+
+
+async def _paced(ctx: OpContext, key: tuple[Any, ...], n: int, itemsize: int,
+                 work: Callable[[int, int], None]) -> None:
+    """Run ``work(start, stop)`` over ``[0, n)`` (items of ``itemsize`` bytes) in pieces
+    of about ``_PIECE_NS`` and at most ``_MAX_PIECE_BYTES`` each, with a checkpoint of the
+    op's step bound between pieces.
+
+    The piece size for ``key`` adapts after every full piece (at most x4 or /4 at a time,
+    so one preempted piece does not swing it) and is remembered for the next call.
+    """
+    most = max(_MAX_PIECE_BYTES // itemsize, 1)
+    per = min(_piece_items.get(key, _FIRST_PIECE), most)
+    start = 0
+    while start < n:
+        stop = min(n, start + per)
+        t0 = time.perf_counter_ns()
+        work(start, stop)
+        if stop - start == per:
+            scale = (_PIECE_NS / max(time.perf_counter_ns() - t0, 1)) ** 0.5
+            per = min(max(int(per * min(max(scale, 0.25), 4.0)), 1 << 10), most)
+        start = stop
+        if start < n:
+            await ctx.checkpoint()
+    _piece_items[key] = per
+
+
+_SMALL_WORK = 64 << 10  # bytes (ACOLL_SMALL_MSG): reduced or copied at once, unpaced
+
+
+async def _reduce(ctx: OpContext, out: Array, a: Array, b: Array, op: ReduceOp) -> None:
+    """``out[:] = a (op) b`` (:func:`reduce_into`), in paced pieces."""
+    if out.nbytes <= _SMALL_WORK:
+        reduce_into(out, a, b, op)
+        return
+
+    def work(i: int, j: int) -> None:
+        reduce_into(out[i:j], a[i:j], b[i:j], op)
+
+    await _paced(ctx, ("reduce", out.dtype, op), out.size, out.itemsize, work)
+
+
+async def _avg(ctx: OpContext, arr: Array, n: int) -> None:
+    """:func:`finish_avg` in paced pieces."""
+    if arr.nbytes <= _SMALL_WORK:
+        finish_avg(arr, n)
+        return
+
+    def work(i: int, j: int) -> None:
+        finish_avg(arr[i:j], n)
+
+    if n > 1:
+        await _paced(ctx, ("avg", arr.dtype), arr.size, arr.itemsize, work)
+
+
+async def _copy(ctx: OpContext, dst: Array, src: Array) -> None:
+    """``dst[...] = src`` in paced pieces."""
+    if dst.nbytes <= _SMALL_WORK:
+        dst[...] = src
+        return
+
+    def work(i: int, j: int) -> None:
+        dst[i:j] = src[i:j]
+
+    await _paced(ctx, ("copy", dst.itemsize), dst.size, dst.itemsize, work)
 
 
 class _Sends:
@@ -92,25 +175,35 @@ class RingAllReduce:
         n = ctx.n
         await ctx.connect(nxt, prv)
         k = self.nchunks
-        rs_futs = [[ctx.post_recv(prv, buf, s * k + c) for c, (_, _, buf) in enumerate(step)]
-                   for s, step in enumerate(self.rs)]
         base = (n - 1) * k
-        ag_futs = [[ctx.post_recv(prv, dst[cs:cs + cl], base + s * k + c)
-                    for c, (cs, cl) in enumerate(step)] for s, step in enumerate(self.ag)]
+        rs_futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.rs]
+        ag_futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.ag]
+        for s, step in enumerate(self.rs):
+            for c, (_, _, buf) in enumerate(step):
+                rs_futs[s].append(ctx.post_recv(prv, buf, s * k + c))
+                if ctx.due():
+                    await ctx.pause()
+        for s, ag_step in enumerate(self.ag):
+            for c, (cs, cl) in enumerate(ag_step):
+                ag_futs[s].append(ctx.post_recv(prv, dst[cs:cs + cl], base + s * k + c))
+                if ctx.due():
+                    await ctx.pause()
         sends = _Sends(ctx)
         for c, (cs, cl) in enumerate(self.first_send):
             sends.post(nxt, src[cs:cs + cl], c)
+            if ctx.due():
+                await ctx.pause()
         last = n - 2
         for s, step in enumerate(self.rs):
             for c, (cs, cl, tmp) in enumerate(step):
                 await ctx.wait_recv(rs_futs[s][c], prv)
                 out = dst[cs:cs + cl]
-                reduce_into(out, src[cs:cs + cl], tmp, op)
+                await _reduce(ctx, out, src[cs:cs + cl], tmp, op)
                 if s < last:
                     sends.post(nxt, out, (s + 1) * k + c)
                 else:
                     if op == ReduceOp.AVG:
-                        finish_avg(out, n)
+                        await _avg(ctx, out, n)
                     sends.post(nxt, out, base + c)
         for s, ag_step in enumerate(self.ag):
             for c, (cs, cl) in enumerate(ag_step):
@@ -162,18 +255,18 @@ class RecursiveDoublingAllReduce:
             return
         if self.role == "odd":
             await ctx.wait_recv(ctx.post_recv(r - 1, tmp, 0), r - 1)
-            reduce_into(dst, src, tmp, op)
+            await _reduce(ctx, dst, src, tmp, op)
         elif dst is not src:
-            dst[...] = src
+            await _copy(ctx, dst, src)
         for i, peer in enumerate(self.partners):
             step = i + 1
             rf = ctx.post_recv(peer, tmp, step)
             sf = ctx.post_send(peer, dst, step)
             await ctx.wait_recv(rf, peer)
             await ctx.wait_send(sf, peer)
-            reduce_into(dst, dst, tmp, op)
+            await _reduce(ctx, dst, dst, tmp, op)
         if op == ReduceOp.AVG:
-            finish_avg(dst, ctx.n)
+            await _avg(ctx, dst, ctx.n)
         if self.role == "odd":
             await ctx.wait_send(ctx.post_send(r - 1, dst, 1000), r - 1)
 
@@ -225,14 +318,20 @@ class ChainBroadcast:
     async def run(self) -> None:
         ctx, buf, prv, nxt = self.ctx, self.buf, self.prv, self.nxt
         await ctx.connect(*[p for p in (prv, nxt) if p is not None])
-        futs = ([ctx.post_recv(prv, buf[s:s + ln], c) for c, (s, ln) in enumerate(self.chunks)]
-                if prv is not None else [])
+        futs = []
+        if prv is not None:
+            for c, (s, ln) in enumerate(self.chunks):
+                futs.append(ctx.post_recv(prv, buf[s:s + ln], c))
+                if ctx.due():
+                    await ctx.pause()
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.chunks):
             if prv is not None:
                 await ctx.wait_recv(futs[c], prv)
             if nxt is not None:
                 sends.post(nxt, buf[s:s + ln], c)
+                if ctx.due():
+                    await ctx.pause()
         await sends.wait()
 
 
@@ -264,14 +363,14 @@ class TreeReduce:
         await ctx.connect(*self.children, *([self.parent] if self.parent is not None else []))
         futs = [ctx.post_recv(c, t, 0) for c, t in zip(self.children, self.tmps, strict=True)]
         if acc is not self.src:
-            acc[...] = self.src
+            await _copy(ctx, acc, self.src)
         for child, fut, tmp in zip(self.children, futs, self.tmps, strict=True):
             await ctx.wait_recv(fut, child)
-            reduce_into(acc, acc, tmp, op)
+            await _reduce(ctx, acc, acc, tmp, op)
         if self.parent is not None:
             await ctx.wait_send(ctx.post_send(self.parent, acc, 0), self.parent)
         elif op == ReduceOp.AVG:
-            finish_avg(acc, ctx.n)
+            await _avg(ctx, acc, ctx.n)
 
 
 class ChainReduce:
@@ -295,20 +394,26 @@ class ChainReduce:
                                             self.prv, self.nxt)
         assert out is not None
         await ctx.connect(*[p for p in (prv, nxt) if p is not None])
-        futs = ([ctx.post_recv(prv, tmp[s:s + ln], c) for c, (s, ln) in enumerate(self.chunks)]
-                if prv is not None else [])
+        futs = []
+        if prv is not None:
+            for c, (s, ln) in enumerate(self.chunks):
+                futs.append(ctx.post_recv(prv, tmp[s:s + ln], c))
+                if ctx.due():
+                    await ctx.pause()
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.chunks):
             piece = out[s:s + ln]
             if prv is not None:
                 await ctx.wait_recv(futs[c], prv)
-                reduce_into(piece, src[s:s + ln], tmp[s:s + ln], op)
+                await _reduce(ctx, piece, src[s:s + ln], tmp[s:s + ln], op)
             elif piece is not src[s:s + ln] and self.is_root:
-                piece[...] = src[s:s + ln]
+                await _copy(ctx, piece, src[s:s + ln])
             if nxt is not None:
                 sends.post(nxt, piece, c)
+                if ctx.due():
+                    await ctx.pause()
             elif op == ReduceOp.AVG:
-                finish_avg(piece, ctx.n)
+                await _avg(ctx, piece, ctx.n)
         await sends.wait()
 
 
@@ -331,14 +436,20 @@ class RingAllGather:
         ctx, dst, nxt, prv, k = self.ctx, self.dst, self.nxt, self.prv, self.k
         n, r, count = ctx.n, ctx.rank, self.src.size
         await ctx.connect(nxt, prv)
-        futs = [[ctx.post_recv(prv, dst[s:s + ln], st * k + c) for c, (s, ln) in enumerate(p)]
-                for st, p in enumerate(self.steps)]
+        futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.steps]
+        for st, p in enumerate(self.steps):
+            for c, (s, ln) in enumerate(p):
+                futs[st].append(ctx.post_recv(prv, dst[s:s + ln], st * k + c))
+                if ctx.due():
+                    await ctx.pause()
         own = dst[r * count:(r + 1) * count]
         if not np.shares_memory(own, self.src):
-            own[...] = self.src
+            await _copy(ctx, own, self.src)
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.own):
             sends.post(nxt, dst[s:s + ln], c)
+            if ctx.due():
+                await ctx.pause()
         for st, pieces in enumerate(self.steps):
             for c, (s, ln) in enumerate(pieces):
                 await ctx.wait_recv(futs[st][c], prv)
@@ -371,24 +482,31 @@ class RingReduceScatter:
         n, count, k = ctx.n, self.dst.size, max(1, len(self.pieces))
         await ctx.connect(nxt, prv)
         scr = self.scratch
-        futs = [[ctx.post_recv(prv, scr[st * count + s:st * count + s + ln], st * k + c)
-                 for c, (s, ln) in enumerate(self.pieces)] for st in range(n - 1)]
+        futs: list[list[asyncio.Future[bytes]]] = [[] for _ in range(n - 1)]
+        for st in range(n - 1):
+            for c, (s, ln) in enumerate(self.pieces):
+                futs[st].append(ctx.post_recv(prv, scr[st * count + s:st * count + s + ln],
+                                              st * k + c))
+                if ctx.due():
+                    await ctx.pause()
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.pieces):
             sends.post(nxt, src[self.first + s:self.first + s + ln], c)
+            if ctx.due():
+                await ctx.pause()
         for st, block in enumerate(self.blocks):
             for c, (s, ln) in enumerate(self.pieces):
                 await ctx.wait_recv(futs[st][c], prv)
                 tmp = scr[st * count + s:st * count + s + ln]
                 local = src[block + s:block + s + ln]
                 if st < n - 2:
-                    reduce_into(tmp, local, tmp, op)
+                    await _reduce(ctx, tmp, local, tmp, op)
                     sends.post(nxt, tmp, (st + 1) * k + c)
                 else:
                     out = dst[s:s + ln]
-                    reduce_into(out, local, tmp, op)
+                    await _reduce(ctx, out, local, tmp, op)
                     if op == ReduceOp.AVG:
-                        finish_avg(out, n)
+                        await _avg(ctx, out, n)
         await sends.wait()
 
 
@@ -399,19 +517,21 @@ class DirectAllToAll:
         self.ctx, self.src, self.dst = ctx, src, dst
         self.count = dst.size // ctx.n
         self.peers = [(ctx.rank + i) % ctx.n for i in range(1, ctx.n)]
-        if np.shares_memory(src, dst):
-            self.src = ctx.scratch(src.size, src.dtype)
-            self.src[...] = src
+        self.copy_from: Array | None = None
+        if np.shares_memory(src, dst):  # in place: send from a copy of the input
+            self.src, self.copy_from = ctx.scratch(src.size, src.dtype), src
 
     async def run(self) -> None:
         ctx, src, dst, count = self.ctx, self.src, self.dst, self.count
+        if self.copy_from is not None:
+            await _copy(ctx, src, self.copy_from)
         await ctx.connect(*self.peers)
         futs = [(ctx.post_recv(p, dst[p * count:(p + 1) * count], 0), p) for p in self.peers]
         sends = _Sends(ctx)
         for p in self.peers:
             sends.post(p, src[p * count:(p + 1) * count], 0)
         r = ctx.rank
-        dst[r * count:(r + 1) * count] = src[r * count:(r + 1) * count]
+        await _copy(ctx, dst[r * count:(r + 1) * count], src[r * count:(r + 1) * count])
         for fut, p in futs:
             await ctx.wait_recv(fut, p)
         await sends.wait()
