@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 import socket
@@ -85,6 +86,22 @@ async def test_root_unreachable_is_bootstrap_error() -> None:
     with pytest.raises(acoll.BootstrapError, match="unreachable after"):
         await acoll.init_rank(2, uid, 0, timeout=1.5)
     assert time.monotonic() - t < 5
+
+
+async def test_root_retries_are_logged_with_the_address(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 7: retries used to be silent for ~51 s, even at ACOLL_DEBUG=INFO."""
+    monkeypatch.setattr("acoll._bootstrap.ring._RETRY_WARN_S", 0.5)
+    uid = UniqueId.new("127.0.0.1", _free_port())
+    with caplog.at_level(logging.INFO, logger="acoll"), \
+            pytest.raises(acoll.BootstrapError, match="was this rank started late, or twice"):
+        await acoll.init_rank(2, uid, 0, timeout=1.5)
+    where = f"127.0.0.1:{uid.port}"
+    infos = [r for r in caplog.records if r.levelno == logging.INFO and where in r.message
+             and "attempt" in r.message]
+    warns = [r for r in caplog.records if r.levelno == logging.WARNING and where in r.message]
+    assert len(infos) >= 3, caplog.text
+    assert len(warns) == 1, caplog.text
 
 
 async def test_wrong_secret_is_refused_and_job_unaffected() -> None:

@@ -177,3 +177,72 @@ async def test_unawaited_posted_receive_mismatch_fails_at_once() -> None:
     """A size error on a receive the algorithm has not reached yet is acted on at once."""
     out = await _outcomes(2, {0: _f32(3 << 20)}, _f32((3 << 20) + 4096))
     assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+
+
+# ------------------------------------------------------------------ legitimate p2p programs
+async def test_recv_queued_behind_another_recv_is_not_a_mismatch() -> None:
+    """A send that arrives while the matching recv still waits behind another recv (the
+    communicator runs calls one at a time) is legitimate."""
+    async def fn(comm: acoll.Communicator) -> float:
+        x = np.full(4, float(comm.rank), np.float32)
+        if comm.rank == 0:
+            await comm.send(x, 1)
+            await asyncio.sleep(0.3)
+        elif comm.rank == 1:
+            await asyncio.sleep(0.1)
+            a, b = np.empty(4, np.float32), np.empty(4, np.float32)
+            await asyncio.gather(comm.recv(a, 2), comm.recv(b, 0))
+            x = a + b
+        else:
+            await asyncio.sleep(1.0)
+            await comm.send(x, 1)
+        await comm.barrier()
+        return float(x[0])
+
+    assert await run_ranks(3, fn, timeout=DEADLINE) == [0.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("layout", ["plain-vs-group", "groups-differ", "group-vs-plain"])
+async def test_groups_may_differ_between_ranks(layout: str) -> None:
+    """NCCL lets ranks group their calls differently; the same calls in the same order."""
+    async def fn(comm: acoll.Communicator) -> float:
+        x = np.ones(4, np.float32)
+        y = np.full(4, 2.0, np.float32)  # not x: in a group the send runs beside the reduce
+        buf = np.zeros(4, np.float32)
+        p2p = ((lambda: comm.send(y, 1)) if comm.rank == 0 else (lambda: comm.recv(buf, 0)))
+        plain = (layout == "plain-vs-group" and comm.rank == 0) or (
+            layout == "group-vs-plain" and comm.rank == 1)
+        if plain:
+            await comm.all_reduce(x)
+            await p2p()
+        elif layout == "groups-differ" and comm.rank == 0:
+            async with comm.group():
+                await comm.all_reduce(x)
+            async with comm.group():
+                await p2p()
+        else:
+            async with comm.group():
+                await comm.all_reduce(x)
+                await p2p()
+        return float(buf[0] if comm.rank == 1 else x[0])
+
+    assert await run_ranks(2, fn, timeout=DEADLINE) == [2.0, 2.0]
+
+
+async def test_send_never_received_is_reported() -> None:
+    """A send whose recv is never posted used to vanish while both ranks returned ok."""
+    async def sender(c: acoll.Communicator) -> None:
+        await c.send(np.ones(4, np.float32), 1)
+        await c.barrier()
+        await asyncio.sleep(0.3)
+        await c.barrier()
+
+    async def bystander(c: acoll.Communicator) -> None:
+        await asyncio.sleep(0.2)
+        await c.barrier()
+        await asyncio.sleep(0.3)
+        await c.barrier()
+
+    out = await _outcomes(2, {0: sender, 1: bystander}, bystander)
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("send/recv order mismatch" in str(e) for e in out), out

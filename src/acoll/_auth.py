@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -40,6 +42,7 @@ __all__ = [
     "PREAUTH_TIMEOUT",
     "PROOF_SIZE",
     "PreAuthGate",
+    "RefusalLog",
     "auth_key",
     "new_nonce",
     "prove",
@@ -52,7 +55,7 @@ PROOF_SIZE = 32
 PREAUTH_MAX_FRAME = 16 << 10
 
 PREAUTH_LIMIT = Setting(
-    "PREAUTH_LIMIT", int, 1024,
+    "PREAUTH_LIMIT", int, 128,
     "Connections per listener that may be authenticating at once (the oldest is dropped "
     "when a new one arrives at the limit).", "NET")
 PREAUTH_TIMEOUT = Setting(
@@ -90,6 +93,28 @@ def verify(proof: bytes, key: bytes, role: bytes, context: bytes, nonce_a: bytes
     if len(proof) != PROOF_SIZE or len(nonce_a) != NONCE_SIZE or len(nonce_c) != NONCE_SIZE:
         return False
     return hmac.compare_digest(proof, prove(key, role, context, nonce_a, nonce_c, claims))
+
+
+class RefusalLog:
+    """Reports refused connections without letting a flood of them flood the log: at
+    most one WARNING a second per listener (with the count of those not shown), the rest at
+    DEBUG."""
+
+    def __init__(self, logger: logging.Logger) -> None:
+        self._log = logger
+        self._last = -1e9
+        self._hidden = 0
+
+    def refused(self, fmt: str, *args: object) -> None:
+        now = time.monotonic()
+        if now - self._last >= 1.0:
+            if self._hidden:
+                fmt += f" ({self._hidden} more refused since the last report)"
+            self._log.warning(fmt, *args)
+            self._last, self._hidden = now, 0
+        else:
+            self._hidden += 1
+            self._log.debug(fmt, *args)
 
 
 class PreAuthGate:

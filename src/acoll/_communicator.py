@@ -37,7 +37,7 @@ from ._bootstrap.root import RootServer, listen_socket, start_root
 from ._bootstrap.wire import Address
 from ._bootstrap.wire import Error as WireError
 from ._coll import algorithms as algos
-from ._coll.base import Coll, Descriptor, OpContext
+from ._coll.base import ANY_SEQ, Coll, Descriptor, OpContext
 from ._config import TIMEOUT, Setting, get_logger, parse_bool
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, as_host_array, check_op_dtype, dtype_code, empty_bytes
@@ -173,6 +173,7 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         raise InvalidUsage(f"nranks must be a positive int, got {nranks!r}")
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
         raise InvalidUsage(f"rank must be an int in [0, {nranks}), got {rank!r}")
+    _raise_nofile_once()
     if device is not None:
         raise InvalidUsage("device=: GPU communicators need the CUDA transport, which this "
                            "release does not include; pass device=None for host buffers")
@@ -259,7 +260,7 @@ class Communicator:
         self._recv_stamps: dict[tuple[int, int], int] = {}
         self._recv_futs: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._p2p_seen: set[tuple[int, int]] = set()  # p2p messages that arrived early
-        self._group_seq: int | None = None
+        self._p2p_unclaimed: dict[tuple[int, int], int] = {}  # early sends, recv not issued
         self._running: set[OpContext] = set()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
@@ -564,15 +565,32 @@ class Communicator:
         self._issued[seq] = desc
         self._issued.pop((seq - _ISSUED_WINDOW) & _SEQ_MASK, None)
         early = self._early.pop(seq, None)
+        err: InvalidUsage | None = None
         if early is not None and self.check and early[1] != desc.packed:
             err = InvalidUsage(desc.describe_difference(Descriptor.unpack(early[1]),
                                                         self.rank, early[0]))
+        elif self.check and self._p2p_unclaimed and self._group is None:
+            # A send that arrived early and was stamped before this collective can no
+            # longer be matched in order: the recv would come after the collective.
+            for (peer, _index), stamp in self._p2p_unclaimed.items():
+                if stamp <= seq:
+                    err = InvalidUsage(
+                        f"send/recv order mismatch between rank {self.rank} and rank "
+                        f"{peer}: rank {peer} sent before its collective #{stamp}, but rank "
+                        f"{self.rank} reached collective #{seq} without a matching recv")
+                    break
+        if err is not None:
             self.fail(err)
             raise err
 
     def _p2p_stamp(self) -> int:
-        """The collective sequence number a send/recv issued now is stamped with."""
-        return (self._group_seq if self._group_seq is not None else self._seq) & _SEQ_MASK
+        """The collective sequence number a send/recv issued now is stamped with.
+
+        Inside a group the order of send/recv relative to the group's collectives does not
+        matter (they run together, as in NCCL): such calls carry :data:`~._coll.base.ANY_SEQ`
+        and are not order-checked.
+        """
+        return ANY_SEQ if self._group is not None else self._seq & _SEQ_MASK
 
     def _on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         """A message came from ``peer`` before any receive was posted for it.
@@ -600,16 +618,16 @@ class Communicator:
 
     def _p2p_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         other = Descriptor.unpack(meta)
-        index = (tag >> 32) & _SEQ_MASK
-        if (peer, index) in self._recv_stamps:
-            self._p2p_seen.add((peer, index))
-        stamp = self._recv_stamps.get((peer, index))
-        if stamp is None and index < (self._p2p_recv[peer] & _SEQ_MASK):
-            return  # that receive already completed: a transport-level duplicate
+        key = (peer, (tag >> 32) & _SEQ_MASK)
+        self._p2p_seen.add(key)  # forgotten when its recv completes
+        stamp = self._recv_stamps.get(key)
+        if other.root == ANY_SEQ or stamp == ANY_SEQ:
+            return
         if stamp is None:
             # Our matching receive is not issued yet: it will carry at least this stamp.
-            stamp = self._p2p_stamp()
+            stamp = self._seq & _SEQ_MASK
             if other.root >= stamp:
+                self._p2p_unclaimed[key] = other.root  # checked as collectives are issued
                 return
         elif other.root == stamp:
             return
@@ -625,7 +643,8 @@ class Communicator:
     def _p2p_blocked(self, peer: int, seq: int, meta: bytes) -> None:
         """``peer`` runs collective ``seq`` while we still wait for its send issued earlier."""
         for (frm, _index), stamp in self._recv_stamps.items():
-            if frm == peer and stamp <= seq and seq not in self._issued:
+            if (frm == peer and stamp != ANY_SEQ and stamp <= seq and seq not in self._issued
+                    and (frm, _index) in self._recv_futs):
                 # Its send (stamped before seq) should have come first; give messages that
                 # travel on other sockets a moment before calling it a mismatch.
                 self._loop.call_later(0.2, self._p2p_blocked_check, peer, _index, seq, meta)
@@ -659,6 +678,10 @@ class Communicator:
             await make(ctx).run()
             if check is not None:
                 await check
+            if self._error is not None:
+                # A disagreement found while this op ran (by a message check that ran
+                # after the op's own last receive): do not report success.
+                raise self._error
         except asyncio.CancelledError:
             self._cancelled(name, ctx.seq)
             raise
@@ -766,16 +789,13 @@ class Communicator:
             yield
             return
         self._group = []
-        self._group_seq = self._seq
         try:
             yield
         except BaseException:
-            self._group_seq = None
             ops, self._group = self._group, None
             if ops:  # enqueued ops hold sequence numbers the peers will wait for
                 self._cancelled("group", ops[0][0])
             raise
-        self._group_seq = None
         ops, self._group = self._group, None
         if not ops:
             return
@@ -1015,6 +1035,14 @@ class Communicator:
         desc = self._desc(Coll.SEND_RECV, b, root=stamp)
         key = (peer, seq & _SEQ_MASK)
         self._recv_stamps[key] = stamp
+        early_stamp = self._p2p_unclaimed.pop(key, None)
+        if early_stamp is not None and stamp not in (early_stamp, ANY_SEQ) and self.check:
+            err = InvalidUsage(
+                f"send/recv order mismatch between rank {self.rank} and rank {peer}: rank "
+                f"{peer} sent before its collective #{early_stamp}, rank {self.rank} posts "
+                f"the recv before collective #{stamp}")
+            self.fail(err)
+            raise err
         try:
             await self._execute(desc, lambda ctx: _Recv(ctx, peer, b, self._recv_futs, key),
                                 tag_base=tag)
@@ -1112,6 +1140,22 @@ class _Recv:
         await self.ctx.connect(self.peer)
         fut = self.posted[self.key] = self.ctx.post_recv(self.peer, self.arr, 0)
         await self.ctx.wait_recv(fut, self.peer)
+
+
+_nofile_raised = False
+
+
+def _raise_nofile_once() -> None:
+    """Listeners, peers and connections still authenticating all need descriptors: the
+    first communicator of a process raises the soft limit to the hard one (once)."""
+    global _nofile_raised
+    if not _nofile_raised:
+        _nofile_raised = True
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+                log.info("open-file limit raised from %d to %s", soft, hard)
 
 
 def raise_nofile_limit() -> None:

@@ -40,7 +40,15 @@ from ..errors import (
     RemoteError,
 )
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import READ_LIMIT, AuthFailed, FramedConnection, PeerClosed, close_if_cancelled
+from .stream import (
+    AuthFailed,
+    FramedConnection,
+    PeerClosed,
+    close_if_cancelled,
+    evict,
+    leave_gate,
+    serve_stream,
+)
 from .wire import Address, Error, Hello, PeerHello, RingInfo, Tagged
 
 __all__ = ["Bootstrap", "error_from_wire", "error_to_wire"]
@@ -129,8 +137,8 @@ async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what
                                 ) -> FramedConnection:
     """Connect (see :func:`connect_with_retry`) and authenticate (:mod:`acoll._auth`).
 
-    A connection the acceptor closes before sending its challenge (it was busy, or dropped
-    us to admit newer connections) is retried, within the same bounds.
+    A connection the acceptor closes without refusing it (it was busy, or dropped us to
+    admit newer connections) is retried, within the same bounds.
 
     Raises:
         AuthFailed: the acceptor refused our proof or could not prove itself.
@@ -144,10 +152,12 @@ async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what
             await conn.connect_auth(key, context, hello, deadline)
             return conn
         except PeerClosed:
+            # Closed without a refusal (a refusal comes as an Error frame: AuthFailed): the
+            # acceptor was busy or dropped us to make room under a flood.
             conn.close()
-            if conn.challenged or remaining(deadline) <= 0:
+            if remaining(deadline) <= 0:
                 raise
-            log.info("%s at %s:%s closed the connection before its challenge; retrying",
+            log.info("%s at %s:%s closed the connection during authentication; retrying",
                      what, sockaddr[0], sockaddr[1])
         except BaseException:
             conn.close()
@@ -173,6 +183,7 @@ class Bootstrap:
         self._in: dict[int, FramedConnection] = {}
         self._readers: set[asyncio.Task[None]] = set()
         self._gate = _auth.PreAuthGate()
+        self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
         self._mailbox: dict[tuple[int, int], deque[bytes]] = {}
         self._waiters: dict[tuple[int, int], asyncio.Future[bytes]] = {}
@@ -207,8 +218,7 @@ class Bootstrap:
             sock = listen_socket(listen, family)
         except OSError as exc:
             raise BootstrapError(f"rank {rank} cannot listen on {listen[0]}: {exc}") from exc
-        self._server = await asyncio.start_server(self._on_connect, sock=sock,
-                                                  backlog=socket.SOMAXCONN, limit=READ_LIMIT)
+        self._server = await serve_stream(self._on_connect, sock)
         name = sock.getsockname()
         self.addr = (name[0], name[1], name[3] if family == socket.AF_INET6 else 0)
         info = make_info(self.addr) if make_info is not None else b""
@@ -259,8 +269,7 @@ class Bootstrap:
         ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``.
         """
         self = cls(rank, nranks, key, timeout)
-        self._server = await asyncio.start_server(self._on_connect, sock=sock,
-                                                  backlog=socket.SOMAXCONN, limit=READ_LIMIT)
+        self._server = await serve_stream(self._on_connect, sock)
         self.addr = peer_addrs[rank]
         self.next_addr = peer_addrs[(rank + 1) % nranks]
         self.peer_addrs = list(peer_addrs)
@@ -277,27 +286,31 @@ class Bootstrap:
 
     # ------------------------------------------------------------------ incoming
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.get_running_loop().create_task(self._read_peer(reader, writer))
+        holder: list[int] = []  # the gate token, set before the task first runs
+        task = asyncio.get_running_loop().create_task(self._read_peer(reader, writer, holder))
         self._readers.add(task)
         task.add_done_callback(self._readers.discard)
         task.add_done_callback(functools.partial(close_if_cancelled, writer))
+        # Counted from the moment the connection exists, not when its task first runs.
+        holder.append(self._gate.admit(functools.partial(evict, writer, task)))
+        task.add_done_callback(functools.partial(leave_gate, self._gate, holder[0]))
 
-    async def _read_peer(self, reader: asyncio.StreamReader,
-                         writer: asyncio.StreamWriter) -> None:
+    async def _read_peer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                         gate_token: list[int]) -> None:
         conn = FramedConnection(reader, writer)
-        token = self._gate.admit(conn.close)
         try:
             hello = await conn.accept_auth(self.key, PEER_CONTEXT,
                                            deadline_after(self._preauth_timeout))
         except (AcollError, OSError) as exc:
-            log.warning("rank %d: refused connection from %s: %s", self.rank, conn.peer, exc)
+            self._refusals.refused("rank %d: refused connection from %s: %s", self.rank,
+                                   conn.peer, exc)
             conn.close()
             return
         except BaseException:
             conn.close()
             raise
         finally:
-            self._gate.leave(token)
+            self._gate.leave(gate_token[0])
         if (not isinstance(hello, PeerHello) or hello.to != self.rank
                 or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
             log.warning("rank %d: refused connection from %s (hello for another rank or "

@@ -34,7 +34,7 @@ from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import READ_LIMIT, FramedConnection, close_if_cancelled
+from .stream import FramedConnection, close_if_cancelled, evict, leave_gate, serve_stream
 from .wire import Error, Hello, RingInfo
 
 __all__ = ["RootServer", "listen_socket", "start_root"]
@@ -87,13 +87,13 @@ class RootServer:
         self._done = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
         self._gate = _auth.PreAuthGate()
+        self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
 
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
         try:
-            server = await asyncio.start_server(self._on_connect, sock=self.sock,
-                                                backlog=socket.SOMAXCONN, limit=READ_LIMIT)
+            server = await serve_stream(self._on_connect, self.sock)
         except OSError as exc:
             log.warning("root %s could not start: %s", self.where, exc)
             self.sock.close()
@@ -130,22 +130,23 @@ class RootServer:
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
         task.add_done_callback(functools.partial(close_if_cancelled, writer))
+        # Counted from the moment the connection exists, not when its task first runs.
+        token = self._gate.admit(functools.partial(evict, writer, task))
+        task.add_done_callback(functools.partial(leave_gate, self._gate, token))
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
-        token = self._gate.admit(conn.close)
         try:
             msg = await conn.accept_auth(self.key, ROOT_CONTEXT,
                                          deadline_after(self._preauth_timeout))
         except (AcollError, OSError) as exc:
-            log.warning("root %s: refused connection from %s: %s", self.where, conn.peer, exc)
+            self._refusals.refused("root %s: refused connection from %s: %s", self.where,
+                                   conn.peer, exc)
             conn.close()
             return
         except BaseException:
             conn.close()
             raise
-        finally:
-            self._gate.leave(token)
         if not isinstance(msg, Hello):
             log.warning("root %s: refused connection from %s: not a rank's hello", self.where,
                         conn.peer)

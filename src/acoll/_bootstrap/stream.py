@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import socket
+from collections.abc import Callable
 
 from .. import _auth
 from .._deadline import wait_until
@@ -21,12 +23,43 @@ from .wire import (
     encode,
 )
 
-__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "close_if_cancelled", "set_nodelay"]
+__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "close_if_cancelled", "evict",
+           "leave_gate", "serve_stream", "set_nodelay"]
 
 _READ_SIZE = 1 << 15
 #: StreamReader buffer limit of bootstrap connections (what a peer can make us hold
 #: beyond the frame being decoded).
 READ_LIMIT = 1 << 15
+
+
+#: Connections accepted per loop wake-up by a bootstrap server: with asyncio's loop each
+#: waits for a task before the pre-authentication gate sees it, so a large batch would
+#: let a flood hold thousands of descriptors at once.
+ACCEPT_BATCH = 64
+
+
+async def serve_stream(on_connect: Callable[[asyncio.StreamReader, asyncio.StreamWriter], None],
+                       sock: socket.socket) -> asyncio.base_events.Server:
+    """``asyncio.start_server`` on a listening ``sock``, accepting :data:`ACCEPT_BATCH`
+    connections per wake-up while the kernel still queues ``SOMAXCONN`` (bursts of
+    hundreds of ranks connecting at once are not dropped)."""
+    server = await asyncio.start_server(on_connect, sock=sock, backlog=ACCEPT_BATCH,
+                                        limit=READ_LIMIT)
+    with contextlib.suppress(OSError):  # start_server re-listened with the batch size
+        sock.listen(socket.SOMAXCONN)
+    return server
+
+
+def evict(writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:
+    """Drop a connection that has not authenticated (to make room): at once, no linger."""
+    task.cancel()
+    with contextlib.suppress(Exception):
+        writer.transport.abort()
+
+
+def leave_gate(gate: _auth.PreAuthGate, token: int, _task: object = None) -> None:
+    """Done-callback form of ``gate.leave(token)`` (idempotent)."""
+    gate.leave(token)
 
 
 def close_if_cancelled(writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:
@@ -70,7 +103,6 @@ class FramedConnection:
         self.reader = reader
         self.writer = writer
         self.decoder = FrameDecoder(max_frame)
-        self.challenged = False  # the acceptor's challenge arrived (connector side)
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
         set_nodelay(writer)
@@ -150,7 +182,6 @@ class FramedConnection:
         msg = await wait_until(self.recv(), deadline, "the acceptor's challenge")
         if not isinstance(msg, Challenge) or len(msg.nonce) != _auth.NONCE_SIZE:
             raise AuthFailed(f"{self.peer} sent {type(msg).__name__} instead of a challenge")
-        self.challenged = True
         nonce_c = _auth.new_nonce()
         claims = hello.claims()
         proof = _auth.prove(key, _auth.CONNECT, context, msg.nonce, nonce_c, claims)

@@ -20,7 +20,7 @@ from ..errors import InvalidUsage, RemoteError
 if TYPE_CHECKING:
     from .._communicator import Communicator
 
-__all__ = ["STEP_NS", "Coll", "Descriptor", "OpContext", "chunk_ranges", "split_even"]
+__all__ = ["ANY_SEQ", "STEP_NS", "Coll", "Descriptor", "OpContext", "chunk_ranges", "split_even"]
 
 #: The bound on one step of an op's coroutine: after this much time (ns) since it last
 #: slept it yields to the loop at the next checkpoint (each wait, between the pieces of a
@@ -43,6 +43,9 @@ class Coll(enum.IntEnum):
     SEND_RECV = 8
     CLOSE = 9  # the barrier inside close()
 
+
+#: The send/recv stamp of calls made inside a group: matches any stamp (not order-checked).
+ANY_SEQ = 0xFFFFFFFF
 
 #: Names of the algorithm codes carried in descriptors (0: the collective has one).
 ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain"}
@@ -74,6 +77,17 @@ class Descriptor:
         coll, dt, op, algo, root, count = _DESC.unpack(raw)
         return cls(Coll(coll) if coll in Coll._value2member_map_ else Coll.BARRIER,
                    dt, op, root, count, algo)
+
+    def matches(self, meta: bytes) -> bool:
+        """Whether a peer's ``meta`` describes the same operation (send/recv stamps made
+        inside a group match any stamp)."""
+        if meta == self.packed:
+            return True
+        if self.coll != Coll.SEND_RECV:
+            return False
+        other = Descriptor.unpack(meta)
+        return (other.coll == Coll.SEND_RECV and ANY_SEQ in (self.root, other.root)
+                and (other.dtype_code, other.count) == (self.dtype_code, self.count))
 
     def describe_difference(self, other: Descriptor, me: int, peer: int) -> str:
         """A message naming each field where ``other`` (from ``peer``) differs."""
@@ -212,7 +226,7 @@ class OpContext:
             self.heard.add(peer)
         if isinstance(exc, MessageSizeError):
             self.comm.fail(self._size_error(peer, exc))
-        elif exc is None and self.check and fut.result() != self.desc.packed:
+        elif exc is None and self.check and not self.desc.matches(fut.result()):
             other = Descriptor.unpack(fut.result())
             self.comm.fail(InvalidUsage(self.desc.describe_difference(other, self.rank,
                                                                       peer)))
@@ -258,7 +272,7 @@ class OpContext:
         except ConnectionLost as exc:
             raise self.comm._peer_error(peer, exc) from None
         self.waiting_on = None
-        if self.check and meta != self.desc.packed:
+        if self.check and not self.desc.matches(meta):
             other = Descriptor.unpack(meta)
             raise InvalidUsage(self.desc.describe_difference(other, self.rank, peer))
         if slept:

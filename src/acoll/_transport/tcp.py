@@ -86,6 +86,8 @@ _HS_MAGIC = b"ACTC"
 _HS_VERSION = 2
 _CONTEXT = b"data"
 _MAX_HELLO = _auth.PREAUTH_MAX_FRAME
+_REFUSED = bytes(_auth.PROOF_SIZE)  # sent instead of a proof: "you do not hold the key"
+_EVICTED_RETRIES = 20
 _MAX_NOTICE = (1 << 16) - 64  # a close frame must fit the staging buffer
 _STAGE = 1 << 16  # staging buffer for headers and small payloads
 _IO_SLICE = 256 << 10  # bytes per recv_into call (and per piece of a copy-out)
@@ -724,6 +726,7 @@ class TcpListener(Listener):
         self._key = key
         self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
         self._gate = _auth.PreAuthGate()
+        self._refusals = _auth.RefusalLog(log)
         self._ready: asyncio.Queue[tuple[bytes, TcpConnection] | None] = asyncio.Queue()
         # connection id -> (socket count, sockets by index, expiry timer) while they arrive
         self._partial: dict[int, tuple[int, dict[int, socket.socket], asyncio.TimerHandle]]
@@ -778,11 +781,14 @@ class TcpListener(Listener):
             claims = _claims(index, nsocks, conn_id, hello)
             if not _auth.verify(proof, self._key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c,
                                 claims):
+                # an explicit refusal, so the connector does not take it for an eviction
+                with contextlib.suppress(OSError):
+                    sock.send(_REFUSED)
                 raise ProtocolError("the connector does not hold this job's key")
             await asyncio.wait_for(loop.sock_sendall(sock, _auth.prove(
                 self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c, claims)), self._timeout)
         except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
-            log.warning("refused data connection from %s: %s", addr, exc)
+            self._refusals.refused("refused data connection from %s: %s", addr, exc)
             sock.close()
             return
         except BaseException:  # cancelled by close(), or dropped for a newer connection
@@ -850,6 +856,10 @@ class TcpListener(Listener):
             if item is not None:
                 item[1].abort()
         self._ready.put_nowait(None)
+
+
+class _Evicted(Exception):
+    """The listener closed a handshake without answering (not a refusal): try again."""
 
 
 def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
@@ -921,13 +931,25 @@ class TcpTransport(Transport):
         socks: list[socket.socket] = []
         try:
             for index in range(self.nsocks):
-                sock = socket.socket(family, socket.SOCK_STREAM)
-                socks.append(sock)
-                _tune(sock, self.bufsize)
-                await wait_until(loop.sock_connect(sock, addr), deadline,
-                                 f"connecting to {host}:{port}")
-                await wait_until(self._authenticate(loop, sock, index, conn_id, hello),
-                                 deadline, f"handshake with {host}:{port}")
+                for attempt in range(_EVICTED_RETRIES):
+                    sock = socket.socket(family, socket.SOCK_STREAM)
+                    socks.append(sock)
+                    _tune(sock, self.bufsize)
+                    await wait_until(loop.sock_connect(sock, addr), deadline,
+                                     f"connecting to {host}:{port}")
+                    try:
+                        await wait_until(self._authenticate(loop, sock, index, conn_id, hello),
+                                         deadline, f"handshake with {host}:{port}")
+                        break
+                    except _Evicted:
+                        # the listener dropped us unanswered (busy, or making room under
+                        # a flood of unauthenticated connections): connect again
+                        socks.pop().close()
+                        log.info("data connection to %s:%d dropped during its handshake; "
+                                 "retrying (%d)", host, port, attempt + 1)
+                        await asyncio.sleep(min(0.01 * 2 ** attempt, 0.5))
+                else:
+                    raise TransportError(f"{host}:{port} kept dropping the handshake")
         except BaseException as exc:
             for sock in socks:
                 sock.close()
@@ -939,7 +961,10 @@ class TcpTransport(Transport):
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                             index: int, conn_id: int, hello: bytes) -> None:
         """Connector side of the exchange (module doc); raises ProtocolError on a bad peer."""
-        magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock, _CHAL.size))
+        try:
+            magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock, _CHAL.size))
+        except ConnectionError:
+            raise _Evicted from None
         if magic != _HS_MAGIC or version != _HS_VERSION:
             raise ProtocolError("the listener is not an acoll data listener")
         nonce_c = _auth.new_nonce()
@@ -950,9 +975,11 @@ class TcpTransport(Transport):
             self.key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c, claims))
         try:
             proof = await _recv_exactly(loop, sock, _auth.PROOF_SIZE)
-        except ConnectionResetError:
+        except ConnectionError:
+            raise _Evicted from None
+        if proof == _REFUSED:
             raise ProtocolError("the listener refused the connection: this rank does not "
-                                "hold the job's key") from None
+                                "hold the job's key")
         if not _auth.verify(proof, self.key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
                             claims):
             raise ProtocolError("the listener failed to prove it holds the job's key")
