@@ -21,8 +21,9 @@ demo: venv
 	@echo "== acoll-perf all_reduce sweep, 4 ranks on localhost =="
 	$(BIN)/acoll-perf all_reduce -N 4 -b 8 -e 16M -f 8 -n 10 -w 3 -d float32 -o sum
 
+# Two workers (pytest-xdist): most tests use one core; network-namespace tests share a worker.
 test: venv
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # Open MPI (Debian's) and mpi4py, then the tests under a real mpirun (tests/test_mpi.py).
 # Idempotent and quick once installed; works as root with no stdin (CI) or through sudo.

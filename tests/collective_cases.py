@@ -6,6 +6,7 @@ products of up to 5 ranks stay exact: results are compared bit for bit with NumP
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,14 @@ COUNTS = [0, 1, 7, 1000, 100003]
 
 def make_input(rank: int, count: int, dtype: np.dtype[Any], op: acoll.ReduceOp,
                salt: int = 0) -> npt.NDArray[Any]:
+    """Rank ``rank``'s input (read-only and shared: every rank of a one-loop test asks for
+    every rank's input; copy before writing)."""
+    return _make_input(rank, count, np.dtype(dtype), op, salt)
+
+
+@functools.lru_cache(maxsize=4096)
+def _make_input(rank: int, count: int, dtype: np.dtype[Any], op: acoll.ReduceOp,
+                salt: int) -> npt.NDArray[Any]:
     idx = np.arange(count, dtype=np.int64)
     if op == acoll.PROD:
         vals = 1 + (idx + rank + salt) % 2  # 1 or 2: products <= 32
@@ -28,7 +37,9 @@ def make_input(rank: int, count: int, dtype: np.dtype[Any], op: acoll.ReduceOp,
         vals = (idx * 7 + rank * 3 + salt) % 4
     else:
         vals = (idx * 7 + rank * 3 + salt) % 7 - 3
-    return vals.astype(dtype)
+    out = vals.astype(dtype)
+    out.setflags(write=False)
+    return out
 
 
 def reference(inputs: list[npt.NDArray[Any]], op: acoll.ReduceOp) -> npt.NDArray[Any]:

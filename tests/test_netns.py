@@ -23,7 +23,9 @@ import acoll
 from netns import Namespaces, clean_env, cleanup_stale, finish, have_ipv6, read_line, skip_reason
 
 _SKIP = skip_reason()
-pytestmark = [pytest.mark.netns, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")]
+# one xdist worker runs them all: they share namespace and interface names
+pytestmark = [pytest.mark.netns, pytest.mark.skipif(_SKIP is not None, reason=_SKIP or ""),
+              pytest.mark.xdist_group("netns")]
 needs_ipv6 = pytest.mark.skipif(not have_ipv6(), reason="IPv6 is disabled in this kernel")
 
 COMM_PORT = 29517
