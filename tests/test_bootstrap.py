@@ -19,12 +19,7 @@ import acoll
 from acoll._bootstrap.root import RootServer, listen_socket
 from acoll._uid import UniqueId
 from acoll.testing import run_ranks
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port
 
 
 async def _gather_all(coros: list) -> list:  # type: ignore[type-arg]
@@ -81,7 +76,7 @@ async def test_bootstrap_network_collectives() -> None:
 
 
 async def test_root_unreachable_is_bootstrap_error() -> None:
-    uid = UniqueId.new("127.0.0.1", _free_port())
+    uid = UniqueId.new("127.0.0.1", free_port())
     t = time.monotonic()
     with pytest.raises(acoll.BootstrapError, match="unreachable after"):
         await acoll.init_rank(2, uid, 0, timeout=1.5)
@@ -92,7 +87,7 @@ async def test_root_retries_are_logged_with_the_address(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 7: retries used to be silent for ~51 s, even at ACOLL_DEBUG=INFO."""
     monkeypatch.setattr("acoll._bootstrap.ring._RETRY_WARN_S", 0.5)
-    uid = UniqueId.new("127.0.0.1", _free_port())
+    uid = UniqueId.new("127.0.0.1", free_port())
     with caplog.at_level(logging.INFO, logger="acoll"), \
             pytest.raises(acoll.BootstrapError, match="was this rank started late, or twice"):
         await acoll.init_rank(2, uid, 0, timeout=1.5)
@@ -179,7 +174,7 @@ def test_get_unique_id_from_sync_code_uses_a_background_root() -> None:
 
 
 def test_comm_id_rank0_hosts_root_and_others_wait_for_it() -> None:
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{port}"
     code = ("import asyncio, sys, acoll\n"

@@ -16,6 +16,7 @@ import pytest
 
 import acoll
 from acoll.testing import run_ranks
+from ports import free_port
 
 HERE = Path(__file__).parent
 
@@ -76,7 +77,7 @@ async def test_idle_peer_death_fails_later_ops_immediately() -> None:
 
 def test_killed_process_is_remote_error_on_survivors() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
-    env["ACOLL_COMM_ID"] = f"127.0.0.1:{_free_port()}"
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_TIMEOUT"] = "60"
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3", "2"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -94,7 +95,7 @@ def test_killed_process_is_remote_error_on_survivors() -> None:
 
 def _run_victim_job(n: int, victim: int, how: str, timeout: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
-    env["ACOLL_COMM_ID"] = f"127.0.0.1:{_free_port()}"
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_COMM_SECRET"] = os.urandom(32).hex()
     env["ACOLL_TIMEOUT"] = timeout
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), str(n),
@@ -127,12 +128,6 @@ def test_stopped_rank_is_the_one_the_timeout_names() -> None:
         assert "(rank=3)" in out, outs
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.parametrize(("field", "coll"), [

@@ -13,13 +13,14 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
+
+from ports import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SEED = ROOT / "examples" / "seed_program.py"
@@ -83,13 +84,6 @@ def mpirun(nprocs: int, args: Sequence[str], env: dict[str, str] | None = None,
                           env=_env() if env is None else env)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-    return port
-
-
 def test_seed_program_under_mpirun() -> None:
     res = mpirun(2, [str(SEED), "--count", str(1 << 20)])
     assert res.returncode == 0, res.stderr
@@ -128,7 +122,7 @@ def test_init_from_env_single_host_needs_nothing_else() -> None:
 
 def test_init_from_env_with_the_documented_export_line() -> None:
     # The README's line for jobs across hosts, verbatim but for the root's host and port.
-    port = _free_port()
+    port = free_port()
     line = (f"export ACOLL_COMM_ID=127.0.0.1:{port}\n"
             f"export ACOLL_COMM_SECRET=$({shlex.quote(sys.executable)} -c "
             "'import os; print(os.urandom(32).hex())')\n"

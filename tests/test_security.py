@@ -20,12 +20,7 @@ from acoll._bootstrap.root import ROOT_CONTEXT, RootServer, listen_socket
 from acoll._bootstrap.stream import FramedConnection
 from acoll._bootstrap.wire import Challenge, Error, Hello, Proof
 from acoll._uid import UniqueId
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from ports import free_port
 
 
 def _rss_kib() -> int:
@@ -201,7 +196,7 @@ asyncio.run(main(int(sys.argv[1])))
 
 def test_comm_id_job_with_a_secret_refuses_a_stranger_who_knows_the_address() -> None:
     """Issue 6.1: the address alone used to give the key; now the secret is needed."""
-    port = _free_port()
+    port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env = {**base, "ACOLL_COMM_ID": f"127.0.0.1:{port}", "ACOLL_COMM_SECRET": os.urandom(32).hex(),
            "ACOLL_WORLD_SIZE": "3", "ACOLL_TIMEOUT": "20", "ACOLL_SOCKET_IFNAME": "=lo"}

@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import os
+import random
 import shutil
 import signal
 import socket
@@ -58,6 +59,7 @@ __all__ = ["main"]
 EXIT_TIMEOUT = 124
 _MAX_LINE = 1 << 16  # a partial line longer than this is forwarded without waiting for "\n"
 _DRAIN_S = 2.0  # how long output is still read after every rank has exited
+_PORT_LOW, _PORT_HIGH = 20000, 32768  # where the root's port is drawn from (see _free_comm_id)
 _BLAME_WAIT_S = 2.0  # how long a consequential failure waits for the rank that caused it
 _BLAME_WAIT_NAMED_S = 10.0  # ... when it names that rank and the rank is still running
 _SECRET_VARS = ("ACOLL_COMM_SECRET", "ACOLL_COMM_SECRET_FILE")
@@ -151,12 +153,24 @@ class _Options:
 
 
 def _free_comm_id(host: str) -> str:
-    """Bind ``host:0``, read the port, close; return the numeric ``host:port``."""
+    """A free ``host:port`` for the root, as numeric text.
+
+    The port is drawn from below Linux's ephemeral range (32768+), which the kernel never
+    hands out for port 0: between this check and rank 0 binding it, no other program's
+    bind-to-any-port can take it (one that asks for a fixed port still can). Falls back to
+    a kernel-chosen port when none is free there.
+    """
     infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
     family, kind, proto, _, addr = infos[0]
-    with socket.socket(family, kind, proto) as s:
-        s.bind(addr)
-        bound_host, port = s.getsockname()[:2]
+    rng = random.SystemRandom()
+    for port in [*(rng.randrange(_PORT_LOW, _PORT_HIGH) for _ in range(50)), 0]:
+        with socket.socket(family, kind, proto) as s:
+            try:
+                s.bind((addr[0], port, *addr[2:]))
+            except OSError:
+                continue
+            bound_host, port = s.getsockname()[:2]
+            break
     return f"[{bound_host}]:{port}" if family == socket.AF_INET6 else f"{bound_host}:{port}"
 
 
