@@ -25,10 +25,19 @@ from collective_cases import (
 HERE = Path(__file__).parent
 
 
+#: 4 and 5 ranks add uneven splits and recursive-doubling folds, not new dtype code paths:
+#: there, one dtype of each family (8-bit int, 16-bit float via float32, 64-bit) keeps
+#: the suite's time in check; 1 to 3 ranks run every dtype.
+_WIDE_DTYPES = [d for d in ALL_DTYPES
+                if d.name in ("int8", "uint64", "bfloat16", "float32", "float64")]
+
+
 @pytest.mark.parametrize("nranks", [1, 2, 3, 4, 5])
 async def test_full_matrix_one_loop(nranks: int) -> None:
+    dtypes = ALL_DTYPES if nranks <= 3 else _WIDE_DTYPES
+
     async def fn(comm: acoll.Communicator) -> int:
-        return await check_all(comm, COUNTS, ALL_DTYPES, ALL_OPS)
+        return await check_all(comm, COUNTS, dtypes, ALL_OPS)
 
     results = await run_ranks(nranks, fn)
     assert len(set(results)) == 1
