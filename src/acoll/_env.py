@@ -64,8 +64,9 @@ MASTER_PORT_OFFSET = 1
 SLURM_PORT_BASE = 20000
 SLURM_PORT_SPAN = 20000
 #: Derived single-host Open MPI ports lie in ``[OMPI_PORT_BASE, OMPI_PORT_BASE + SPAN)``.
-OMPI_PORT_BASE = 40000
-OMPI_PORT_SPAN = 20000
+OMPI_PORT_BASE = 22000  # below the kernel's ephemeral range (32768+): never taken by a
+#: connection's local port or a bind-to-any-port listener
+OMPI_PORT_SPAN = 10000
 
 _log = get_logger("ENV")
 
