@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 os.environ.setdefault("ACOLL_SOCKET_IFNAME", "=lo")
-import acoll  # noqa: E402  (after the interface setting)
+import acoll  # after the interface setting
 
 _STRANGER = """
 import collections, socket, sys, time
@@ -62,7 +62,7 @@ async def main(which: str, hold: int, seconds: float) -> None:
     def lift() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (20000, 20000))
 
-    stranger = subprocess.Popen(
+    stranger = subprocess.Popen(  # noqa: ASYNC220 - starting it does not block
         [sys.executable, "-c", _STRANGER, ",".join(map(str, ports)), str(seconds), str(hold)],
         preexec_fn=lift)
     await asyncio.sleep(1.0)
