@@ -56,9 +56,8 @@ def _hs(index: int = 0, nsocks: int = 1, conn_id: int = 1, hello: bytes = b"",
     return tcp._HS.pack(magic, version, index, nsocks, conn_id, nonce, size) + hello
 
 
-async def _authed(handle: bytes, index: int, nsocks: int, conn_id: int,
-                  hello: bytes = b"", key: bytes = KEY) -> socket.socket:
-    """A raw socket that completed the handshake with a valid proof (a buggy insider)."""
+async def _challenged(handle: bytes) -> tuple[socket.socket, bytes]:
+    """A raw socket connected to the listener, and the nonce of the challenge it got."""
     loop = asyncio.get_running_loop()
     family, addr = _sockaddr(handle)
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -66,6 +65,18 @@ async def _authed(handle: bytes, index: int, nsocks: int, conn_id: int,
     try:
         await loop.sock_connect(sock, addr)
         _m, _v, nonce_a = tcp._CHAL.unpack(await tcp._recv_exactly(loop, sock, tcp._CHAL.size))
+    except BaseException:
+        sock.close()
+        raise
+    return sock, nonce_a
+
+
+async def _authed(handle: bytes, index: int, nsocks: int, conn_id: int,
+                  hello: bytes = b"", key: bytes = KEY) -> socket.socket:
+    """A raw socket that completed the handshake with a valid proof (a buggy insider)."""
+    loop = asyncio.get_running_loop()
+    sock, nonce_a = await _challenged(handle)
+    try:
         nonce_c = bytes(range(100, 132))
         claims = tcp._claims(index, nsocks, conn_id, hello)
         proof = _auth.prove(key, _auth.CONNECT, tcp._CONTEXT, nonce_a, nonce_c, claims)
@@ -135,14 +146,8 @@ def _replayed() -> GarbageCase:
     """Bytes a genuine connector sent, replayed on a new socket: the nonce is stale."""
 
     async def attack(handle: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        family, addr = _sockaddr(handle)
-        first = socket.socket(family, socket.SOCK_STREAM)
-        first.setblocking(False)
+        first, nonce_a = await _challenged(handle)
         try:
-            await loop.sock_connect(first, addr)
-            _m, _v, nonce_a = tcp._CHAL.unpack(
-                await tcp._recv_exactly(loop, first, tcp._CHAL.size))
             nonce_c = bytes(32)
             proof = _auth.prove(KEY, _auth.CONNECT, tcp._CONTEXT, nonce_a, nonce_c,
                                 tcp._claims(0, 1, 9, b""))
@@ -150,6 +155,22 @@ def _replayed() -> GarbageCase:
         finally:
             first.close()
         await _refused(await _raw(handle, recorded))
+
+    return attack
+
+
+def _wrong_key() -> GarbageCase:
+    """A proof made with another job's key."""
+
+    async def attack(handle: bytes) -> None:
+        sock, nonce_a = await _challenged(handle)
+        try:
+            proof = _auth.prove(OTHER_KEY, _auth.CONNECT, tcp._CONTEXT, nonce_a, bytes(32),
+                                tcp._claims(0, 1, 3, b""))
+            await asyncio.get_running_loop().sock_sendall(sock, _hs(0, 1, 3) + proof)
+            await _refused(sock)
+        finally:
+            sock.close()
 
     return attack
 
@@ -166,34 +187,13 @@ GARBAGE: dict[str, GarbageCase] = {
     "truncated-hello": _one(_hs(hello_len=100) + b"x" * 10, eof=True),
     "silent": _one(b""),
     "no-proof": _one(_hs() + bytes(32)),
-    "wrong-key": _one(b""),  # replaced below: needs the challenge
+    "wrong-key": _wrong_key(),
     "replayed": _replayed(),
     "socket-count-mismatch": _group((2, 3, 7), (0, 2, 7)),
     "duplicate-index": _group((0, 2, 8), (0, 2, 8)),
 }
 
 
-def _wrong_key() -> GarbageCase:
-    async def attack(handle: bytes) -> None:
-        loop = asyncio.get_running_loop()
-        family, addr = _sockaddr(handle)
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            await loop.sock_connect(sock, addr)
-            _m, _v, nonce_a = tcp._CHAL.unpack(
-                await tcp._recv_exactly(loop, sock, tcp._CHAL.size))
-            proof = _auth.prove(OTHER_KEY, _auth.CONNECT, tcp._CONTEXT, nonce_a, bytes(32),
-                                tcp._claims(0, 1, 3, b""))
-            await loop.sock_sendall(sock, _hs(0, 1, 3) + proof)
-            await _refused(sock)
-        finally:
-            sock.close()
-
-    return attack
-
-
-GARBAGE["wrong-key"] = _wrong_key()
 
 
 def _harness(name: str, nsocks: int, stripe: int | None = None) -> TransportHarness:
