@@ -16,17 +16,13 @@ import numpy as np
 import pytest
 
 import acoll
-from acoll._dtypes import as_host_array
+from acoll._dtypes import _capsule_is_valid, _capsule_pointer, as_host_array
 from acoll.testing import run_ranks
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 _PTR = ctypes.sizeof(ctypes.c_void_p)
-_get = ctypes.pythonapi.PyCapsule_GetPointer
-_get.restype = ctypes.c_void_p
-_get.argtypes = [ctypes.py_object, ctypes.c_char_p]
-_valid = ctypes.pythonapi.PyCapsule_IsValid
-_valid.restype = ctypes.c_int
-_valid.argtypes = [ctypes.py_object, ctypes.c_char_p]
+_get = _capsule_pointer
+_valid = _capsule_is_valid
 
 
 def _relabel(capsule: object, code: int, bits: int) -> object:
