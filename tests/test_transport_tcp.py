@@ -14,7 +14,8 @@ import pytest
 
 from acoll import _auth
 from acoll._transport import tcp
-from acoll._transport.base import ConnectionLost
+from acoll._transport.base import ConnectionLost, MessageSizeError
+from acoll._transport.matching import Matcher
 from acoll._transport.tcp import TcpConnection, TcpTransport
 from acoll.errors import InvalidUsage, ProtocolError
 from acoll.errors import TimeoutError as AcollTimeoutError
@@ -549,7 +550,7 @@ async def test_wrong_size_message_is_dropped_not_stored(raw_peer: _RawPeer,
     pending = raw_peer.conn.irecv(memoryview(bytearray(8)), 1)
     big = 3 * tcp._STAGE + 5  # arrives over several reads, mostly outside the stage
     await raw_peer.send(_frame(1, big, big, payload_bytes=b"z" * big))
-    with pytest.raises(tcp.MessageSizeError):
+    with pytest.raises(MessageSizeError):
         await within(pending)
     assert stored == []
     assert raw_peer.conn.failed is None
@@ -560,15 +561,16 @@ async def test_wrong_size_message_is_dropped_not_stored(raw_peer: _RawPeer,
     assert out == b"abc"
 
 
-@pytest.mark.parametrize("where", ["_parse", "_maybe_complete"])
+@pytest.mark.parametrize(("owner", "where"), [(TcpConnection, "_parse"),
+                                              (Matcher, "place"), (Matcher, "landed")])
 async def test_bug_in_read_path_fails_connection_not_loop(
-        raw_peer: _RawPeer, monkeypatch: pytest.MonkeyPatch, where: str) -> None:
+        raw_peer: _RawPeer, monkeypatch: pytest.MonkeyPatch, owner: type, where: str) -> None:
     """Last resort: any exception in a loop callback fails the connection with a clear
     message; nothing reaches the loop's exception handler (the loop guard checks)."""
     def broken(*_args: object) -> None:
         raise MemoryError("simulated")
 
-    monkeypatch.setattr(TcpConnection, where, broken)
+    monkeypatch.setattr(owner, where, broken)
     pending = raw_peer.conn.irecv(memoryview(bytearray(4)), 1)
     await raw_peer.send(_frame(1, 4, 4, payload_bytes=b"abcd"))
     with pytest.raises(ConnectionLost, match="internal error while reading from"):

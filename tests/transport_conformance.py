@@ -551,6 +551,19 @@ class TransportConformance:
         with pytest.raises(ConnectionLost):
             await within(pair.b.irecv(memoryview(bytearray(5)), 6))
 
+    async def test_receive_of_arrived_message_survives_peer_close(
+            self, harness: TransportHarness, pair: Pair) -> None:
+        """A receive posted for a large message that had arrived is not failed by the
+        peer's orderly close coming while the message is being copied into it."""
+        data = payload(harness.large, 4)
+        await within(pair.a.isend(memoryview(data), 1, meta_for(1)))
+        await asyncio.sleep(0.2)  # let it arrive whole
+        out = bytearray(len(data))
+        rfut = pair.b.irecv(memoryview(out), 1)
+        pair.a.close(notice=b"n")
+        assert await within(rfut) == meta_for(1)
+        assert out == data
+
     async def test_peer_abort(self, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)

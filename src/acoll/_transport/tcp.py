@@ -22,12 +22,15 @@ data in calls of at most ``_IO_SLICE`` bytes (256 KiB) for receives and ``_SEND_
 ready. A message that waited in memory for its
 receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
-Sizes from the wire are checked before anything is allocated or written: a part must lie
-inside its message, a message's size must equal the posted receive's (else the receive
-fails with :class:`MessageSizeError` and the message is read and dropped without being
-stored), and a message that arrives before its receive is posted is kept in memory only
-up to ``ACOLL_SOCKET_MAX_EARLY`` bytes. Anything else fails the connection with a
-:class:`ProtocolError` inside :class:`ConnectionLost`; no exception escapes a loop callback.
+Which receive a part belongs to, and where its payload goes (the posted buffer, storage
+for a message that came early, or nowhere), is decided by :class:`~.matching.Matcher`;
+this module only moves the bytes. Sizes from the wire are checked there before anything is
+allocated or written: a part must lie inside its message, a message's size must equal the
+posted receive's (else the receive fails with :class:`MessageSizeError` and the message is
+read and dropped without being stored), and a message that arrives before its receive is
+posted is kept in memory only up to ``ACOLL_SOCKET_MAX_EARLY`` bytes. Anything else fails
+the connection with a :class:`ProtocolError` inside :class:`ConnectionLost`; no exception
+escapes a loop callback.
 
 Connection handshake on every socket (little endian), the exchange of :mod:`acoll._auth`::
 
@@ -60,7 +63,8 @@ from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
-from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
+from .base import META_SIZE, Connection, ConnectionLost, Listener, Transport
+from .matching import Matcher, Message
 
 __all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
 
@@ -99,26 +103,12 @@ _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 
 
-class _RecvEntry:
-    """One message being received: into a posted buffer, or into storage until posted."""
+_Msg = Message[asyncio.Future[bytes], None]
 
-    __slots__ = ("buf", "drop", "error", "fut", "meta", "received", "storage", "table", "tag",
-                 "total")
 
-    def __init__(self, buf: memoryview | None, fut: asyncio.Future[bytes] | None,
-                 total: int, tag: int, table: dict[int, _RecvEntry]) -> None:
-        self.buf = buf
-        self.fut = fut
-        self.total = total
-        self.tag = tag
-        self.table = table  # the dict of the connection that holds this entry
-        self.received = 0
-        self.meta = b""
-        self.storage: memoryview | None = None  # pages are faulted in as data comes
-        self.drop = False  # payload is read and thrown away (size mismatch being drained)
-        # set when the receive fails on a size mismatch: raised once the whole message has
-        # been drained, so the caller may post the same tag again without catching its tail
-        self.error: MessageSizeError | None = None
+def _storage(nbytes: int) -> memoryview:
+    # not bytearray: no zeroing pass over a large message up front
+    return empty_bytes(nbytes).data
 
 
 class _SendOp:
@@ -146,7 +136,7 @@ class _Sock:
         self.stage_len = 0
         self.direct_view: memoryview | None = None
         self.direct_left = 0
-        self.direct_entry: _RecvEntry | None = None
+        self.direct_entry: _Msg | None = None
         self.peer_done = False  # the peer's close frame (or, once we are closing, EOF) came
         self.sent_close = False  # our close frame went out (and SHUT_WR)
 
@@ -181,23 +171,19 @@ class TcpConnection(Connection):
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
                  max_early: int | None = None) -> None:
         self._loop = asyncio.get_running_loop()
-        self._max_early = MAX_EARLY.resolve(max_early)
+        self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
+            _storage, max_early=MAX_EARLY.resolve(max_early),
+            limit_name="ACOLL_SOCKET_MAX_EARLY")
         # receives completing from storage, copied out one piece per loop step
         self._copying: set[asyncio.Future[bytes]] = set()
         self._socks = [_Sock(s) for s in socks]
         self.peer = peer
         self._stripe = max(stripe, 1 << 12)
         self._rr = 0
-        self._posted: dict[int, _RecvEntry] = {}
-        self._unexpected: dict[int, _RecvEntry] = {}
-        self._discard: dict[int, _RecvEntry] = {}
         self._failed: ConnectionLost | None = None
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
         self._peer_notice = b""
-        # set once the peer closed in order: messages that had fully arrived stay
-        # receivable (everything sent before an orderly close is delivered)
-        self._keep_complete = False
         self._released: asyncio.Future[None] = self._loop.create_future()
         for s in self._socks:
             self._loop.add_reader(s.fd, self._on_readable, s)
@@ -241,39 +227,15 @@ class TcpConnection(Connection):
 
     def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
-        if self._keep_complete and tag in self._unexpected:
-            pass  # the peer closed in order after this message had arrived: deliver it
-        elif self._failed is not None or self._closing:
-            fut.set_exception(self._failed or ConnectionLost("connection is closing"))
-            fut.exception()  # awaiting it still raises; abandoned, it must not log
-            return fut
         if buf.ndim != 1 or buf.itemsize != 1:
             buf = buf.cast("B")
-        draining = self._discard.get(tag)
-        if tag in self._posted or (draining is not None and draining.fut is not None):
-            fut.set_exception(ProtocolError(f"a receive for tag {tag:#x} is already posted"))
+        try:
+            msg = self._match.post(tag, buf, fut)
+        except ProtocolError as exc:
+            fut.set_exception(exc)
             return fut
-        entry = self._unexpected.pop(tag, None)
-        if entry is None:
-            self._posted[tag] = _RecvEntry(buf, fut, buf.nbytes, tag, self._posted)
-            return fut
-        if entry.total != buf.nbytes:
-            error = MessageSizeError(tag, buf.nbytes, entry.total, entry.meta)
-            if entry.received < entry.total:  # fail it once the rest has been drained
-                entry.fut, entry.error = fut, error
-                entry.table = self._discard
-                entry.drop, entry.storage = True, None
-                self._discard[tag] = entry
-            else:
-                fut.set_exception(error)
-                fut.exception()  # awaiting it still raises; abandoned, it must not log
-            return fut
-        if entry.received == entry.total:
-            assert entry.storage is not None
-            self._copy_out(buf, entry.storage, fut, entry.meta, 0)
-        else:  # still arriving into storage: copy when complete
-            entry.buf, entry.fut = buf, fut
-            self._unexpected[tag] = entry
+        if msg is not None:
+            self._deliver(msg)
         return fut
 
     def poll(self) -> None:
@@ -334,21 +296,14 @@ class TcpConnection(Connection):
     def _fail_pending(self, exc: ConnectionLost, *, sends: bool) -> None:
         # Futures failed here are marked retrieved: the owner learns of the failure through
         # the failure callback, and ops that were abandoned must not log "never retrieved".
-        for table in (self._posted, self._unexpected, self._discard):
-            for entry in table.values():
-                if entry.fut is not None and not entry.fut.done():
-                    entry.fut.set_exception(exc)
-                    entry.fut.exception()
-            if table is self._unexpected and self._keep_complete:
-                for tag in [t for t, e in table.items() if e.received < e.total]:
-                    del table[tag]
-            else:
-                table.clear()
-        for fut in self._copying:
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.exception()
-        self._copying.clear()
+        for msg in self._match.fail(exc):
+            self._deliver(msg)
+        if not self._match.keeping:  # after the peer's orderly close, copies may finish
+            for fut in self._copying:
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()
+            self._copying.clear()
         for s in self._socks:
             # a part still arriving must not keep writing into a buffer whose receive failed:
             # the rest of it is read and dropped
@@ -367,7 +322,10 @@ class TcpConnection(Connection):
             return
         self._failed = exc
         if exc.orderly and not self._closing:
-            self._keep_complete = True
+            # messages that had fully arrived stay receivable (everything sent before an
+            # orderly close is delivered)
+            for msg in self._match.peer_closed(exc):
+                self._deliver(msg)
         if self._closing and not exc.orderly:
             exc = ConnectionLost(str(exc), orderly=True)
         self._fail_pending(exc, sends=True)
@@ -517,15 +475,15 @@ class TcpConnection(Connection):
                         return
                     s.direct_left -= n
                     entry = s.direct_entry
-                    if entry is not None:
-                        entry.received += n
                     if s.direct_left:
                         if view is not None:
                             s.direct_view = view[n:]
                     else:
                         s.direct_view = s.direct_entry = None
-                        if entry is not None:
-                            self._maybe_complete(entry)
+                    if entry is not None:
+                        done = self._match.landed(entry, n)
+                        if done is not None:
+                            self._deliver(done)
                     if n < want:
                         return
                 else:
@@ -577,6 +535,7 @@ class TcpConnection(Connection):
         pos = 0
         end = s.stage_len
         hsize = _HDR.size
+        match = self._match
         while end - pos >= hsize:
             magic, kind, _flags, length, tag, total, offset, meta = _HDR.unpack_from(stage, pos)
             if magic != _MAGIC:
@@ -593,100 +552,44 @@ class TcpConnection(Connection):
                 return
             if kind != _DATA:
                 raise ProtocolError(f"unknown data frame kind {kind}")
-            if length > total or offset > total - length:
-                raise ProtocolError(f"frame part {offset}+{length} exceeds message size {total}")
-            entry = self._entry_for(tag, total, meta)
-            if entry.received + length > entry.total:
-                raise ProtocolError(f"parts of message {tag:#x} exceed its size {total}")
+            msg, dest = match.place(tag, total, offset, length, meta)
+            if match.arrivals_pending:
+                for early in match.take_arrivals():
+                    self._notify_arrival(self._loop, *early)
             pos += hsize
             avail = end - pos
             take = length if length <= avail else avail
-            dest = self._dest(entry, offset, length)
             if take and dest is not None:
                 dest[:take] = s.stage_view[pos:pos + take]
             pos += take
             if take < length:
                 s.direct_view = dest[take:] if dest is not None else None
                 s.direct_left = length - take
-                s.direct_entry = entry
-                entry.received += take
+                s.direct_entry = msg
+                match.landed(msg, take)  # never completes it: the rest is still to come
                 break
-            entry.received += length
-            self._maybe_complete(entry)
+            done = match.landed(msg, length)
+            if done is not None:
+                self._deliver(done)
         if pos:
             rest = end - pos
             if rest:
                 stage[:rest] = stage[pos:end]
             s.stage_len = rest
 
-    def _entry_for(self, tag: int, total: int, meta: bytes) -> _RecvEntry:
-        """The entry a part of message ``tag`` (of ``total`` bytes) belongs to.
-
-        Raises:
-            ProtocolError: ``total`` disagrees with earlier parts, or the message would
-                have to be kept or drained and is larger than ``ACOLL_SOCKET_MAX_EARLY``.
-        """
-        # A message being drained owns its tag until its last part is in: a receive posted
-        # for the same tag meanwhile waits for the next message.
-        entry = self._discard.get(tag) or self._posted.get(tag)
-        if entry is not None and entry.table is self._posted and entry.total != total:
-            if total > self._max_early:
-                raise ProtocolError(f"message {tag:#x} of {total} bytes, where a receive of "
-                                    f"{entry.total} bytes was posted")
-            del self._posted[tag]
-            drain = _RecvEntry(None, entry.fut, total, tag, self._discard)
-            drain.error = MessageSizeError(tag, entry.total, total, meta)
-            drain.drop = True
-            self._discard[tag] = entry = drain
-        elif entry is not None:
-            if entry.total != total:
-                raise ProtocolError(f"parts of message {tag:#x} disagree on its size")
-        else:
-            entry = self._unexpected.get(tag)
-            if entry is None:
-                if total > self._max_early:
-                    raise ProtocolError(
-                        f"message {tag:#x} of {total} bytes arrived before its receive was "
-                        f"posted; at most {self._max_early} bytes are kept "
-                        f"(ACOLL_SOCKET_MAX_EARLY)")
-                entry = _RecvEntry(None, None, total, tag, self._unexpected)
-                self._unexpected[tag] = entry
-                self._notify_arrival(self._loop, tag, meta)
-            elif entry.total != total:
-                raise ProtocolError(f"parts of message {tag:#x} disagree on its size")
-        entry.meta = meta
-        return entry
-
-    @staticmethod
-    def _dest(entry: _RecvEntry, offset: int, length: int) -> memoryview | None:
-        """Where a part's payload goes: the posted buffer, storage, or nowhere (dropped)."""
-        if entry.drop:
-            return None
-        if entry.buf is not None and entry.storage is None:
-            return entry.buf[offset:offset + length]
-        if entry.storage is None:
-            # not bytearray: no zeroing pass over a large message up front
-            entry.storage = empty_bytes(entry.total).data
-        return entry.storage[offset:offset + length]
-
-    def _maybe_complete(self, entry: _RecvEntry) -> None:
-        if entry.received < entry.total:
-            return
-        if entry.table is self._unexpected and entry.fut is None:
-            return  # complete; waits in storage for its receive to be posted
-        if entry.table.get(entry.tag) is entry:
-            del entry.table[entry.tag]
-        fut = entry.fut
+    def _deliver(self, msg: _Msg) -> None:
+        """Carry out a delivery the matcher handed back (see :class:`~.matching.Message`)."""
+        fut = msg.token
         if fut is None or fut.done():
             return
-        if entry.error is not None:
-            fut.set_exception(entry.error)
+        if msg.error is not None:
+            fut.set_exception(msg.error)
             fut.exception()  # awaiting it still raises; abandoned, it must not log
-            return
-        if entry.storage is not None and entry.buf is not None:
-            self._copy_out(entry.buf, entry.storage, fut, entry.meta, 0)
-            return
-        fut.set_result(entry.meta)
+        elif msg.storage is not None:
+            assert msg.dest is not None
+            self._copy_out(msg.dest, msg.storage, fut, msg.meta, 0)
+        else:
+            fut.set_result(msg.meta)
 
     def _copy_out(self, buf: memoryview, storage: memoryview, fut: asyncio.Future[bytes],
                   meta: bytes, pos: int) -> None:
