@@ -321,7 +321,7 @@ def test_arrival_notified_once_per_early_message() -> None:
     m.hold(4, 5, meta(4), "ref")
     assert m.take_arrivals() == [(1, meta(11)), (2, meta(2)), (4, meta(4))]
     assert m.take_arrivals() == []
-    assert not m.arrivals_pending
+    assert not m.arrivals
     # received and sent again: a new early message, notified again
     d = m.post(2, memoryview(bytearray(1)), "r2")
     assert d is not None

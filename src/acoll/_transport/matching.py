@@ -138,7 +138,9 @@ class Matcher(Generic[T, R]):
         self._posted: dict[int, Message[T, R]] = {}  # receives waiting (or being filled)
         self._early: dict[int, Message[T, R]] = {}  # messages that came before a receive
         self._draining: dict[int, Message[T, R]] = {}  # wrong-sized, being dropped
-        self._arrivals: list[tuple[int, bytes]] = []
+        #: ``(tag, meta)`` of early messages not yet taken by :meth:`take_arrivals`
+        #: (owners may test it for emptiness; only :meth:`take_arrivals` empties it).
+        self.arrivals: list[tuple[int, bytes]] = []
         self._ended: Exception | None = None
         self._keeping = False
 
@@ -153,15 +155,10 @@ class Matcher(Generic[T, R]):
         """:meth:`peer_closed` came first: complete early messages stay receivable."""
         return self._keeping
 
-    @property
-    def arrivals_pending(self) -> bool:
-        """:meth:`take_arrivals` has something to hand out."""
-        return bool(self._arrivals)
-
     def take_arrivals(self) -> list[tuple[int, bytes]]:
         """``(tag, meta)`` of each message that came before its receive, since the last
         call (once per message, in arrival order)."""
-        out, self._arrivals = self._arrivals, []
+        out, self.arrivals = self.arrivals, []
         return out
 
     def early(self) -> list[Message[T, R]]:
@@ -232,13 +229,22 @@ class Matcher(Generic[T, R]):
             raise ProtocolError(f"frame part {offset}+{length} exceeds message size {total}")
         if self._ended is not None:  # nobody will receive it: drop it
             return Message(tag, total), None
-        msg = self._draining.get(tag)
+        msg = self._draining.get(tag) if self._draining else None
         if msg is None:
             msg = self._posted.get(tag)
             if msg is None:
                 msg = self._early.get(tag)
-                if msg is None:
-                    msg = self._new_early(tag, total, meta)
+                if msg is None:  # early: kept in storage until its receive is posted
+                    if total > self._max_early:
+                        raise ProtocolError(
+                            f"message {tag:#x} of {total} bytes arrived before its receive "
+                            f"was posted; at most {self._max_early} bytes are kept "
+                            f"({self._limit_name})")
+                    msg = Message(tag, total)
+                    msg.storage = self._alloc(total) if total else _EMPTY
+                    msg.table = self._early
+                    self._early[tag] = msg
+                    self.arrivals.append((tag, meta))
             elif msg.total != total and not msg.claimed:
                 msg = self._drain_posted(msg, total, meta)
         if msg.total != total:
@@ -254,19 +260,6 @@ class Matcher(Generic[T, R]):
             return msg, msg.storage[offset:offset + length]
         assert msg.dest is not None
         return msg, msg.dest[offset:offset + length]
-
-    def _new_early(self, tag: int, total: int, meta: bytes) -> Message[T, R]:
-        if total > self._max_early:
-            raise ProtocolError(
-                f"message {tag:#x} of {total} bytes arrived before its receive was posted; "
-                f"at most {self._max_early} bytes are kept ({self._limit_name})")
-        msg: Message[T, R] = Message(tag, total)
-        msg.storage = self._alloc(total) if total else _EMPTY
-        msg.meta = meta
-        msg.table = self._early
-        self._early[tag] = msg
-        self._arrivals.append((tag, meta))
-        return msg
 
     def _drain_posted(self, posted: Message[T, R], total: int, meta: bytes
                       ) -> Message[T, R]:
@@ -325,7 +318,7 @@ class Matcher(Generic[T, R]):
             msg.ref, msg.meta, msg.received, msg.claimed = ref, meta, total, total
             msg.table = self._early
             self._early[tag] = msg
-            self._arrivals.append((tag, meta))
+            self.arrivals.append((tag, meta))
             return None
         del self._posted[tag]
         msg.table = None
@@ -379,5 +372,5 @@ class Matcher(Generic[T, R]):
                     out.append(msg)
             table.clear()
         self._early.update(kept)
-        self._arrivals.clear()
+        self.arrivals.clear()
         return out

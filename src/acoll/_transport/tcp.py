@@ -553,7 +553,7 @@ class TcpConnection(Connection):
             if kind != _DATA:
                 raise ProtocolError(f"unknown data frame kind {kind}")
             msg, dest = match.place(tag, total, offset, length, meta)
-            if match.arrivals_pending:
+            if match.arrivals:
                 for early in match.take_arrivals():
                     self._notify_arrival(self._loop, *early)
             pos += hsize
