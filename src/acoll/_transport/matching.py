@@ -138,8 +138,8 @@ class Matcher(Generic[T, R]):
         self._posted: dict[int, Message[T, R]] = {}  # receives waiting (or being filled)
         self._early: dict[int, Message[T, R]] = {}  # messages that came before a receive
         self._draining: dict[int, Message[T, R]] = {}  # wrong-sized, being dropped
-        #: ``(tag, meta)`` of early messages not yet taken by :meth:`take_arrivals`
-        #: (owners may test it for emptiness; only :meth:`take_arrivals` empties it).
+        #: ``(tag, meta)`` of early messages not yet handed out: read it and clear it, or
+        #: call :meth:`take_arrivals`.
         self.arrivals: list[tuple[int, bytes]] = []
         self._ended: Exception | None = None
         self._keeping = False
@@ -199,7 +199,7 @@ class Matcher(Generic[T, R]):
         msg.token = token
         if msg.total != nbytes:
             msg.error = MessageSizeError(tag, nbytes, msg.total, msg.meta)
-            if not msg.complete:  # fail it once the rest has been drained
+            if msg.received < msg.total:  # fail it once the rest has been drained
                 del self._early[tag]
                 msg.drop, msg.storage = True, None
                 msg.table = self._draining
@@ -207,7 +207,7 @@ class Matcher(Generic[T, R]):
                 return None
         else:
             msg.dest = dest
-            if not msg.complete:  # still arriving into storage: delivered when complete
+            if msg.received < msg.total:  # still arriving into storage: delivered then
                 return None
         del self._early[tag]
         msg.table = None

@@ -553,9 +553,10 @@ class TcpConnection(Connection):
             if kind != _DATA:
                 raise ProtocolError(f"unknown data frame kind {kind}")
             msg, dest = match.place(tag, total, offset, length, meta)
-            if match.arrivals:
-                for early in match.take_arrivals():
-                    self._notify_arrival(self._loop, *early)
+            if match.arrivals:  # a message that came before its receive: tell the owner
+                for early_tag, early_meta in match.arrivals:
+                    self._notify_arrival(self._loop, early_tag, early_meta)
+                match.arrivals.clear()
             pos += hsize
             avail = end - pos
             take = length if length <= avail else avail
