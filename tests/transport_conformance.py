@@ -27,6 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
+from acoll._memory import host_buffer
 from acoll._transport.base import (
     META_SIZE,
     Connection,
@@ -140,13 +141,13 @@ async def exchange(src: Connection, dst: Connection, data: bytes | bytearray, ta
     """Send ``data`` from ``src`` to ``dst``; check it arrived intact; return the meta."""
     out = bytearray(len(data))
     if post_first:
-        rfut = dst.irecv(memoryview(out), tag)
-        sfut = src.isend(memoryview(data), tag, meta)
+        rfut = dst.irecv(host_buffer(out), tag)
+        sfut = src.isend(host_buffer(data), tag, meta)
     else:
-        sfut = src.isend(memoryview(data), tag, meta)
+        sfut = src.isend(host_buffer(data), tag, meta)
         await within(sfut)
         await asyncio.sleep(0.01)  # let it arrive before the receive is posted
-        rfut = dst.irecv(memoryview(out), tag)
+        rfut = dst.irecv(host_buffer(out), tag)
     got_meta = await within(rfut)
     await within(sfut)
     assert out == data
@@ -313,8 +314,8 @@ class TransportConformance:
                               post_first=True) == bytes(META_SIZE)
         # the convenience wrappers
         buf = bytearray(3)
-        send = asyncio.ensure_future(pair.a.send(memoryview(b"abc"), 9))
-        assert await within(pair.b.recv(memoryview(buf), 9)) == bytes(META_SIZE)
+        send = asyncio.ensure_future(pair.a.send(host_buffer(b"abc"), 9))
+        assert await within(pair.b.recv(host_buffer(buf), 9)) == bytes(META_SIZE)
         await within(send)
         assert buf == b"abc"
 
@@ -328,12 +329,12 @@ class TransportConformance:
         msgs = [(1000 + i, payload(sizes[i % len(sizes)], i)) for i in range(40)]
         # a few posted before anything is sent (zero-copy path) ...
         outs = {tag: bytearray(len(data)) for tag, data in msgs}
-        early = {tag: pair.b.irecv(memoryview(outs[tag]), tag) for tag, _ in msgs[::7]}
-        sends = [pair.a.isend(memoryview(data), tag, meta_for(tag)) for tag, data in msgs]
+        early = {tag: pair.b.irecv(host_buffer(outs[tag]), tag) for tag, _ in msgs[::7]}
+        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         await within(asyncio.gather(*sends))
         await asyncio.sleep(0.01)
         # ... the rest posted in reverse order, after the messages arrived
-        late = {tag: pair.b.irecv(memoryview(outs[tag]), tag)
+        late = {tag: pair.b.irecv(host_buffer(outs[tag]), tag)
                 for tag, _ in reversed(msgs) if tag not in early}
         futs = {**early, **late}
         for tag, data in msgs:
@@ -350,11 +351,11 @@ class TransportConformance:
                 out = bytearray(len(data))
                 outs.append((data, out))
                 if k == 0:  # posted first
-                    work.append(dst.irecv(memoryview(out), base + k))
-                    work.append(src.isend(memoryview(data), base + k, meta_for(k)))
+                    work.append(dst.irecv(host_buffer(out), base + k))
+                    work.append(src.isend(host_buffer(data), base + k, meta_for(k)))
                 else:
-                    work.append(src.isend(memoryview(data), base + k, meta_for(k)))
-                    work.append(dst.irecv(memoryview(out), base + k))
+                    work.append(src.isend(host_buffer(data), base + k, meta_for(k)))
+                    work.append(dst.irecv(host_buffer(out), base + k))
         await within(asyncio.gather(*work), 3 * DEADLINE)
         for i, (data, out) in enumerate(outs):
             assert out == data, f"message {i} corrupted"
@@ -369,31 +370,31 @@ class TransportConformance:
         recvs: dict[int, asyncio.Future[bytes]] = {}
         for i in order[:100]:
             tag = msgs[i][0]
-            recvs[tag] = pair.b.irecv(memoryview(outs[tag]), tag)
-        sends = [pair.a.isend(memoryview(data), tag, meta_for(tag)) for tag, data in msgs]
+            recvs[tag] = pair.b.irecv(host_buffer(outs[tag]), tag)
+        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         for i in order[100:]:
             tag = msgs[i][0]
-            recvs[tag] = pair.b.irecv(memoryview(outs[tag]), tag)
+            recvs[tag] = pair.b.irecv(host_buffer(outs[tag]), tag)
         await within(asyncio.gather(*sends, *recvs.values()), 3 * DEADLINE)
         for tag, data in msgs:
             assert recvs[tag].result() == meta_for(tag)
             assert outs[tag] == data, f"message {tag} corrupted"
 
-    async def test_non_byte_memoryview(self, pair: Pair) -> None:
+    async def test_typed_and_2d_arrays(self, pair: Pair) -> None:
         src = np.arange(100_003, dtype=np.float32) * 0.5
         dst = np.zeros_like(src)
         assert (src.data.format, src.data.itemsize) == ("f", 4)
-        rfut = pair.b.irecv(dst.data, 1)
-        await within(pair.a.isend(src.data, 1, meta_for(1)))
+        rfut = pair.b.irecv(host_buffer(dst), 1)
+        await within(pair.a.isend(host_buffer(src), 1, meta_for(1)))
         await within(rfut)
         np.testing.assert_array_equal(src, dst)
         # 2-D arrays and the unexpected path
         src2 = np.arange(3 * 4097, dtype=np.int64).reshape(3, 4097)
         dst2 = np.zeros_like(src2)
         assert src2.data.ndim == 2
-        await within(pair.a.isend(src2.data, 2, meta_for(2)))
+        await within(pair.a.isend(host_buffer(src2), 2, meta_for(2)))
         await asyncio.sleep(0.01)
-        await within(pair.b.irecv(dst2.data, 2))
+        await within(pair.b.irecv(host_buffer(dst2), 2))
         np.testing.assert_array_equal(src2, dst2)
 
     # -------------------------------------------------------------- size mismatch
@@ -409,12 +410,12 @@ class TransportConformance:
         out = bytearray(n_posted)
         meta = meta_for(9)
         if post_first:
-            rfut = pair.b.irecv(memoryview(out), 9)
-            await within(pair.a.isend(memoryview(data), 9, meta))
+            rfut = pair.b.irecv(host_buffer(out), 9)
+            await within(pair.a.isend(host_buffer(data), 9, meta))
         else:
-            await within(pair.a.isend(memoryview(data), 9, meta))
+            await within(pair.a.isend(host_buffer(data), 9, meta))
             await asyncio.sleep(0.01)
-            rfut = pair.b.irecv(memoryview(out), 9)
+            rfut = pair.b.irecv(host_buffer(out), 9)
         with pytest.raises(MessageSizeError) as info:
             await within(rfut)
         err = info.value
@@ -439,24 +440,24 @@ class TransportConformance:
         n = harness.large
         backlog = backlog_messages(300)
         outs = [bytearray(len(data)) for _, data in backlog]
-        brecvs = [pair.b.irecv(memoryview(out), tag)
+        brecvs = [pair.b.irecv(host_buffer(out), tag)
                   for (tag, _), out in zip(backlog, outs, strict=True)]
-        bsends = [pair.a.isend(memoryview(data), tag, meta_for(tag)) for tag, data in backlog]
+        bsends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in backlog]
         first, second = payload(n, 1), payload(n, 2)
         small = bytearray(4096)
-        rfut = pair.b.irecv(memoryview(small), 5)
-        sfut = pair.a.isend(memoryview(first), 5, meta_for(1))
+        rfut = pair.b.irecv(host_buffer(small), 5)
+        sfut = pair.a.isend(host_buffer(first), 5, meta_for(1))
         with pytest.raises(MessageSizeError) as info:
             await within(rfut)
         out = bytearray(info.value.got)
-        rfut = pair.b.irecv(memoryview(out), 5)
+        rfut = pair.b.irecv(host_buffer(out), 5)
         # an acknowledgement from b tells a that the first message was dealt with
         ack = bytearray(1)
-        afut = pair.a.irecv(memoryview(ack), 6)
-        await within(pair.b.isend(memoryview(b"!"), 6, meta_for(0)))
+        afut = pair.a.irecv(host_buffer(ack), 6)
+        await within(pair.b.isend(host_buffer(b"!"), 6, meta_for(0)))
         await within(afut)
         await within(sfut)
-        await within(pair.a.isend(memoryview(second), 5, meta_for(2)))
+        await within(pair.a.isend(host_buffer(second), 5, meta_for(2)))
         assert await within(rfut) == meta_for(2)
         assert out == second
         await within(asyncio.gather(*bsends, *brecvs))
@@ -466,7 +467,7 @@ class TransportConformance:
     async def test_peer_close_with_notice(self, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)
-        pending = pair.a.irecv(memoryview(bytearray(10)), 1)
+        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
         pair.b.close(notice=b"bye now")
         with pytest.raises(ConnectionLost) as info:
             await within(pending)
@@ -490,7 +491,7 @@ class TransportConformance:
         assert rec.calls[0].orderly is True
         assert rec.calls[0].notice == b""
         with pytest.raises(ConnectionLost) as info:
-            await within(pair.b.irecv(memoryview(bytearray(1)), 3))
+            await within(pair.b.irecv(host_buffer(bytearray(1)), 3))
         assert info.value.orderly
 
     async def test_close_flushes_queued_sends(self, harness: TransportHarness,
@@ -503,10 +504,10 @@ class TransportConformance:
         outs = [bytearray(len(data)) for _, data in msgs]
         rec = FailureRecorder()
         pair.b.set_failure_callback(rec)
-        recvs = [pair.b.irecv(memoryview(out), tag)
+        recvs = [pair.b.irecv(host_buffer(out), tag)
                  for (tag, _), out in zip(msgs, outs, strict=True)]
-        after = pair.b.irecv(memoryview(bytearray(1)), 99)
-        sends = [pair.a.isend(memoryview(data), tag, meta_for(tag)) for tag, data in msgs]
+        after = pair.b.irecv(host_buffer(bytearray(1)), 99)
+        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         pair.a.close(notice=b"done")
         assert await within(asyncio.gather(*recvs)) == [meta_for(tag) for tag, _ in msgs]
         for (tag, data), out in zip(msgs, outs, strict=True):
@@ -526,9 +527,9 @@ class TransportConformance:
                                                              pair: Pair) -> None:
         data = payload(harness.large, 3)
         out = bytearray(len(data))
-        rfut = pair.b.irecv(memoryview(out), 1)
-        after = pair.b.irecv(memoryview(bytearray(1)), 2)
-        await within(pair.a.isend(memoryview(data), 1, meta_for(1)))
+        rfut = pair.b.irecv(host_buffer(out), 1)
+        after = pair.b.irecv(host_buffer(bytearray(1)), 2)
+        await within(pair.a.isend(host_buffer(data), 1, meta_for(1)))
         pair.a.close(notice=b"n")
         assert await within(rfut) == meta_for(1)
         assert out == data
@@ -542,20 +543,20 @@ class TransportConformance:
         yet, is still delivered to a receive posted after the close."""
         rec = FailureRecorder()
         pair.b.set_failure_callback(rec)
-        await within(pair.a.isend(memoryview(b"early"), 5, meta_for(5)))
+        await within(pair.a.isend(host_buffer(b"early"), 5, meta_for(5)))
         pair.a.close()
         await within(rec.event.wait())
         out = bytearray(5)
-        assert await within(pair.b.irecv(memoryview(out), 5)) == meta_for(5)
+        assert await within(pair.b.irecv(host_buffer(out), 5)) == meta_for(5)
         assert out == b"early"
         with pytest.raises(ConnectionLost):
-            await within(pair.b.irecv(memoryview(bytearray(5)), 6))
+            await within(pair.b.irecv(host_buffer(bytearray(5)), 6))
 
     async def test_peer_abort(self, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)
-        pending = pair.a.irecv(memoryview(bytearray(10)), 1)
-        pending_big = pair.a.irecv(memoryview(bytearray(MiB)), 2)
+        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
+        pending_big = pair.a.irecv(host_buffer(bytearray(MiB)), 2)
         pair.b.abort()
         for fut in (pending, pending_big):
             with pytest.raises(ConnectionLost) as info:
@@ -572,9 +573,9 @@ class TransportConformance:
         pair.a.set_failure_callback(rec)
         data = payload(harness.large, 1)
         out = bytearray(harness.large)
-        pending = pair.a.irecv(memoryview(out), 1)
+        pending = pair.a.irecv(host_buffer(out), 1)
         # a large send that usually cannot leave the machine before the abort drops it
-        sfut = pair.b.isend(memoryview(data), 1, meta_for(1))
+        sfut = pair.b.isend(host_buffer(data), 1, meta_for(1))
         pair.b.abort()
         await asyncio.sleep(0)
         assert sfut.done()
@@ -601,8 +602,8 @@ class TransportConformance:
         pair.a.set_failure_callback(rec)
         pair.b.close(notice=b"x")
         await within(rec.event.wait())
-        sfut = pair.a.isend(memoryview(b"data"), 1, meta_for(1))
-        rfut = pair.a.irecv(memoryview(bytearray(4)), 1)
+        sfut = pair.a.isend(host_buffer(b"data"), 1, meta_for(1))
+        rfut = pair.a.irecv(host_buffer(bytearray(4)), 1)
         await asyncio.sleep(0)
         for fut in (sfut, rfut):
             assert fut.done()
@@ -616,12 +617,12 @@ class TransportConformance:
         assert len(rec.calls) == 1
 
     async def test_local_close(self, pair: Pair) -> None:
-        pending = pair.a.irecv(memoryview(bytearray(10)), 1)
+        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
         pair.a.close()
         with pytest.raises(ConnectionLost):
             await within(pending)
-        for fut in (pair.a.isend(memoryview(b"x"), 2, meta_for(2)),
-                    pair.a.irecv(memoryview(bytearray(1)), 3)):
+        for fut in (pair.a.isend(host_buffer(b"x"), 2, meta_for(2)),
+                    pair.a.irecv(host_buffer(bytearray(1)), 3)):
             await asyncio.sleep(0)
             assert fut.done(), "operation posted after close() did not fail at once"
             assert isinstance(fut.exception(), ConnectionLost)
@@ -634,12 +635,12 @@ class TransportConformance:
         await within(pair.b.wait_closed())
 
     async def test_local_abort(self, pair: Pair) -> None:
-        pending = pair.a.irecv(memoryview(bytearray(10)), 1)
+        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
         pair.a.abort()
         pair.a.abort()
         with pytest.raises(ConnectionLost):
             await within(pending)
-        sfut = pair.a.isend(memoryview(b"x"), 2, meta_for(2))
+        sfut = pair.a.isend(host_buffer(b"x"), 2, meta_for(2))
         await asyncio.sleep(0)
         assert sfut.done()
         assert isinstance(sfut.exception(), ConnectionLost)
@@ -647,12 +648,12 @@ class TransportConformance:
         await within(pair.a.wait_closed())
         assert pair.a.failed is not None
         with pytest.raises(ConnectionLost):
-            await within(pair.b.irecv(memoryview(bytearray(1)), 9))
+            await within(pair.b.irecv(host_buffer(bytearray(1)), 9))
 
     async def test_both_close_at_once(self, pair: Pair) -> None:
         data = payload(MiB, 1)
-        sa = pair.a.isend(memoryview(data), 1, meta_for(1))
-        sb = pair.b.isend(memoryview(data), 1, meta_for(1))
+        sa = pair.a.isend(host_buffer(data), 1, meta_for(1))
+        sb = pair.b.isend(host_buffer(data), 1, meta_for(1))
         pair.a.close(b"a")
         pair.b.close(b"b")
         await within(asyncio.gather(sa, sb))

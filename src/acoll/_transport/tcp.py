@@ -59,6 +59,7 @@ from .. import _auth
 from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
+from .._memory import Buffer
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, Listener, MessageSizeError, Transport
 
@@ -212,15 +213,14 @@ class TcpConnection(Connection):
         if self._failed is not None:
             self._loop.call_soon(callback, self._failed)
 
-    def isend(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)
+    def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
         if self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
             fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
-        if buf.ndim != 1 or buf.itemsize != 1:
-            buf = buf.cast("B")
+        buf = buffer.view()
         total = buf.nbytes
         nsocks = len(self._socks)
         if nsocks == 1 or total <= self._stripe:
@@ -239,16 +239,15 @@ class TcpConnection(Connection):
                 self._flush(s)
         return fut
 
-    def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
+    def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
+        buf = buffer.view()
         if self._keep_complete and tag in self._unexpected:
             pass  # the peer closed in order after this message had arrived: deliver it
         elif self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
             fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
-        if buf.ndim != 1 or buf.itemsize != 1:
-            buf = buf.cast("B")
         draining = self._discard.get(tag)
         if tag in self._posted or (draining is not None and draining.fut is not None):
             fut.set_exception(ProtocolError(f"a receive for tag {tag:#x} is already posted"))
