@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import _auth
+from .. import _topology as topo
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
@@ -193,12 +194,7 @@ class RootServer:
         ) else ()
         for rank, conn in self.conns.items():
             nxt = self.hellos[(rank + 1) % n]
-            peers = []
-            dist = 1
-            while dist < n:
-                peer = (rank - dist) % n
-                peers.append((peer, self.hellos[peer].addr))
-                dist <<= 1
+            peers = [(frm, self.hellos[frm].addr) for _, frm in topo.dissemination(rank, n)]
             with contextlib.suppress(AcollError):
                 conn.send(RingInfo(n, nxt.addr, tuple(peers), table))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)

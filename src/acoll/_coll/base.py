@@ -10,10 +10,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-import numpy as np
-
 from .._dtypes import DTYPE_BY_CODE, DTYPE_NAMES, ReduceOp
-from .._memory import Buffer, MemorySpace
+from .._memory import BYTE, Buffer, DType, MemorySpace
 from .._transport.base import Connection, ConnectionLost, MessageSizeError
 from ..errors import AcollError, InvalidUsage, RemoteError
 
@@ -327,7 +325,7 @@ class OpContext:
         for fut, peer in sends:
             await self.wait_send(fut, peer)
 
-    def scratch(self, count: int, dtype: np.dtype[Any], slot: int = 0) -> Buffer:
+    def scratch(self, count: int, dtype: DType, slot: int = 0) -> Buffer:
         """Work memory for ``count`` items; pooled between ops unless inside a group (ops
         of a group run at once, so each gets its own)."""
         if self.in_group:
@@ -336,7 +334,7 @@ class OpContext:
 
     def empty(self) -> Buffer:
         """A zero-length buffer (for messages that only signal)."""
-        return self.mem.scratch(0, _BYTE, slot=-1)
+        return self.mem.scratch(0, BYTE, slot=-1)
 
     async def reduce(self, out: Buffer, a: Buffer, b: Buffer, op: ReduceOp) -> None:
         """``out = a (op) b``, in paced pieces."""
@@ -366,8 +364,6 @@ class OpContext:
                 await self.pause()
         return futs
 
-
-_BYTE = np.dtype(np.uint8)
 
 AlgoFn = Callable[[OpContext], Awaitable[None]]
 

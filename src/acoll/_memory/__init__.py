@@ -6,10 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from .base import Buffer, MemoryKind, MemorySpace, Pace
+from .base import BYTE, Buffer, DType, MemoryKind, MemorySpace, Pace
 from .host import HostSpace
 
-__all__ = ["Buffer", "HostSpace", "MemoryKind", "MemorySpace", "Pace", "host_buffer"]
+__all__ = ["BYTE", "Buffer", "DType", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
+           "host_buffer"]
 
 _HOST = HostSpace()  # for buffers made outside any communicator (tests, transports)
 

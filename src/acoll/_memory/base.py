@@ -31,7 +31,11 @@ import numpy as np
 
 from .._dtypes import ReduceOp
 
-__all__ = ["Buffer", "MemoryKind", "MemorySpace", "Pace"]
+__all__ = ["BYTE", "Buffer", "DType", "MemoryKind", "MemorySpace", "Pace"]
+
+#: Element types are NumPy dtypes in every space (CuPy uses them too).
+DType = np.dtype[Any]
+BYTE: DType = np.dtype(np.uint8)
 
 #: Called between pieces of long work: returns an awaitable that yields to the loop when
 #: the caller's step is due (see :meth:`acoll._coll.base.OpContext.checkpoint`).
@@ -74,7 +78,7 @@ class Buffer:
         return int(self.array.itemsize)
 
     @property
-    def dtype(self) -> np.dtype[Any]:
+    def dtype(self) -> DType:
         return self.array.dtype  # type: ignore[no-any-return]
 
     @property
@@ -114,11 +118,11 @@ class MemorySpace(ABC):
         """
 
     @abstractmethod
-    def empty(self, count: int, dtype: np.dtype[Any]) -> Buffer:
+    def empty(self, count: int, dtype: DType) -> Buffer:
         """New, uninitialised memory for ``count`` elements."""
 
     @abstractmethod
-    def scratch(self, count: int, dtype: np.dtype[Any], slot: int = 0) -> Buffer:
+    def scratch(self, count: int, dtype: DType, slot: int = 0) -> Buffer:
         """Work memory from a pool: the same ``slot`` reuses (and grows) one allocation, so
         a buffer from slot ``k`` is valid until the next ``scratch(..., slot=k)``."""
 

@@ -343,11 +343,14 @@ class TcpConnection(Connection):
                     del table[tag]
             else:
                 table.clear()
-        for fut in self._copying:
-            if not fut.done():
-                fut.set_exception(exc)
-                fut.exception()
-        self._copying.clear()
+        if not self._keep_complete:
+            # (after the peer's orderly close, a message that had fully arrived is still
+            # delivered: its copy into the posted receive goes on)
+            for fut in self._copying:
+                if not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()
+            self._copying.clear()
         for s in self._socks:
             # a part still arriving must not keep writing into a buffer whose receive failed:
             # the rest of it is read and dropped

@@ -61,6 +61,14 @@ class _Direction:
             drained, self.drained = self.drained, None
             drained()
 
+    def post_all(self) -> None:
+        """Post everything queued now, whatever the limit (the connection ended in order:
+        each is served from what had arrived, or fails at once)."""
+        while self.queue:
+            nxt, args = self.queue.popleft()
+            if not nxt.done():
+                self._start(nxt, args)
+
     def fail(self, exc: BaseException) -> None:
         while self.queue:
             fut, _ = self.queue.popleft()
@@ -102,7 +110,12 @@ class WindowedConnection(Connection):
         return fut
 
     def _lost(self, exc: ConnectionLost) -> None:
-        self._fail_queued(exc)
+        self._sends.fail(exc)
+        if exc.orderly:
+            # Messages that arrived before the peer's close stay receivable (contract).
+            self._recvs.post_all()
+        else:
+            self._recvs.fail(exc)
         if self._callback is not None:
             self._callback(exc)
 
