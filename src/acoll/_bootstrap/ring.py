@@ -300,18 +300,12 @@ class Bootstrap:
                          gate_token: list[int]) -> None:
         conn = FramedConnection(reader, writer)
         try:
-            hello = await conn.accept_auth(self.key, PEER_CONTEXT,
-                                           deadline_after(self._preauth_timeout))
-        except (AcollError, OSError) as exc:
-            self._refusals.refused("rank %d: refused connection from %s: %s", self.rank,
-                                   conn.peer, exc)
-            conn.close()
-            return
-        except BaseException:
-            conn.close()
-            raise
+            hello = await conn.accept_or_refuse(self.key, PEER_CONTEXT, self._preauth_timeout,
+                                                self._refusals, f"rank {self.rank}")
         finally:
             self._gate.leave(gate_token[0])
+        if hello is None:
+            return
         if (not isinstance(hello, PeerHello) or hello.to != self.rank
                 or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
             log.warning("rank %d: refused connection from %s (hello for another rank or "

@@ -137,17 +137,10 @@ class RootServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
-        try:
-            msg = await conn.accept_auth(self.key, ROOT_CONTEXT,
-                                         deadline_after(self._preauth_timeout))
-        except (AcollError, OSError) as exc:
-            self._refusals.refused("root %s: refused connection from %s: %s", self.where,
-                                   conn.peer, exc)
-            conn.close()
+        msg = await conn.accept_or_refuse(self.key, ROOT_CONTEXT, self._preauth_timeout,
+                                          self._refusals, f"root {self.where}")
+        if msg is None:
             return
-        except BaseException:
-            conn.close()
-            raise
         if not isinstance(msg, Hello):
             log.warning("root %s: refused connection from %s: not a rank's hello", self.where,
                         conn.peer)
