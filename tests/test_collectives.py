@@ -112,6 +112,60 @@ async def test_buffers_other_than_numpy() -> None:
     await run_ranks(2, fn)
 
 
+@pytest.mark.parametrize("nranks", [2, 3, 5])
+async def test_full_matrix_one_loop_over_tcp(nranks: int, monkeypatch: pytest.MonkeyPatch
+                                             ) -> None:
+    """The matrix again with the in-process transport off: ranks of one loop over TCP."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    dtypes = ALL_DTYPES if nranks <= 3 else _WIDE_DTYPES
+
+    async def fn(comm: acoll.Communicator) -> int:
+        assert {comm.transport_name(p) for p in range(nranks) if p != comm.rank} == {"socket"}
+        return await check_all(comm, COUNTS, dtypes, ALL_OPS)
+
+    results = await run_ranks(nranks, fn)
+    assert len(set(results)) == 1
+
+
+async def test_ranks_of_one_loop_talk_in_process() -> None:
+    async def fn(comm: acoll.Communicator) -> list[str | None]:
+        return [comm.transport_name(p) for p in range(comm.size)]
+
+    names = await run_ranks(3, fn)
+    assert names == [[None, "inproc", "inproc"], ["inproc", None, "inproc"],
+                     ["inproc", "inproc", None]]
+
+
+@pytest.mark.parametrize("inproc", [True, False], ids=["inproc+tcp", "tcp-only"])
+def test_full_matrix_mixed_communicator(inproc: bool) -> None:
+    """Five ranks in two processes (3 + 2): one communicator mixing the in-process
+    transport (ranks of one process) and TCP (across the processes)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["ACOLL_SOCKET_IFNAME"] = "=lo"
+    if not inproc:
+        env["ACOLL_INPROC_DISABLE"] = "1"
+    uid = acoll.get_unique_id(ifname="=lo")
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_mixed.py"), bytes(uid).hex(),
+                               "5", ranks], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)
+             for ranks in ("0,2,4", "1,3")]
+    outs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=150)
+        assert proc.returncode == 0, out[-3000:] + err[-3000:]
+        outs.append(out)
+    lines = sorted(line for out in outs for line in out.splitlines())
+    assert len(lines) == 5, lines
+    assert len({line.rsplit(":", 1)[1] for line in lines}) == 1  # same number of checks
+    same = "inproc" if inproc else "socket"
+    for line in lines:  # "rank R: via T0,T1,...: N checks passed"
+        rank = int(line.split()[1].rstrip(":"))
+        got = [None if v == "None" else v for v in line.split("via ")[1].split(":")[0].split(",")]
+        # ranks of my parity live in my process
+        assert got == [None if p == rank else (same if p % 2 == rank % 2 else "socket")
+                       for p in range(5)], line
+
+
 def test_full_matrix_across_processes() -> None:
     """The same checks with every rank in its own process (acoll-run)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}

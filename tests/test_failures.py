@@ -310,7 +310,7 @@ async def test_split() -> None:
 async def test_send_to_a_peer_that_stopped_reading_fails_at_the_deadline() -> None:
     """A rank blocked on sending (peer's kernel buffers full) still gets its error in time."""
     comms = await _ranks(2, timeout=1.0)
-    stalled = comms[1]._conns[0]
+    stalled = comms[1]._links.conns[0]
     for s in stalled._socks:  # type: ignore[attr-defined]
         asyncio.get_running_loop().remove_reader(s.fd)  # rank 1 stops reading
     t = time.monotonic()

@@ -13,6 +13,7 @@ import msgpack
 import pytest
 
 from acoll import _auth
+from acoll._memory import host_buffer
 from acoll._transport import tcp
 from acoll._transport.base import ConnectionLost, MessageSizeError
 from acoll._transport.matching import Matcher
@@ -232,16 +233,16 @@ async def test_striping_uses_every_socket(monkeypatch: pytest.MonkeyPatch) -> No
         monkeypatch.setattr(TcpConnection, "_flush", spy)
         data = payload(3 * 4096 * 5 + 11, 1)
         out = bytearray(len(data))
-        rfut = p.b.irecv(memoryview(out), 1)
-        await within(p.a.isend(memoryview(data), 1, meta_for(1)))
+        rfut = p.b.irecv(host_buffer(out), 1)
+        await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
         await within(rfut)
         assert out == data
         assert set(used) == {0, 1, 2}
         # small messages are not split: one part each, spread round-robin
         used.clear()
         for tag in range(2, 8):
-            await within(p.a.isend(memoryview(b"s" * 100), tag, meta_for(tag)))
-            assert await within(p.b.irecv(memoryview(bytearray(100)), tag)) == meta_for(tag)
+            await within(p.a.isend(host_buffer(b"s" * 100), tag, meta_for(tag)))
+            assert await within(p.b.irecv(host_buffer(bytearray(100)), tag)) == meta_for(tag)
         assert set(used) == {0, 1, 2}
     finally:
         await p.aclose()
@@ -258,8 +259,8 @@ async def test_connector_decides_socket_count() -> None:
         assert len(peer._socks) == 4
         data = payload(100_000, 3)
         out = bytearray(len(data))
-        rfut = peer.irecv(memoryview(out), 1)
-        await within(conn.isend(memoryview(data), 1, meta_for(1)))
+        rfut = peer.irecv(host_buffer(out), 1)
+        await within(conn.isend(host_buffer(data), 1, meta_for(1)))
         await within(rfut)
         assert out == data
         for c in (conn, peer):
@@ -332,7 +333,7 @@ async def test_unaccepted_connections_released_by_listener_close() -> None:
     listener = await within(_transport(1).listen())
     conn = await within(_transport(1).connect(listener.handle, b"never accepted",
                                               asyncio.get_running_loop().time() + DEADLINE))
-    pending = conn.irecv(memoryview(bytearray(1)), 1)
+    pending = conn.irecv(host_buffer(bytearray(1)), 1)
     await asyncio.sleep(0.05)  # the handshake completes; the connection waits in the queue
     listener.close()
     try:
@@ -363,8 +364,8 @@ async def test_ipv6_loopback() -> None:
         assert p.hello == b"v6"
         data = payload(50_000, 6)
         out = bytearray(len(data))
-        rfut = p.b.irecv(memoryview(out), 1)
-        await within(p.a.isend(memoryview(data), 1, meta_for(1)))
+        rfut = p.b.irecv(host_buffer(out), 1)
+        await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
         await within(rfut)
         assert out == data
     finally:
@@ -491,12 +492,12 @@ async def test_absurd_total_early_fails_connection(raw_peer: _RawPeer) -> None:
     assert "broke the protocol" in str(lost)
     assert "ACOLL_SOCKET_MAX_EARLY" in str(lost)
     with pytest.raises(ConnectionLost):
-        await within(raw_peer.conn.irecv(memoryview(bytearray(16)), 2))
+        await within(raw_peer.conn.irecv(host_buffer(bytearray(16)), 2))
 
 
 async def test_absurd_total_against_posted_receive_fails_connection(
         raw_peer: _RawPeer) -> None:
-    pending = raw_peer.conn.irecv(memoryview(bytearray(16)), 1)
+    pending = raw_peer.conn.irecv(host_buffer(bytearray(16)), 1)
     await raw_peer.send(_frame(1, 1 << 62, 16, payload_bytes=b"x" * 16))
     with pytest.raises(ConnectionLost, match="where a receive of 16 bytes was posted"):
         await within(pending)
@@ -510,7 +511,7 @@ async def test_absurd_total_against_posted_receive_fails_connection(
 ])
 async def test_part_outside_message_fails_connection(raw_peer: _RawPeer, total: int,
                                                      length: int, offset: int) -> None:
-    pending = raw_peer.conn.irecv(memoryview(bytearray(total)), 1)
+    pending = raw_peer.conn.irecv(host_buffer(bytearray(total)), 1)
     await raw_peer.send(_frame(1, total, length, offset, b"y" * length))
     with pytest.raises(ConnectionLost, match="exceeds message size"):
         await within(pending)
@@ -518,7 +519,7 @@ async def test_part_outside_message_fails_connection(raw_peer: _RawPeer, total: 
 
 async def test_overlapping_parts_fail_connection(raw_peer: _RawPeer) -> None:
     buf = bytearray(16)
-    pending = raw_peer.conn.irecv(memoryview(buf), 1)
+    pending = raw_peer.conn.irecv(host_buffer(buf), 1)
     await raw_peer.send(_frame(1, 16, 12, 0, b"a" * 12) + _frame(1, 16, 12, 4, b"b" * 12))
     with pytest.raises(ConnectionLost, match="exceed its size"):
         await within(pending)
@@ -532,7 +533,7 @@ async def test_early_message_cap(monkeypatch: pytest.MonkeyPatch) -> None:
         await peer.send(_frame(1, 4096, 4096, payload_bytes=b"k" * 4096))
         await asyncio.sleep(0.05)
         out = bytearray(4096)
-        assert await within(peer.conn.irecv(memoryview(out), 1)) == meta_for(1)
+        assert await within(peer.conn.irecv(host_buffer(out), 1)) == meta_for(1)
         assert out == b"k" * 4096
         await peer.send(_frame(2, 4097, 1, payload_bytes=b"k"))
         assert "4097 bytes arrived before its receive was posted" in str(await peer.lost())
@@ -547,7 +548,7 @@ async def test_wrong_size_message_is_dropped_not_stored(raw_peer: _RawPeer,
     receive once drained, without keeping its bytes anywhere; the connection stays up."""
     stored: list[int] = []
     monkeypatch.setattr(tcp, "empty_bytes", lambda n: stored.append(n))
-    pending = raw_peer.conn.irecv(memoryview(bytearray(8)), 1)
+    pending = raw_peer.conn.irecv(host_buffer(bytearray(8)), 1)
     big = 3 * tcp._STAGE + 5  # arrives over several reads, mostly outside the stage
     await raw_peer.send(_frame(1, big, big, payload_bytes=b"z" * big))
     with pytest.raises(MessageSizeError):
@@ -555,7 +556,7 @@ async def test_wrong_size_message_is_dropped_not_stored(raw_peer: _RawPeer,
     assert stored == []
     assert raw_peer.conn.failed is None
     out = bytearray(3)
-    rfut = raw_peer.conn.irecv(memoryview(out), 2)
+    rfut = raw_peer.conn.irecv(host_buffer(out), 2)
     await raw_peer.send(_frame(2, 3, 3, payload_bytes=b"abc"))
     await within(rfut)
     assert out == b"abc"
@@ -571,7 +572,7 @@ async def test_bug_in_read_path_fails_connection_not_loop(
         raise MemoryError("simulated")
 
     monkeypatch.setattr(owner, where, broken)
-    pending = raw_peer.conn.irecv(memoryview(bytearray(4)), 1)
+    pending = raw_peer.conn.irecv(host_buffer(bytearray(4)), 1)
     await raw_peer.send(_frame(1, 4, 4, payload_bytes=b"abcd"))
     with pytest.raises(ConnectionLost, match="internal error while reading from"):
         await within(pending)
@@ -587,7 +588,7 @@ async def test_bug_in_write_path_fails_connection_not_loop(
         failures = FailureRecorder()
         p.a.set_failure_callback(failures)
         data = bytearray(64 << 20)  # more than the socket buffers: the writer callback runs
-        sfut = p.a.isend(memoryview(data), 1, meta_for(1))
+        sfut = p.a.isend(host_buffer(data), 1, meta_for(1))
         assert p.a._socks[0].writing
 
         def broken(*_args: object) -> None:

@@ -29,6 +29,7 @@ from typing import Any
 import msgpack
 
 from .. import _auth
+from .. import _topology as topo
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, remaining, wait_until
 from ..errors import (
@@ -299,18 +300,12 @@ class Bootstrap:
                          gate_token: list[int]) -> None:
         conn = FramedConnection(reader, writer)
         try:
-            hello = await conn.accept_auth(self.key, PEER_CONTEXT,
-                                           deadline_after(self._preauth_timeout))
-        except (AcollError, OSError) as exc:
-            self._refusals.refused("rank %d: refused connection from %s: %s", self.rank,
-                                   conn.peer, exc)
-            conn.close()
-            return
-        except BaseException:
-            conn.close()
-            raise
+            hello = await conn.accept_or_refuse(self.key, PEER_CONTEXT, self._preauth_timeout,
+                                                self._refusals, f"rank {self.rank}")
         finally:
             self._gate.leave(gate_token[0])
+        if hello is None:
+            return
         if (not isinstance(hello, PeerHello) or hello.to != self.rank
                 or hello.nranks != self.nranks or not 0 <= hello.rank < self.nranks):
             log.warning("rank %d: refused connection from %s (hello for another rank or "
@@ -453,17 +448,14 @@ class Bootstrap:
         n, r = self.nranks, self.rank
         tag = self._next_tag()
         held = [data]
-        dist = 1
-        while dist < n:
-            count = min(dist, n - dist)
-            await self.send((r - dist) % n, tag, msgpack.packb(held[:count]))
-            got = msgpack.unpackb(await self.recv((r + dist) % n, tag))
+        for dist, (frm, to) in enumerate(topo.dissemination(r, n)):
+            count = min(1 << dist, n - (1 << dist))
+            await self.send(to, tag, msgpack.packb(held[:count]))
+            got = msgpack.unpackb(await self.recv(frm, tag))
             if not isinstance(got, list) or len(got) != count or not all(
                     isinstance(item, bytes) for item in got):
-                raise RemoteError(f"rank {(r + dist) % n} sent a malformed all-gather "
-                                  "message", (r + dist) % n)
+                raise RemoteError(f"rank {frm} sent a malformed all-gather message", frm)
             held.extend(got)
-            dist <<= 1
         # held[i] is rank (r + i) % n's item
         return [held[(q - r) % n] for q in range(n)]
 
@@ -471,29 +463,20 @@ class Bootstrap:
         """Return once every rank has called ``barrier`` (dissemination, log2 n rounds)."""
         n, r = self.nranks, self.rank
         tag = self._next_tag()
-        dist = 1
-        while dist < n:
-            await self.send((r + dist) % n, tag, b"")
-            await self.recv((r - dist) % n, tag)
-            dist <<= 1
+        for to, frm in topo.dissemination(r, n):
+            await self.send(to, tag, b"")
+            await self.recv(frm, tag)
 
     async def broadcast(self, data: bytes | None, root: int) -> bytes:
         """``root``'s ``data`` on every rank (binomial tree)."""
         n, r = self.nranks, self.rank
         tag = self._next_tag()
-        rel = (r - root) % n
-        mask = 1
-        while mask < n:
-            if rel & mask:
-                data = await self.recv((r - mask) % n, tag)
-                break
-            mask <<= 1
+        tree = topo.binomial_tree(r, n, root)
+        if tree.parent is not None:
+            data = await self.recv(tree.parent, tag)
         assert data is not None
-        mask >>= 1
-        while mask > 0:
-            if rel + mask < n:
-                await self.send((r + mask) % n, tag, data)
-            mask >>= 1
+        for child in tree.children:
+            await self.send(child, tag, data)
         return data
 
     # ------------------------------------------------------------------ failure and close

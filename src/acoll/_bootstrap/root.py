@@ -30,6 +30,7 @@ from concurrent.futures import Future
 from typing import Any
 
 from .. import _auth
+from .. import _topology as topo
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError
@@ -136,17 +137,10 @@ class RootServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         conn = FramedConnection(reader, writer)
-        try:
-            msg = await conn.accept_auth(self.key, ROOT_CONTEXT,
-                                         deadline_after(self._preauth_timeout))
-        except (AcollError, OSError) as exc:
-            self._refusals.refused("root %s: refused connection from %s: %s", self.where,
-                                   conn.peer, exc)
-            conn.close()
+        msg = await conn.accept_or_refuse(self.key, ROOT_CONTEXT, self._preauth_timeout,
+                                          self._refusals, f"root {self.where}")
+        if msg is None:
             return
-        except BaseException:
-            conn.close()
-            raise
         if not isinstance(msg, Hello):
             log.warning("root %s: refused connection from %s: not a rank's hello", self.where,
                         conn.peer)
@@ -193,12 +187,7 @@ class RootServer:
         ) else ()
         for rank, conn in self.conns.items():
             nxt = self.hellos[(rank + 1) % n]
-            peers = []
-            dist = 1
-            while dist < n:
-                peer = (rank - dist) % n
-                peers.append((peer, self.hellos[peer].addr))
-                dist <<= 1
+            peers = [(frm, self.hellos[frm].addr) for _, frm in topo.dissemination(rank, n)]
             with contextlib.suppress(AcollError):
                 conn.send(RingInfo(n, nxt.addr, tuple(peers), table))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)

@@ -9,8 +9,8 @@ import socket
 from collections.abc import Callable
 
 from .. import _auth
-from .._deadline import wait_until
-from ..errors import ProtocolError, TransportError
+from .._deadline import deadline_after, wait_until
+from ..errors import AcollError, ProtocolError, TransportError
 from .wire import (
     DEFAULT_MAX_FRAME,
     Challenge,
@@ -144,6 +144,20 @@ class FramedConnection:
             await self.writer.drain()
         except OSError as exc:
             raise PeerClosed(f"connection to {self.peer} failed: {exc}") from exc
+
+    async def accept_or_refuse(self, key: bytes, context: bytes, timeout: float,
+                               refusals: _auth.RefusalLog, who: str) -> Hello | PeerHello | None:
+        """:meth:`accept_auth` within ``timeout``; on failure log the refusal (rate-limited,
+        as ``who``), close, and return ``None``."""
+        try:
+            return await self.accept_auth(key, context, deadline_after(timeout))
+        except (AcollError, OSError) as exc:
+            refusals.refused("%s: refused connection from %s: %s", who, self.peer, exc)
+            self.close()
+            return None
+        except BaseException:
+            self.close()
+            raise
 
     async def accept_auth(self, key: bytes, context: bytes, deadline: float
                           ) -> Hello | PeerHello:

@@ -12,25 +12,24 @@ which is reduced with the local input and becomes the next step's send; after ``
 steps rank ``r`` holds the total of segment ``r + 1``. All-gather step ``s`` then sends
 segment ``r + 1 - s`` and receives segment ``r - s`` straight into the output.
 
+Memory: algorithms see :class:`~acoll._memory.Buffer` objects only, and reduce, copy and
+allocate through the op context (the communicator's memory space), so the same code runs
+on any memory the space supports.
+
 Bounded steps: ``run`` never holds the event loop for long, whatever the message size.
-Reductions and local copies go through :func:`_paced`, which cuts them into pieces that
-take about ``_PIECE_NS`` each (the piece size is learnt per dtype and op) and checks the
-op's step bound (:data:`.base.STEP_NS`) between pieces; waits check it too, and loops that
-post many chunks check it per chunk.
+The memory space cuts reductions and copies into short pieces with a check of the op's
+step bound (:data:`.base.STEP_NS`) between them; waits check it too, and loops that post
+many chunks check it per chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-from collections.abc import Callable
-from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-
+from .. import _topology as topo
 from .._config import Setting, get_logger, parse_size
-from .._dtypes import ReduceOp, finish_avg, reduce_into
+from .._dtypes import ReduceOp
+from .._memory import Buffer
 from ..errors import InvalidUsage
 from .base import OpContext, chunk_ranges, split_even
 
@@ -45,86 +44,13 @@ SMALL = Setting("SMALL_MSG", parse_size, 64 << 10,
                 "Messages up to this many bytes use the latency-optimised algorithm.",
                 "COLL")
 
-Array = npt.NDArray[Any]
-
 
 def _chunk_items(ctx: OpContext, itemsize: int) -> int:
-    return max(1, ctx.comm.chunk_bytes // itemsize)
+    return max(1, ctx.chunk_bytes // itemsize)
 
 
-_PIECE_NS = 200_000  # target duration of one piece of a reduction or copy
-_FIRST_PIECE = 1 << 14  # items, before the speed of a kind of piece is known
-# Largest piece whatever the learnt speed: memory written for the first time costs a page
-# fault per 4 KiB (several us in a VM), so a size learnt on warm buffers would overrun.
-# Equal to the default chunk, so that a ring step reduces its chunk and posts the send
-# without a yield in between (that gap is on the critical path of the pipeline).
-_MAX_PIECE_BYTES = 512 << 10
-_piece_items: dict[tuple[Any, ...], int] = {}  # learnt piece size per (work, dtype, op)
-
-
-async def _paced(ctx: OpContext, key: tuple[Any, ...], n: int, itemsize: int,
-                 work: Callable[[int, int], None]) -> None:
-    """Run ``work(start, stop)`` over ``[0, n)`` (items of ``itemsize`` bytes) in pieces
-    of about ``_PIECE_NS`` and at most ``_MAX_PIECE_BYTES`` each, with a checkpoint of the
-    op's step bound between pieces.
-
-    The piece size for ``key`` adapts after every full piece (at most x4 or /4 at a time,
-    so one preempted piece does not swing it) and is remembered for the next call.
-    """
-    most = max(_MAX_PIECE_BYTES // itemsize, 1)
-    per = min(_piece_items.get(key, _FIRST_PIECE), most)
-    start = 0
-    while start < n:
-        stop = min(n, start + per)
-        t0 = time.perf_counter_ns()
-        work(start, stop)
-        if stop - start == per:
-            scale = (_PIECE_NS / max(time.perf_counter_ns() - t0, 1)) ** 0.5
-            per = min(max(int(per * min(max(scale, 0.25), 4.0)), 1 << 10), most)
-        start = stop
-        if start < n:
-            await ctx.checkpoint()
-    _piece_items[key] = per
-
-
-_SMALL_WORK = 64 << 10  # bytes (ACOLL_SMALL_MSG): reduced or copied at once, unpaced
-
-
-async def _reduce(ctx: OpContext, out: Array, a: Array, b: Array, op: ReduceOp) -> None:
-    """``out[:] = a (op) b`` (:func:`reduce_into`), in paced pieces."""
-    if out.nbytes <= _SMALL_WORK:
-        reduce_into(out, a, b, op)
-        return
-
-    def work(i: int, j: int) -> None:
-        reduce_into(out[i:j], a[i:j], b[i:j], op)
-
-    await _paced(ctx, ("reduce", out.dtype, op), out.size, out.itemsize, work)
-
-
-async def _avg(ctx: OpContext, arr: Array, n: int) -> None:
-    """:func:`finish_avg` in paced pieces."""
-    if arr.nbytes <= _SMALL_WORK:
-        finish_avg(arr, n)
-        return
-
-    def work(i: int, j: int) -> None:
-        finish_avg(arr[i:j], n)
-
-    if n > 1:
-        await _paced(ctx, ("avg", arr.dtype), arr.size, arr.itemsize, work)
-
-
-async def _copy(ctx: OpContext, dst: Array, src: Array) -> None:
-    """``dst[...] = src`` in paced pieces."""
-    if dst.nbytes <= _SMALL_WORK:
-        dst[...] = src
-        return
-
-    def work(i: int, j: int) -> None:
-        dst[i:j] = src[i:j]
-
-    await _paced(ctx, ("copy", dst.itemsize), dst.size, dst.itemsize, work)
+def _pieces(buf: Buffer, ranges: list[tuple[int, int]]) -> list[Buffer]:
+    return [buf[s:s + ln] for s, ln in ranges]
 
 
 class _Sends:
@@ -136,8 +62,16 @@ class _Sends:
         self.ctx = ctx
         self.pending: list[tuple[asyncio.Future[None], int]] = []
 
-    def post(self, peer: int, arr: Array, step: int) -> None:
-        self.pending.append((self.ctx.post_send(peer, arr, step), peer))
+    def post(self, peer: int, buf: Buffer, step: int) -> None:
+        self.pending.append((self.ctx.post_send(peer, buf, step), peer))
+
+    async def post_paced(self, peer: int, bufs: list[Buffer], first_step: int) -> None:
+        """Post a send per buffer (steps ``first_step, ...``), yielding when due."""
+        ctx = self.ctx
+        for i, buf in enumerate(bufs):
+            self.post(peer, buf, first_step + i)
+            if ctx.due():
+                await ctx.pause()
 
     async def wait(self) -> None:
         await self.ctx.wait_sends(self.pending)
@@ -148,16 +82,16 @@ class _Sends:
 class RingAllReduce:
     """Bandwidth-optimal ring all-reduce, pipelined in chunks (see module docstring)."""
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array, op: ReduceOp) -> None:
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
         n, r = ctx.n, ctx.rank
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
-        self.nxt, self.prv = (r + 1) % n, (r - 1) % n
-        segs = split_even(src.size, n)
+        self.nxt, self.prv = topo.ring(r, n)
+        segs = split_even(src.count, n)
         chunk = _chunk_items(ctx, src.itemsize)
         # Reduce-scatter: receive segment r-s-1 into scratch at step s.
         rs_recv = [segs[(r - s - 1) % n] for s in range(n - 1)]
         scratch = ctx.scratch(sum(length for _, length in rs_recv), src.dtype)
-        self.rs: list[list[tuple[int, int, Array]]] = []  # per step: (start, len, scratch)
+        self.rs: list[list[tuple[int, int, Buffer]]] = []  # per step: (start, len, scratch)
         off = 0
         for start, length in rs_recv:
             pieces = []
@@ -176,34 +110,25 @@ class RingAllReduce:
         await ctx.connect(nxt, prv)
         k = self.nchunks
         base = (n - 1) * k
-        rs_futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.rs]
-        ag_futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.ag]
-        for s, step in enumerate(self.rs):
-            for c, (_, _, buf) in enumerate(step):
-                rs_futs[s].append(ctx.post_recv(prv, buf, s * k + c))
-                if ctx.due():
-                    await ctx.pause()
-        for s, ag_step in enumerate(self.ag):
-            for c, (cs, cl) in enumerate(ag_step):
-                ag_futs[s].append(ctx.post_recv(prv, dst[cs:cs + cl], base + s * k + c))
-                if ctx.due():
-                    await ctx.pause()
+        rs_futs = [await ctx.post_recvs_paced(prv, [tmp for _, _, tmp in step],
+                                              [s * k + c for c in range(len(step))])
+                   for s, step in enumerate(self.rs)]
+        ag_futs = [await ctx.post_recvs_paced(prv, _pieces(dst, step),
+                                              [base + s * k + c for c in range(len(step))])
+                   for s, step in enumerate(self.ag)]
         sends = _Sends(ctx)
-        for c, (cs, cl) in enumerate(self.first_send):
-            sends.post(nxt, src[cs:cs + cl], c)
-            if ctx.due():
-                await ctx.pause()
+        await sends.post_paced(nxt, _pieces(src, self.first_send), 0)
         last = n - 2
         for s, step in enumerate(self.rs):
             for c, (cs, cl, tmp) in enumerate(step):
                 await ctx.wait_recv(rs_futs[s][c], prv)
                 out = dst[cs:cs + cl]
-                await _reduce(ctx, out, src[cs:cs + cl], tmp, op)
+                await ctx.reduce(out, src[cs:cs + cl], tmp, op)
                 if s < last:
                     sends.post(nxt, out, (s + 1) * k + c)
                 else:
                     if op == ReduceOp.AVG:
-                        await _avg(ctx, out, n)
+                        await ctx.avg(out)
                     sends.post(nxt, out, base + c)
         for s, ag_step in enumerate(self.ag):
             for c, (cs, cl) in enumerate(ag_step):
@@ -218,55 +143,39 @@ class RecursiveDoublingAllReduce:
 
     For ``n`` not a power of two, the first ``2 * (n - p)`` ranks (``p`` the largest power
     of two <= n) pair up: odd ones fold their even neighbour's data in, the even ones wait,
-    and get the result back at the end. Every rank ends with bit-identical results
-    because each exchange combines the same two operands (in either order; all ops are
-    commutative).
+    and get the result back at the end (:class:`acoll._topology.RecursiveDoubling`). Every
+    rank ends with bit-identical results because each exchange combines the same two
+    operands (in either order; all ops are commutative).
     """
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array, op: ReduceOp) -> None:
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
-        n, r = ctx.n, ctx.rank
-        p = 1 << (n.bit_length() - 1)
-        self.rem = n - p
-        self.tmp = ctx.scratch(src.size, src.dtype)
-        if r < 2 * self.rem:
-            self.role = "even" if r % 2 == 0 else "odd"
-            self.vrank = -1 if r % 2 == 0 else r // 2
-        else:
-            self.role = "plain"
-            self.vrank = r - self.rem
-        self.partners = []
-        if self.vrank >= 0:
-            mask = 1
-            while mask < p:
-                v = self.vrank ^ mask
-                self.partners.append(v * 2 + 1 if v < self.rem else v + self.rem)
-                mask <<= 1
+        self.tmp = ctx.scratch(src.count, src.dtype)
+        plan = topo.RecursiveDoubling.of(ctx.rank, ctx.n)
+        self.role, self.partners = plan.role, plan.partners
 
     async def run(self) -> None:
         ctx, src, dst, tmp, op = self.ctx, self.src, self.dst, self.tmp, self.op
         r = ctx.rank
         await ctx.connect(*self.partners, *([r + 1] if self.role == "even" else []),
                           *([r - 1] if self.role == "odd" else []))
-        step = 0
         if self.role == "even":
             await ctx.wait_send(ctx.post_send(r + 1, src, 0), r + 1)
             await ctx.wait_recv(ctx.post_recv(r + 1, dst, 1000), r + 1)
             return
         if self.role == "odd":
             await ctx.wait_recv(ctx.post_recv(r - 1, tmp, 0), r - 1)
-            await _reduce(ctx, dst, src, tmp, op)
-        elif dst is not src:
-            await _copy(ctx, dst, src)
+            await ctx.reduce(dst, src, tmp, op)
+        elif not ctx.mem.same(dst, src):
+            await ctx.copy(dst, src)
         for i, peer in enumerate(self.partners):
-            step = i + 1
-            rf = ctx.post_recv(peer, tmp, step)
-            sf = ctx.post_send(peer, dst, step)
+            rf = ctx.post_recv(peer, tmp, i + 1)
+            sf = ctx.post_send(peer, dst, i + 1)
             await ctx.wait_recv(rf, peer)
             await ctx.wait_send(sf, peer)
-            await _reduce(ctx, dst, dst, tmp, op)
+            await ctx.reduce(dst, dst, tmp, op)
         if op == ReduceOp.AVG:
-            await _avg(ctx, dst, ctx.n)
+            await ctx.avg(dst)
         if self.role == "odd":
             await ctx.wait_send(ctx.post_send(r - 1, dst, 1000), r - 1)
 
@@ -275,23 +184,10 @@ class RecursiveDoublingAllReduce:
 class TreeBroadcast:
     """Binomial tree from ``root``: ceil(log2 n) rounds, whole buffer per message."""
 
-    def __init__(self, ctx: OpContext, buf: Array, root: int) -> None:
-        self.ctx, self.buf, self.root = ctx, buf, root
-        n, r = ctx.n, ctx.rank
-        rel = (r - root) % n
-        self.parent: int | None = None
-        mask = 1
-        while mask < n:
-            if rel & mask:
-                self.parent = (r - mask) % n
-                break
-            mask <<= 1
-        self.children = []
-        mask >>= 1
-        while mask > 0:
-            if rel + mask < n:
-                self.children.append((r + mask) % n)
-            mask >>= 1
+    def __init__(self, ctx: OpContext, buf: Buffer, root: int) -> None:
+        self.ctx, self.buf = ctx, buf
+        tree = topo.binomial_tree(ctx.rank, ctx.n, root)
+        self.parent, self.children = tree.parent, tree.children
 
     async def run(self) -> None:
         ctx, buf = self.ctx, self.buf
@@ -304,26 +200,40 @@ class TreeBroadcast:
         await sends.wait()
 
 
-class ChainBroadcast:
+class _Chain:
+    """Set-up shared by the pipelined chains: neighbours and chunks.
+
+    ``position`` is this rank's place in the chain (0 first); ``prv``/``nxt`` are ``None``
+    at the ends.
+    """
+
+    def __init__(self, ctx: OpContext, count: int, itemsize: int, position: int) -> None:
+        n, r = ctx.n, ctx.rank
+        self.ctx = ctx
+        self.prv = None if position == 0 else (r - 1) % n
+        self.nxt = None if position == n - 1 else (r + 1) % n
+        self.chunks = chunk_ranges(0, count, _chunk_items(ctx, itemsize))
+
+    async def start(self, into: Buffer) -> list[asyncio.Future[bytes]]:
+        """Connect to the neighbours; post a receive per chunk of ``into`` from ``prv``."""
+        ctx, prv = self.ctx, self.prv
+        await ctx.connect(*[p for p in (prv, self.nxt) if p is not None])
+        if prv is None:
+            return []
+        return await ctx.post_recvs_paced(prv, _pieces(into, self.chunks),
+                                          list(range(len(self.chunks))))
+
+
+class ChainBroadcast(_Chain):
     """Pipelined chain root -> root+1 -> ...: each chunk is forwarded as it arrives."""
 
-    def __init__(self, ctx: OpContext, buf: Array, root: int) -> None:
-        n, r = ctx.n, ctx.rank
-        self.ctx, self.buf = ctx, buf
-        rel = (r - root) % n
-        self.prv = None if rel == 0 else (r - 1) % n
-        self.nxt = None if rel == n - 1 else (r + 1) % n
-        self.chunks = chunk_ranges(0, buf.size, _chunk_items(ctx, buf.itemsize))
+    def __init__(self, ctx: OpContext, buf: Buffer, root: int) -> None:
+        super().__init__(ctx, buf.count, buf.itemsize, (ctx.rank - root) % ctx.n)
+        self.buf = buf
 
     async def run(self) -> None:
         ctx, buf, prv, nxt = self.ctx, self.buf, self.prv, self.nxt
-        await ctx.connect(*[p for p in (prv, nxt) if p is not None])
-        futs = []
-        if prv is not None:
-            for c, (s, ln) in enumerate(self.chunks):
-                futs.append(ctx.post_recv(prv, buf[s:s + ln], c))
-                if ctx.due():
-                    await ctx.pause()
+        futs = await self.start(buf)
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.chunks):
             if prv is not None:
@@ -339,81 +249,63 @@ class ChainBroadcast:
 class TreeReduce:
     """Binomial tree toward ``root``; each rank folds its children's data into its own."""
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array | None, root: int,
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer | None, root: int,
                  op: ReduceOp) -> None:
-        self.ctx, self.src, self.root, self.op = ctx, src, root, op
-        n, r = ctx.n, ctx.rank
-        rel = (r - root) % n
-        self.children: list[int] = []
-        self.parent: int | None = None
-        mask = 1
-        while mask < n:
-            if rel & mask:
-                self.parent = (r - mask) % n
-                break
-            if rel + mask < n:
-                self.children.append((r + mask) % n)
-            mask <<= 1
-        self.acc = dst if dst is not None else ctx.scratch(src.size, src.dtype, slot=1)
-        self.tmps = [ctx.scratch(src.size, src.dtype, slot=2 + i)
+        self.ctx, self.src, self.op = ctx, src, op
+        tree = topo.binomial_tree(ctx.rank, ctx.n, root)
+        self.parent = tree.parent
+        self.children = tree.children[::-1]  # smallest subtree first: it finishes first
+        self.acc = dst if dst is not None else ctx.scratch(src.count, src.dtype, slot=1)
+        self.tmps = [ctx.scratch(src.count, src.dtype, slot=2 + i)
                      for i in range(len(self.children))]
 
     async def run(self) -> None:
         ctx, acc, op = self.ctx, self.acc, self.op
         await ctx.connect(*self.children, *([self.parent] if self.parent is not None else []))
         futs = [ctx.post_recv(c, t, 0) for c, t in zip(self.children, self.tmps, strict=True)]
-        if acc is not self.src:
-            await _copy(ctx, acc, self.src)
+        if not ctx.mem.same(acc, self.src):
+            await ctx.copy(acc, self.src)
         for child, fut, tmp in zip(self.children, futs, self.tmps, strict=True):
             await ctx.wait_recv(fut, child)
-            await _reduce(ctx, acc, acc, tmp, op)
+            await ctx.reduce(acc, acc, tmp, op)
         if self.parent is not None:
             await ctx.wait_send(ctx.post_send(self.parent, acc, 0), self.parent)
         elif op == ReduceOp.AVG:
-            await _avg(ctx, acc, ctx.n)
+            await ctx.avg(acc)
 
 
-class ChainReduce:
+class ChainReduce(_Chain):
     """Pipelined chain root+1 -> root+2 -> ... -> root, reducing chunk by chunk."""
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array | None, root: int,
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer | None, root: int,
                  op: ReduceOp) -> None:
-        n, r = ctx.n, ctx.rank
-        self.ctx, self.src, self.op = ctx, src, op
-        rel = (r - root - 1) % n  # position in the chain; root is last
-        self.is_root = r == root
-        self.prv = None if rel == 0 else (r - 1) % n
-        self.nxt = None if self.is_root else (r + 1) % n
-        self.out = dst if self.is_root else (
-            ctx.scratch(src.size, src.dtype, slot=1) if self.prv is not None else src)
-        self.tmp = ctx.scratch(src.size, src.dtype) if self.prv is not None else src
-        self.chunks = chunk_ranges(0, src.size, _chunk_items(ctx, src.itemsize))
+        super().__init__(ctx, src.count, src.itemsize, (ctx.rank - root - 1) % ctx.n)
+        self.src, self.op = src, op
+        self.is_root = ctx.rank == root
+        if self.is_root:
+            assert dst is not None
+            self.out = dst
+        else:
+            self.out = ctx.scratch(src.count, src.dtype, slot=1) if self.prv is not None \
+                else src
+        self.tmp = ctx.scratch(src.count, src.dtype) if self.prv is not None else src
 
     async def run(self) -> None:
         ctx, src, out, tmp, op, prv, nxt = (self.ctx, self.src, self.out, self.tmp, self.op,
                                             self.prv, self.nxt)
-        assert out is not None
-        await ctx.connect(*[p for p in (prv, nxt) if p is not None])
-        futs = []
-        if prv is not None:
-            for c, (s, ln) in enumerate(self.chunks):
-                futs.append(ctx.post_recv(prv, tmp[s:s + ln], c))
-                if ctx.due():
-                    await ctx.pause()
+        futs = await self.start(tmp)
         sends = _Sends(ctx)
         for c, (s, ln) in enumerate(self.chunks):
             piece = out[s:s + ln]
             if prv is not None:
                 await ctx.wait_recv(futs[c], prv)
-                await _reduce(ctx, piece, src[s:s + ln], tmp[s:s + ln], op)
-            elif piece is not src[s:s + ln] and self.is_root:
-                await _copy(ctx, piece, src[s:s + ln])
+                await ctx.reduce(piece, src[s:s + ln], tmp[s:s + ln], op)
             if nxt is not None:
                 sends.post(nxt, piece, c)
                 if ctx.due():
                     await ctx.pause()
             elif op == ReduceOp.AVG:
-                await _avg(ctx, piece, ctx.n)
+                await ctx.avg(piece)
         await sends.wait()
 
 
@@ -421,11 +313,11 @@ class ChainReduce:
 class RingAllGather:
     """Ring all-gather: step ``s`` forwards block ``r - s`` and receives ``r - s - 1``."""
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array) -> None:
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer) -> None:
         n, r = ctx.n, ctx.rank
         self.ctx, self.src, self.dst = ctx, src, dst
-        self.nxt, self.prv = (r + 1) % n, (r - 1) % n
-        count = src.size
+        self.nxt, self.prv = topo.ring(r, n)
+        count = src.count
         chunk = _chunk_items(ctx, src.itemsize)
         self.steps = [chunk_ranges(((r - s - 1) % n) * count, count, chunk)
                       for s in range(n - 1)]
@@ -434,22 +326,16 @@ class RingAllGather:
 
     async def run(self) -> None:
         ctx, dst, nxt, prv, k = self.ctx, self.dst, self.nxt, self.prv, self.k
-        n, r, count = ctx.n, ctx.rank, self.src.size
+        n, r, count = ctx.n, ctx.rank, self.src.count
         await ctx.connect(nxt, prv)
-        futs: list[list[asyncio.Future[bytes]]] = [[] for _ in self.steps]
-        for st, p in enumerate(self.steps):
-            for c, (s, ln) in enumerate(p):
-                futs[st].append(ctx.post_recv(prv, dst[s:s + ln], st * k + c))
-                if ctx.due():
-                    await ctx.pause()
+        futs = [await ctx.post_recvs_paced(prv, _pieces(dst, p),
+                                           [st * k + c for c in range(len(p))])
+                for st, p in enumerate(self.steps)]
         own = dst[r * count:(r + 1) * count]
-        if not np.shares_memory(own, self.src):
-            await _copy(ctx, own, self.src)
+        if not ctx.mem.overlaps(own, self.src):
+            await ctx.copy(own, self.src)
         sends = _Sends(ctx)
-        for c, (s, ln) in enumerate(self.own):
-            sends.post(nxt, dst[s:s + ln], c)
-            if ctx.due():
-                await ctx.pause()
+        await sends.post_paced(nxt, _pieces(dst, self.own), 0)
         for st, pieces in enumerate(self.steps):
             for c, (s, ln) in enumerate(pieces):
                 await ctx.wait_recv(futs[st][c], prv)
@@ -465,11 +351,11 @@ class RingReduceScatter:
     into scratch, where it is reduced in place with the local input and sent on.
     """
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array, op: ReduceOp) -> None:
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
         n, r = ctx.n, ctx.rank
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
-        self.nxt, self.prv = (r + 1) % n, (r - 1) % n
-        count = dst.size
+        self.nxt, self.prv = topo.ring(r, n)
+        count = dst.count
         chunk = _chunk_items(ctx, src.itemsize)
         self.blocks = [((r - s - 2) % n) * count for s in range(n - 1)]
         self.first = ((r - 1) % n) * count
@@ -479,59 +365,53 @@ class RingReduceScatter:
     async def run(self) -> None:
         ctx, src, dst, op, nxt, prv = (self.ctx, self.src, self.dst, self.op, self.nxt,
                                        self.prv)
-        n, count, k = ctx.n, self.dst.size, max(1, len(self.pieces))
+        n, count, k = ctx.n, self.dst.count, max(1, len(self.pieces))
         await ctx.connect(nxt, prv)
         scr = self.scratch
-        futs: list[list[asyncio.Future[bytes]]] = [[] for _ in range(n - 1)]
-        for st in range(n - 1):
-            for c, (s, ln) in enumerate(self.pieces):
-                futs[st].append(ctx.post_recv(prv, scr[st * count + s:st * count + s + ln],
-                                              st * k + c))
-                if ctx.due():
-                    await ctx.pause()
+        futs = [await ctx.post_recvs_paced(prv, _pieces(scr[st * count:(st + 1) * count],
+                                                        self.pieces),
+                                           [st * k + c for c in range(len(self.pieces))])
+                for st in range(n - 1)]
         sends = _Sends(ctx)
-        for c, (s, ln) in enumerate(self.pieces):
-            sends.post(nxt, src[self.first + s:self.first + s + ln], c)
-            if ctx.due():
-                await ctx.pause()
+        await sends.post_paced(nxt, _pieces(src[self.first:self.first + count], self.pieces), 0)
         for st, block in enumerate(self.blocks):
             for c, (s, ln) in enumerate(self.pieces):
                 await ctx.wait_recv(futs[st][c], prv)
                 tmp = scr[st * count + s:st * count + s + ln]
                 local = src[block + s:block + s + ln]
                 if st < n - 2:
-                    await _reduce(ctx, tmp, local, tmp, op)
+                    await ctx.reduce(tmp, local, tmp, op)
                     sends.post(nxt, tmp, (st + 1) * k + c)
                 else:
                     out = dst[s:s + ln]
-                    await _reduce(ctx, out, local, tmp, op)
+                    await ctx.reduce(out, local, tmp, op)
                     if op == ReduceOp.AVG:
-                        await _avg(ctx, out, n)
+                        await ctx.avg(out)
         await sends.wait()
 
 
 class DirectAllToAll:
     """Every rank sends block ``p`` to rank ``p`` directly, all at once."""
 
-    def __init__(self, ctx: OpContext, src: Array, dst: Array) -> None:
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer) -> None:
         self.ctx, self.src, self.dst = ctx, src, dst
-        self.count = dst.size // ctx.n
+        self.count = dst.count // ctx.n
         self.peers = [(ctx.rank + i) % ctx.n for i in range(1, ctx.n)]
-        self.copy_from: Array | None = None
-        if np.shares_memory(src, dst):  # in place: send from a copy of the input
-            self.src, self.copy_from = ctx.scratch(src.size, src.dtype), src
+        self.copy_from: Buffer | None = None
+        if ctx.mem.overlaps(src, dst):  # in place: send from a copy of the input
+            self.src, self.copy_from = ctx.scratch(src.count, src.dtype), src
 
     async def run(self) -> None:
         ctx, src, dst, count = self.ctx, self.src, self.dst, self.count
         if self.copy_from is not None:
-            await _copy(ctx, src, self.copy_from)
+            await ctx.copy(src, self.copy_from)
         await ctx.connect(*self.peers)
         futs = [(ctx.post_recv(p, dst[p * count:(p + 1) * count], 0), p) for p in self.peers]
         sends = _Sends(ctx)
         for p in self.peers:
             sends.post(p, src[p * count:(p + 1) * count], 0)
         r = ctx.rank
-        await _copy(ctx, dst[r * count:(r + 1) * count], src[r * count:(r + 1) * count])
+        await ctx.copy(dst[r * count:(r + 1) * count], src[r * count:(r + 1) * count])
         for fut, p in futs:
             await ctx.wait_recv(fut, p)
         await sends.wait()
@@ -542,20 +422,15 @@ class DisseminationBarrier:
 
     def __init__(self, ctx: OpContext) -> None:
         self.ctx = ctx
-        n, r = ctx.n, ctx.rank
-        self.rounds = []
-        dist = 1
-        while dist < n:
-            self.rounds.append(((r + dist) % n, (r - dist) % n))
-            dist <<= 1
-        self.empty = np.empty(0, np.uint8)
+        self.rounds = topo.dissemination(ctx.rank, ctx.n)
 
     async def run(self) -> None:
         ctx = self.ctx
+        empty = ctx.empty()
         await ctx.connect(*[p for pair in self.rounds for p in pair])
         for i, (to, frm) in enumerate(self.rounds):
-            rf = ctx.post_recv(frm, self.empty, i)
-            sf = ctx.post_send(to, self.empty, i)
+            rf = ctx.post_recv(frm, empty, i)
+            sf = ctx.post_send(to, empty, i)
             await ctx.wait_recv(rf, frm)
             await ctx.wait_send(sf, to)
 
@@ -569,12 +444,12 @@ class TreeBarrier:
     """
 
     def __init__(self, ctx: OpContext) -> None:
-        tree = TreeBroadcast(ctx, np.empty(0, np.uint8), 0)
+        tree = topo.binomial_tree(ctx.rank, ctx.n, 0)
         self.ctx, self.parent, self.children = ctx, tree.parent, tree.children
-        self.empty = np.empty(0, np.uint8)
 
     async def run(self) -> None:
-        ctx, parent, children, empty = self.ctx, self.parent, self.children, self.empty
+        ctx, parent, children = self.ctx, self.parent, self.children
+        empty = ctx.empty()
         await ctx.connect(*children, *([parent] if parent is not None else []))
         ups = [ctx.post_recv(c, empty, 0) for c in children]
         down = ctx.post_recv(parent, empty, 1) if parent is not None else None
@@ -587,24 +462,6 @@ class TreeBarrier:
         for child in children:
             sends.post(child, empty, 1)
         await sends.wait()
-
-
-class EmptyExchange:
-    """For zero-element collectives: one empty message around the ring, to check
-    every rank agrees it is a zero-element call (and on the rest of the descriptor)."""
-
-    def __init__(self, ctx: OpContext) -> None:
-        self.ctx = ctx
-        self.empty = np.empty(0, np.uint8)
-
-    async def run(self) -> None:
-        ctx = self.ctx
-        nxt, prv = (ctx.rank + 1) % ctx.n, (ctx.rank - 1) % ctx.n
-        await ctx.connect(nxt, prv)
-        rf = ctx.post_recv(prv, self.empty, 0)
-        sf = ctx.post_send(nxt, self.empty, 0)
-        await ctx.wait_recv(rf, prv)
-        await ctx.wait_send(sf, nxt)
 
 
 # --------------------------------------------------------------------------- tuner

@@ -8,19 +8,15 @@ import functools
 import struct
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import numpy as np
-import numpy.typing as npt
-
-from .._dtypes import DTYPE_BY_CODE, DTYPE_NAMES, ReduceOp, byte_view
+from .._dtypes import DTYPE_BY_CODE, DTYPE_NAMES, ReduceOp
+from .._memory import BYTE, Buffer, DType, MemorySpace
 from .._transport.base import Connection, ConnectionLost, MessageSizeError
-from ..errors import InvalidUsage, RemoteError
+from ..errors import AcollError, InvalidUsage, RemoteError
 
-if TYPE_CHECKING:
-    from .._communicator import Communicator
-
-__all__ = ["ANY_SEQ", "STEP_NS", "Coll", "Descriptor", "OpContext", "chunk_ranges", "split_even"]
+__all__ = ["ANY_SEQ", "STEP_NS", "Coll", "Descriptor", "OpContext", "OpHost", "chunk_ranges",
+           "split_even"]
 
 #: The bound on one step of an op's coroutine: after this much time (ns) since it last
 #: slept it yields to the loop at the next checkpoint (each wait, between the pieces of a
@@ -156,25 +152,60 @@ def chunk_ranges(start: int, length: int, chunk: int) -> list[tuple[int, int]]:
     return [(s, min(chunk, start + length - s)) for s in range(start, start + length, chunk)]
 
 
+class OpHost(Protocol):
+    """What an operation needs from its communicator (and all it may use of it).
+
+    Attributes:
+        rank / size: this rank and the number of ranks.
+        check: descriptor checks are on.
+        chunk_bytes: pipeline chunk size.
+        small: ops up to this many bytes are latency-bound (busy-poll, small algorithms).
+        spin_ns: per peer, how long a wait may busy-poll before sleeping (0: never).
+        mem: the memory space of the communicator's buffers.
+    """
+
+    rank: int
+    size: int
+    check: bool
+    chunk_bytes: int
+    small: int
+    spin_ns: list[int]
+    mem: MemorySpace
+
+    async def connection(self, peer: int) -> Connection:
+        """The connection to ``peer`` (made on first use)."""
+
+    def fail(self, error: AcollError) -> None:
+        """Fail the communicator on every rank with ``error``."""
+
+    def peer_error(self, peer: int, exc: ConnectionLost) -> AcollError:
+        """The error to raise for a connection to ``peer`` that ended (fails the comm)."""
+
+
 class OpContext:
-    """One collective's view of the communicator: tags, connections, checks, scratch.
+    """One collective's view of the communicator: tags, connections, checks, memory.
 
     Set-up calls :meth:`connect` for every peer it will talk to; the data loop then uses
     the synchronous :meth:`post_send` / :meth:`post_recv` and awaits :meth:`wait_send` /
-    :meth:`wait_recv`, which check the peer's descriptor and name failing peers.
+    :meth:`wait_recv`, which check the peer's descriptor and name failing peers. Memory
+    work goes through :meth:`reduce`, :meth:`avg`, :meth:`copy` and :meth:`scratch` (the
+    communicator's :class:`~acoll._memory.MemorySpace`), paced by the step bound.
     """
 
-    __slots__ = ("check", "comm", "conns", "desc", "grace_used", "heard", "in_group", "n",
-                 "rank", "seq", "spin", "tag_base", "waiting_on", "yield_at")
+    __slots__ = ("check", "chunk_bytes", "conns", "desc", "grace_used", "heard", "host",
+                 "in_group", "mem", "n", "rank", "seq", "spin", "tag_base", "waiting_on",
+                 "yield_at")
 
-    def __init__(self, comm: Communicator, seq: int, desc: Descriptor, in_group: bool,
+    def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
-        self.comm = comm
-        self.rank = comm.rank
-        self.n = comm.size
+        self.host = host
+        self.rank = host.rank
+        self.n = host.size
+        self.mem = host.mem
+        self.chunk_bytes = host.chunk_bytes
         self.seq = seq
         self.desc = desc
-        self.check = comm.check
+        self.check = host.check
         self.in_group = in_group
         self.tag_base = tag_base
         self.conns: dict[int, Connection] = {}
@@ -184,7 +215,7 @@ class OpContext:
         # Busy-polling pays only for latency-bound (small) ops.
         dtype = DTYPE_BY_CODE.get(desc.dtype_code)
         nbytes = desc.count * (dtype.itemsize if dtype is not None else 1)
-        self.spin: list[int] | None = comm._spin_ns if nbytes <= comm._small else None
+        self.spin: list[int] | None = host.spin_ns if nbytes <= host.small else None
         self.yield_at = time.perf_counter_ns() + STEP_NS
 
     def due(self) -> bool:
@@ -204,15 +235,13 @@ class OpContext:
     async def connect(self, *peers: int) -> None:
         for peer in peers:
             if peer != self.rank and peer not in self.conns:
-                self.conns[peer] = await self.comm._conn(peer)
+                self.conns[peer] = await self.host.connection(peer)
 
-    def post_send(self, peer: int, arr: npt.NDArray[Any], step: int
-                  ) -> asyncio.Future[None]:
-        return self.conns[peer].isend(byte_view(arr), self.tag_base | step, self.desc.packed)
+    def post_send(self, peer: int, buf: Buffer, step: int) -> asyncio.Future[None]:
+        return self.conns[peer].isend(buf, self.tag_base | step, self.desc.packed)
 
-    def post_recv(self, peer: int, arr: npt.NDArray[Any], step: int
-                  ) -> asyncio.Future[bytes]:
-        fut = self.conns[peer].irecv(byte_view(arr), self.tag_base | step)
+    def post_recv(self, peer: int, buf: Buffer, step: int) -> asyncio.Future[bytes]:
+        fut = self.conns[peer].irecv(buf, self.tag_base | step)
         # Checked as soon as it completes, not only when (if ever) the algorithm awaits it:
         # a mismatch on any posted receive fails the op on every rank at once.
         fut.add_done_callback(functools.partial(self._recv_done, peer))
@@ -225,10 +254,10 @@ class OpContext:
         if exc is None:
             self.heard.add(peer)
         if isinstance(exc, MessageSizeError):
-            self.comm.fail(self._size_error(peer, exc))
+            self.host.fail(self._size_error(peer, exc))
         elif exc is None and self.check and not self.desc.matches(fut.result()):
             other = Descriptor.unpack(fut.result())
-            self.comm.fail(InvalidUsage(self.desc.describe_difference(other, self.rank,
+            self.host.fail(InvalidUsage(self.desc.describe_difference(other, self.rank,
                                                                       peer)))
 
     def _size_error(self, peer: int, exc: MessageSizeError) -> InvalidUsage:
@@ -270,7 +299,7 @@ class OpContext:
         except MessageSizeError as exc:
             raise self._size_error(peer, exc) from None
         except ConnectionLost as exc:
-            raise self.comm._peer_error(peer, exc) from None
+            raise self.host.peer_error(peer, exc) from None
         self.waiting_on = None
         if self.check and not self.desc.matches(meta):
             other = Descriptor.unpack(meta)
@@ -285,7 +314,7 @@ class OpContext:
         try:
             await fut
         except ConnectionLost as exc:
-            raise self.comm._peer_error(peer, exc) from None
+            raise self.host.peer_error(peer, exc) from None
         self.waiting_on = None
         if slept:
             self.yield_at = time.perf_counter_ns() + STEP_NS
@@ -296,11 +325,44 @@ class OpContext:
         for fut, peer in sends:
             await self.wait_send(fut, peer)
 
-    def scratch(self, count: int, dtype: np.dtype[Any], slot: int = 0) -> npt.NDArray[Any]:
-        """A work array of ``count`` items; reused between ops unless inside a group."""
+    def scratch(self, count: int, dtype: DType, slot: int = 0) -> Buffer:
+        """Work memory for ``count`` items; pooled between ops unless inside a group (ops
+        of a group run at once, so each gets its own)."""
         if self.in_group:
-            return np.empty(count, dtype)
-        return self.comm._scratch(count, dtype, slot)
+            return self.mem.empty(count, dtype)
+        return self.mem.scratch(count, dtype, slot)
+
+    def empty(self) -> Buffer:
+        """A zero-length buffer (for messages that only signal)."""
+        return self.mem.scratch(0, BYTE, slot=-1)
+
+    async def reduce(self, out: Buffer, a: Buffer, b: Buffer, op: ReduceOp) -> None:
+        """``out = a (op) b``, in paced pieces."""
+        await self.mem.reduce(out, a, b, op, self.checkpoint)
+
+    async def avg(self, buf: Buffer) -> None:
+        """Finish an AVG: divide the sum in ``buf`` by the number of ranks."""
+        await self.mem.finish_avg(buf, self.n, self.checkpoint)
+
+    async def copy(self, dst: Buffer, src: Buffer) -> None:
+        """``dst = src``, in paced pieces."""
+        await self.mem.copy(dst, src, self.checkpoint)
+
+    def post_recvs(self, peer: int, pieces: list[Buffer], first_step: int
+                   ) -> list[asyncio.Future[bytes]]:
+        """Post a receive for each of ``pieces``, steps ``first_step, first_step + 1, ...``
+        (all at once: use :meth:`post_recvs_paced` for many)."""
+        return [self.post_recv(peer, piece, first_step + i) for i, piece in enumerate(pieces)]
+
+    async def post_recvs_paced(self, peer: int, pieces: list[Buffer], steps: list[int]
+                               ) -> list[asyncio.Future[bytes]]:
+        """Post a receive per piece under the matching step, yielding when the step is due."""
+        futs = []
+        for piece, step in zip(pieces, steps, strict=True):
+            futs.append(self.post_recv(peer, piece, step))
+            if self.due():
+                await self.pause()
+        return futs
 
 
 AlgoFn = Callable[[OpContext], Awaitable[None]]

@@ -4,8 +4,16 @@ Modelled on NCCL's net plugin (listen / connect / accept / isend / irecv / test)
 for asyncio: posting an operation returns a future, and the transport completes it from
 the event loop. The communicator never touches sockets or verbs itself.
 
+A communicator holds several transports at once and picks one per peer, as NCCL's
+``selectTransport`` does (see :mod:`.select`): every rank publishes a :class:`PeerInfo`
+listing the transports it serves with their listener handles, and for each peer the first
+transport of the ordered list that both serve and whose :meth:`Transport.can_connect`
+accepts the pair carries all traffic with that peer.
+
 Contracts shared by every implementation (checked by ``tests/transport_conformance.py``):
 
+- Buffers are :class:`~acoll._memory.Buffer` objects; a transport only accepts memory of
+  the kinds in its :attr:`Transport.memory` (host memory for sockets and shared memory).
 - A :class:`Connection` joins two endpoints and carries *messages* both ways. Each message
   has a ``tag`` (an int below 2**64) and a 16-byte ``meta`` chosen by the sender. Messages
   are matched to receives by tag, not by order: a message that arrives before its receive
@@ -32,23 +40,37 @@ Contracts shared by every implementation (checked by ``tests/transport_conforman
   Work on unauthenticated connections is bounded in number, time and bytes.
 - All methods are called from the event loop thread; none blocks, and no exception
   escapes into the event loop's callbacks: failures end the connection instead.
+- ``can_connect`` is symmetric (``t.can_connect(a, b) == t.can_connect(b, a)``), so both
+  ranks of a pair pick the same transport without talking.
+- A connection with a finite :attr:`Connection.max_inflight` accepts at most that many
+  posted, unfinished operations per direction; callers window their posting (the
+  collectives' op context queues the rest in order and posts them as earlier ones finish).
+- :meth:`Transport.register` prepares a buffer for repeated use (RDMA memory registration,
+  CUDA IPC handle export) and returns a handle to pass to :meth:`Transport.deregister`;
+  transports with nothing to prepare return ``None``. Registration is an optimisation:
+  every transport must accept unregistered buffers (registering, or copying, on the way).
 """
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import ClassVar
 
+from .._memory import Buffer, MemoryKind
 from ..errors import ProtocolError, TransportError
 
 __all__ = [
     "META_SIZE",
+    "Capability",
     "Connection",
     "ConnectionLost",
     "Listener",
     "MessageSizeError",
+    "PeerInfo",
     "Transport",
 ]
 
@@ -81,15 +103,63 @@ class MessageSizeError(ProtocolError):
         self.meta = meta
 
 
+class Capability(enum.Flag):
+    """What a transport can do beyond the basic contract."""
+
+    NONE = 0
+    #: register() does real work: buffers reused across calls should be registered
+    REGISTRATION = enum.auto()
+    #: the transport can write into (or read from) the peer's memory without the peer's
+    #: CPU (RDMA, CUDA peer access): algorithms may use one-sided schemes
+    ONE_SIDED = enum.auto()
+    #: peers in this process only / on this host only
+    SAME_PROCESS = enum.auto()
+    SAME_HOST = enum.auto()
+
+
+@dataclass(frozen=True)
+class PeerInfo:
+    """What a rank tells every other rank about itself at formation.
+
+    Attributes:
+        rank: its rank in the communicator.
+        host_hash: the same for ranks on one host (host name and boot id).
+        proc: a random id of its process (pids repeat across hosts and containers).
+        loop: which event loop of that process runs it.
+        pid: its process id (for logs and busy-poll decisions).
+        handles: transport name -> that transport's listener handle, for every transport
+            it serves.
+    """
+
+    rank: int
+    host_hash: int
+    proc: bytes
+    loop: int
+    pid: int
+    handles: Mapping[str, bytes] = field(default_factory=dict)
+
+    def same_process(self, other: PeerInfo) -> bool:
+        return self.proc == other.proc
+
+    def same_host(self, other: PeerInfo) -> bool:
+        return self.host_hash == other.host_hash
+
+
 class Connection(ABC):
-    """A bidirectional, tag-matched message connection to one peer."""
+    """A bidirectional, tag-matched message connection to one peer.
+
+    Attributes:
+        max_inflight: most posted, unfinished operations per direction (``None``: no cap).
+    """
+
+    max_inflight: int | None = None
 
     @abstractmethod
-    def isend(self, buf: memoryview, tag: int, meta: bytes) -> asyncio.Future[None]:
-        """Post a send of ``buf`` (contiguous bytes) under ``tag`` with 16-byte ``meta``."""
+    def isend(self, buf: Buffer, tag: int, meta: bytes) -> asyncio.Future[None]:
+        """Post a send of ``buf`` under ``tag`` with 16-byte ``meta``."""
 
     @abstractmethod
-    def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
+    def irecv(self, buf: Buffer, tag: int) -> asyncio.Future[bytes]:
         """Post a receive into writable ``buf``; the future gives the sender's ``meta``."""
 
     @abstractmethod
@@ -141,11 +211,11 @@ class Connection(ABC):
         trip through the loop's poller.
         """
 
-    async def send(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)) -> None:
+    async def send(self, buf: Buffer, tag: int, meta: bytes = bytes(META_SIZE)) -> None:
         """``await isend(...)``."""
         await self.isend(buf, tag, meta)
 
-    async def recv(self, buf: memoryview, tag: int) -> bytes:
+    async def recv(self, buf: Buffer, tag: int) -> bytes:
         """``await irecv(...)``."""
         return await self.irecv(buf, tag)
 
@@ -169,13 +239,34 @@ class Listener(ABC):
 
 
 class Transport(ABC):
-    """A data network: makes listeners and outgoing connections.
+    """A way to reach peers: makes listeners and outgoing connections.
 
     Class attributes:
-        name: what ``ACOLL_NET`` calls it (``socket``, ``ib``, ...).
+        name: how settings and logs call it (``inproc``, ``socket``, ``ib``, ...).
+        memory: the memory kinds its connections move.
+        capabilities: see :class:`Capability`.
     """
 
     name: ClassVar[str]
+    memory: ClassVar[frozenset[MemoryKind]] = frozenset({MemoryKind.HOST})
+    capabilities: ClassVar[Capability] = Capability.NONE
+
+    def can_connect(self, mine: PeerInfo, theirs: PeerInfo) -> bool:
+        """Whether this transport can join rank ``mine`` (this process) and ``theirs``.
+
+        Called only when both serve it; symmetric. The default (a network) reaches anyone.
+        """
+        return True
+
+    def register(self, buf: Buffer) -> object | None:
+        """Prepare ``buf`` for repeated use; the handle goes to :meth:`deregister`."""
+        return None
+
+    def deregister(self, handle: object | None) -> None:  # noqa: B027 - usually nothing
+        """Undo :meth:`register` (``None`` is ignored)."""
+
+    def close(self) -> None:  # noqa: B027 - transports without shared state need nothing
+        """Release what the transport holds beyond its listeners and connections."""
 
     @abstractmethod
     async def listen(self) -> Listener:

@@ -1,4 +1,9 @@
-"""Choosing the data network, in NCCL's ``initNet`` order.
+"""Choosing transports: this rank's ordered list, and the network in ``initNet`` order.
+
+A communicator serves several transports at once and picks one per peer (see
+:mod:`acoll._comm.peers`); :func:`select_transports` returns this rank's list in
+preference order: the in-process transport (unless ``ACOLL_INPROC_DISABLE=1``), then the
+one data network chosen as below. The network is chosen in NCCL's ``initNet`` order:
 
 1. A network plugin: any installed package exposing an ``acoll.net`` entry point, whose
    object is called as ``factory(sockaddr, family, timeout, key=key)`` and returns a
@@ -23,7 +28,7 @@ from ..errors import InvalidUsage
 from .base import Transport
 from .tcp import TcpTransport
 
-__all__ = ["NET", "ib_devices", "select_transport"]
+__all__ = ["NET", "ib_devices", "select_transport", "select_transports"]
 
 log = get_logger("NET")
 
@@ -110,3 +115,22 @@ def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
     log.info("NET/Socket: using TCP on %s with %d socket(s) per peer", sockaddr[0],
              transport.nsocks)
     return transport
+
+
+def select_transports(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
+                      timeout: float, key: bytes, net: str | None = None
+                      ) -> list[Transport]:
+    """This rank's transports in preference order (see the module docstring)."""
+    out: list[Transport] = []
+    for make in _LOCAL:
+        transport = make(timeout=timeout, key=key)
+        if transport is not None:
+            out.append(transport)
+    out.append(select_transport(sockaddr, family, timeout=timeout, key=key, net=net))
+    return out
+
+
+#: Transports for peers on this host or in this process, tried before the network, in
+#: order. Each is called as ``make(timeout=..., key=...)`` and returns ``None`` when it
+#: is turned off or cannot run here (and logs why at INFO).
+_LOCAL: list[Any] = []

@@ -62,6 +62,7 @@ from .. import _auth
 from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
+from .._memory import Buffer
 from ..errors import AcollError, ClosedError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, Listener, Transport
 from .matching import Matcher, Message
@@ -198,15 +199,14 @@ class TcpConnection(Connection):
         if self._failed is not None:
             self._loop.call_soon(callback, self._failed)
 
-    def isend(self, buf: memoryview, tag: int, meta: bytes = bytes(META_SIZE)
+    def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
         if self._failed is not None or self._closing:
             fut.set_exception(self._failed or ConnectionLost("connection is closing"))
             fut.exception()  # awaiting it still raises; abandoned, it must not log
             return fut
-        if buf.ndim != 1 or buf.itemsize != 1:
-            buf = buf.cast("B")
+        buf = buffer.view()
         total = buf.nbytes
         nsocks = len(self._socks)
         if nsocks == 1 or total <= self._stripe:
@@ -225,10 +225,9 @@ class TcpConnection(Connection):
                 self._flush(s)
         return fut
 
-    def irecv(self, buf: memoryview, tag: int) -> asyncio.Future[bytes]:
+    def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
-        if buf.ndim != 1 or buf.itemsize != 1:
-            buf = buf.cast("B")
+        buf = buffer.view()
         try:
             msg = self._match.post(tag, buf, fut)
         except ProtocolError as exc:
@@ -298,7 +297,9 @@ class TcpConnection(Connection):
         # the failure callback, and ops that were abandoned must not log "never retrieved".
         for msg in self._match.fail(exc):
             self._deliver(msg)
-        if not self._match.keeping:  # after the peer's orderly close, copies may finish
+        if not self._match.keeping:
+            # (after the peer's orderly close, a message that had fully arrived is still
+            # delivered: its copy into the posted receive goes on)
             for fut in self._copying:
                 if not fut.done():
                     fut.set_exception(exc)

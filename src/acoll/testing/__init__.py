@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, TypeVar
 
 from .._communicator import Communicator, get_unique_id, init_rank, raise_nofile_limit
@@ -56,21 +56,22 @@ async def run_ranks(n: int, fn: Callable[[Communicator], Awaitable[T]], *,
         _, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception()]
         if failed:
-            for t in pending:
-                t.cancel()
-            for c in comms:
-                if c is not None:
-                    c.abort()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            await _stop(pending, comms)
             exc = failed[0].exception()
             assert exc is not None
             raise exc
         return [t.result() for t in tasks]
     except asyncio.CancelledError:
-        for t in tasks:
-            t.cancel()
-        for c in comms:
-            if c is not None:
-                c.abort()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _stop(tasks, comms)
         raise
+
+
+async def _stop(tasks: Iterable[asyncio.Future[Any]], comms: list[Communicator | None]) -> None:
+    """Cancel ``tasks``, abort every communicator formed, and wait for the tasks to end."""
+    tasks = list(tasks)
+    for t in tasks:
+        t.cancel()
+    for c in comms:
+        if c is not None:
+            c.abort()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,205 @@
+"""Running operations: sequence numbers, the FIFO of calls, groups, deadlines.
+
+Every rank must issue collectives on a communicator in the same order (as with NCCL
+streams). Calls are numbered when made and run one at a time in that order: two tasks may
+call collectives on one communicator concurrently, but the order in which they *call*
+must match across ranks. Inside ``async with comm.group():`` calls only enqueue (they
+return at once) and run concurrently when the block exits, like ``ncclGroupStart/End``.
+
+Each op has a deadline (the communicator's timeout). When it passes, the communicator
+fails with :class:`~acoll.TimeoutError` naming the rank(s) the op waited for. A cancelled
+op fails the communicator too: its sequence number was already promised to the peers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from typing import Protocol
+
+from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
+from ..errors import AcollError, RemoteError
+from ..errors import TimeoutError as AcollTimeoutError
+from .agreement import start_agreement
+from .ordering import SEQ_MASK, OrderChecker
+
+__all__ = ["Algorithm", "ExecHost", "Executor", "MakeAlgorithm"]
+
+_ROOTED = (Coll.BROADCAST, Coll.REDUCE)
+_NO_DATA = (Coll.BARRIER, Coll.CLOSE, Coll.SEND_RECV)
+
+
+class Algorithm(Protocol):
+    async def run(self) -> None: ...
+
+
+MakeAlgorithm = Callable[[OpContext], Algorithm]
+
+
+class ExecHost(OpHost, Protocol):
+    """What the executor needs beyond what ops need: the deadline and the failure state."""
+
+    timeout: float
+
+    @property
+    def error(self) -> AcollError | None: ...
+
+    def check_usable(self) -> None:
+        """Raise the communicator's error, or ClosedError once closed."""
+
+
+class Executor:
+    """Numbers, queues and runs one communicator's operations (see the module doc)."""
+
+    def __init__(self, host: ExecHost, checker: OrderChecker) -> None:
+        self.host = host
+        self.checker = checker
+        self.seq = 0
+        self._loop = asyncio.get_running_loop()
+        self.lock = asyncio.Lock()
+        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm]] | None = None
+        self.running: set[OpContext] = set()
+
+    @property
+    def in_group(self) -> bool:
+        return self._group is not None
+
+    def p2p_stamp(self) -> int:
+        """The collective sequence number a send/recv issued now is stamped with.
+
+        Inside a group the order of send/recv relative to the group's collectives does not
+        matter (they run together, as in NCCL): such calls carry ``ANY_SEQ`` and are not
+        order-checked.
+        """
+        return ANY_SEQ if self._group is not None else self.seq & SEQ_MASK
+
+    def skip(self) -> None:
+        """Use up a sequence number without running anything (a zero-element call with
+        checks off: every rank skips it alike)."""
+        self.seq += 1
+
+    async def execute(self, desc: Descriptor, make: MakeAlgorithm,
+                      tag_base: int | None = None) -> None:
+        """Number (unless ``tag_base`` is given: point-to-point), then run or enqueue."""
+        self.host.check_usable()
+        if tag_base is None:
+            seq = self.seq & SEQ_MASK
+            tag_base = seq << 32
+            self.seq += 1
+            self.checker.issue(seq, desc, in_group=self._group is not None)
+        if self._group is not None:
+            self._group.append((tag_base >> 32, desc, tag_base, make))
+            return
+        try:
+            await self.lock.acquire()
+        except asyncio.CancelledError:
+            # The op already has its sequence number: peers will wait for it. Fail now.
+            self.cancelled(desc.coll.name.lower(), tag_base >> 32)
+            raise
+        try:
+            self.host.check_usable()
+            await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make)
+        finally:
+            self.lock.release()
+
+    def cancelled(self, name: str, seq: int) -> None:
+        rank = self.host.rank
+        self.host.fail(RemoteError(f"rank {rank} cancelled {name} #{seq}; the "
+                                   "communicator was aborted", rank))
+
+    async def _run(self, ctx: OpContext, make: MakeAlgorithm) -> None:
+        host = self.host
+        name = ctx.desc.coll.name.lower()
+        timer = self._loop.call_later(host.timeout, self._timed_out, name, ctx)
+        self.running.add(ctx)
+        check: asyncio.Task[None] | None = None
+        try:
+            if ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
+                    ctx.desc.count == 0 and ctx.desc.coll not in _NO_DATA)):
+                check = await start_agreement(ctx)
+            await make(ctx).run()
+            if check is not None:
+                await check
+            if host.error is not None:
+                # A disagreement found while this op ran (by a message check that ran
+                # after the op's own last receive): do not report success.
+                raise host.error
+        except asyncio.CancelledError:
+            self.cancelled(name, ctx.seq)
+            raise
+        except AcollError as exc:
+            first = host.error
+            host.fail(exc)
+            raise (first or exc) from None
+        finally:
+            timer.cancel()
+            self.running.discard(ctx)
+            if check is not None and not check.done():
+                check.cancel()
+                with contextlib.suppress(BaseException):
+                    await check
+            elif check is not None and not check.cancelled():
+                check.exception()  # already raised through fail(); mark it retrieved
+
+    def _timed_out(self, name: str, ctx: OpContext) -> None:
+        """The op's deadline passed: fail, naming the rank(s) it was waiting for.
+
+        A rank waiting only on peers that did send something in this op is blocked behind
+        someone else: it waits a short grace first, so that the rank that heard nothing
+        from the stalled one reports first and its cause is the one every rank sees.
+        """
+        host = self.host
+        if host.error is not None or ctx not in self.running:
+            return
+        ops = tuple(self.running)
+        peers = sorted({c.waiting_on for c in ops if c.waiting_on is not None})
+        silent = [p for p in peers if not any(p in c.heard for c in ops)]
+        if peers and not silent and not ctx.grace_used:
+            ctx.grace_used = True
+            self._loop.call_later(min(5.0, host.timeout / 10 + 0.2), self._timed_out,
+                                  name, ctx)
+            return
+        peers = silent or peers
+        waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
+                  f"{', '.join(map(str, peers))}, "
+                  + ("which sent nothing in this call (stalled, or not in this call)"
+                     if silent else "which had started this call")
+                  if peers else "")
+        host.fail(AcollTimeoutError(f"{name} #{ctx.seq} did not complete within "
+                                    f"{host.timeout:g} s on rank {host.rank}{waited}",
+                                    peers[0] if len(peers) == 1 else None))
+
+    @contextlib.asynccontextmanager
+    async def group(self) -> AsyncIterator[None]:
+        """See :meth:`acoll.Communicator.group`."""
+        self.host.check_usable()
+        if self._group is not None:
+            yield
+            return
+        self._group = []
+        try:
+            yield
+        except BaseException:
+            ops, self._group = self._group, None
+            if ops:  # enqueued ops hold sequence numbers the peers will wait for
+                self.cancelled("group", ops[0][0])
+            raise
+        ops, self._group = self._group, None
+        if not ops:
+            return
+        try:
+            await self.lock.acquire()
+        except asyncio.CancelledError:
+            self.cancelled("group", ops[0][0])
+            raise
+        try:
+            self.host.check_usable()
+            results = await asyncio.gather(
+                *(self._run(OpContext(self.host, seq, desc, True, tag), make)
+                  for seq, desc, tag, make in ops), return_exceptions=True)
+        finally:
+            self.lock.release()
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res

@@ -1,0 +1,234 @@
+"""This rank's connections to its peers, each over the transport chosen for that pair.
+
+Selection follows NCCL's ``selectTransport``: for each peer, the first transport of this
+rank's ordered list (in-process, then the network; shared memory and GPU transports slot
+in between) that both ranks serve and whose ``can_connect`` accepts the pair. Both ranks
+compute the same answer from the two :class:`~acoll._transport.base.PeerInfo` records, so
+the lower rank dials over it and the higher one accepts only a connection that arrives on
+that transport's listener. Connections are made on first use.
+
+A connection that breaks is reported through ``on_lost(peer, error)``; a message that
+arrives before its receive is posted through ``on_arrival(peer, tag, meta)``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any
+
+import msgpack
+
+from .._bootstrap.ring import error_from_wire
+from .._bootstrap.wire import Error as WireError
+from .._config import get_logger
+from .._deadline import deadline_after
+from .._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
+from .._transport.window import windowed
+from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
+from ..errors import TimeoutError as AcollTimeoutError
+
+__all__ = ["PeerLinks", "choose_transport", "error_for_lost"]
+
+log = get_logger("INIT")
+
+
+def choose_transport(transports: Sequence[Transport], mine: PeerInfo, theirs: PeerInfo
+                     ) -> Transport:
+    """The first of ``transports`` that both ranks serve and that can join them.
+
+    Raises:
+        InvalidUsage: no transport is common to both (e.g. ranks forced to different
+            networks with ``ACOLL_NET``).
+    """
+    for transport in transports:
+        if (transport.name in mine.handles and transport.name in theirs.handles
+                and transport.can_connect(mine, theirs)):
+            return transport
+    raise InvalidUsage(f"rank {mine.rank} serves {sorted(mine.handles)} and rank "
+                       f"{theirs.rank} serves {sorted(theirs.handles)}: no transport joins "
+                       "them (do ACOLL_NET or the *_DISABLE settings differ?)")
+
+
+def error_for_lost(peer: int, lost: ConnectionLost) -> AcollError | None:
+    """What a connection to ``peer`` ending with ``lost`` means for the communicator:
+    the error the peer announced in its close notice, a crash, or ``None`` for an orderly
+    close without a notice (the peer closed the communicator)."""
+    if lost.orderly and not lost.notice:
+        return None
+    if lost.notice:
+        try:
+            body = msgpack.unpackb(lost.notice)
+            return error_from_wire(WireError(str(body["kind"]), str(body["message"]),
+                                             int(body["rank"])), via=peer)
+        except Exception:
+            return RemoteError(f"rank {peer} failed (unreadable notice)", peer)
+    return RemoteError(f"rank {peer} is gone: {lost} (process died, aborted, or the "
+                       "network failed)", peer)
+
+
+class PeerLinks:
+    """Connections to every peer, made on demand (see the module docstring).
+
+    ``endpoints`` are this rank's transports in preference order, each with its listener;
+    ``infos`` every rank's record, in rank order.
+    """
+
+    def __init__(self, rank: int, infos: Sequence[PeerInfo],
+                 endpoints: Sequence[tuple[Transport, Listener]], timeout: float,
+                 on_lost: Callable[[int, ConnectionLost], None],
+                 on_arrival: Callable[[int, int, bytes], None],
+                 on_error: Callable[[AcollError], None]) -> None:
+        self.rank = rank
+        self.size = len(infos)
+        self.timeout = timeout
+        self._endpoints = list(endpoints)
+        self._on_lost = on_lost
+        self._on_arrival = on_arrival
+        self._on_error = on_error
+        me = infos[rank]
+        transports = [t for t, _ in endpoints]
+        self.choice: list[Transport | None] = [
+            None if p == rank else choose_transport(transports, me, infos[p])
+            for p in range(self.size)]
+        self._handles = [info.handles for info in infos]
+        self.conns: dict[int, Connection] = {}
+        self._connecting: dict[int, asyncio.Future[Connection]] = {}
+        self._loop = asyncio.get_running_loop()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopped = False
+        for transport, listener in self._endpoints:
+            self._spawn(self._accept_loop(transport, listener))
+        counts: dict[str, int] = {}
+        for t in self.choice:
+            if t is not None:
+                counts[t.name] = counts.get(t.name, 0) + 1
+        log.info("rank %d: transports per peer: %s", rank,
+                 ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none")
+
+    def transport_for(self, peer: int) -> Transport | None:
+        return self.choice[peer]
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = self._loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.warning("rank %d: connection task failed: %r", self.rank, exc)
+            if isinstance(exc, AcollError):
+                self._on_error(exc)
+
+    # ------------------------------------------------------------------ making connections
+    def _hello(self, peer: int) -> bytes:
+        # The transport proved that the connector holds the job's key and bound these
+        # bytes into that proof; here they only say which rank connects to which.
+        return msgpack.packb({"rank": self.rank, "to": peer})
+
+    async def _accept_loop(self, transport: Transport, listener: Listener) -> None:
+        while True:
+            try:
+                hello, conn = await listener.accept()
+            except ClosedError:
+                return
+            try:
+                info = msgpack.unpackb(hello)
+                peer, to = info["rank"], info["to"]
+            except Exception:
+                peer, to = -1, -1
+            if to != self.rank or not isinstance(peer, int) or not (
+                    0 <= peer < self.size) or peer == self.rank or peer in self.conns or (
+                    self.choice[peer] is not transport):
+                log.warning("rank %d: refused a %s connection (hello from rank %s)",
+                            self.rank, transport.name, peer)
+                conn.abort()
+                continue
+            self._register(peer, conn)
+
+    def _register(self, peer: int, conn: Connection) -> None:
+        if self._stopped:
+            conn.abort()
+            return
+        conn = windowed(conn)
+        self.conns[peer] = conn
+        conn.set_failure_callback(lambda lost: self._on_lost(peer, lost))
+        conn.set_arrival_callback(lambda tag, meta: self._on_arrival(peer, tag, meta))
+        fut = self._connecting.pop(peer, None)
+        if fut is not None and not fut.done():
+            fut.set_result(conn)
+
+    async def get(self, peer: int) -> Connection:
+        """The connection to ``peer``; the lower rank dials, the higher one waits for it."""
+        conn = self.conns.get(peer)
+        if conn is not None:
+            return conn
+        fut = self._connecting.get(peer)
+        if fut is None:
+            fut = self._loop.create_future()
+            self._connecting[peer] = fut
+            if self.rank < peer:
+                self._spawn(self._dial(peer, fut))
+        return await fut
+
+    async def _dial(self, peer: int, fut: asyncio.Future[Connection]) -> None:
+        transport = self.choice[peer]
+        assert transport is not None
+        try:
+            conn = await transport.connect(self._handles[peer][transport.name],
+                                           self._hello(peer), deadline_after(self.timeout))
+        except AcollError as exc:
+            err = exc if isinstance(exc, AcollTimeoutError) else RemoteError(
+                f"rank {self.rank} cannot connect to rank {peer} over {transport.name}: "
+                f"{exc}", peer)
+            if not fut.done():
+                fut.set_exception(err)
+            self._on_error(err)
+            return
+        self._register(peer, conn)
+
+    # ------------------------------------------------------------------ ending
+    def stop(self, error: AcollError | None) -> None:
+        """Stop accepting; fail waiters for connections not made yet with ``error``."""
+        self._stopped = True
+        for fut in self._connecting.values():
+            if not fut.done():
+                fut.set_exception(error or ClosedError("the communicator is closed"))
+                fut.exception()
+        self._connecting.clear()
+        for _, listener in self._endpoints:
+            listener.close()
+
+    def fail_all(self, notice: bytes) -> None:
+        """Tell every connected peer why we failed (dropping queued sends), then stop."""
+        for conn in list(self.conns.values()):
+            conn.close(notice, drop_queued=True)
+
+    def abort_all(self) -> None:
+        for conn in self.conns.values():
+            conn.abort()
+
+    async def close_all(self, linger: float) -> None:
+        """Orderly close of every connection, waiting at most ``linger`` seconds."""
+        for conn in self.conns.values():
+            conn.close()
+        waits = [conn.wait_closed() for conn in self.conns.values()]
+        if waits:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.gather(*waits), linger)
+        self.abort_all()
+
+    def cancel_tasks(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def wait_tasks(self) -> None:
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def close_transports(self) -> None:
+        for transport, _ in self._endpoints:
+            transport.close()

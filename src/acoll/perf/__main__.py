@@ -1,0 +1,9 @@
+"""``python -m acoll.perf``: the ``acoll-perf`` command."""
+
+from __future__ import annotations
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,111 @@
+"""Host memory space (:mod:`acoll._memory`): adoption, aliasing, pooling, paced work."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll._dtypes import DTYPES, ReduceOp, finish_avg, reduce_into
+from acoll._memory import HostSpace, MemoryKind, host_buffer
+from acoll._memory import host as host_mod
+
+pace_calls = 0
+
+
+async def _pace() -> None:
+    global pace_calls
+    pace_calls += 1
+
+
+def test_adopt_views_without_copy_and_names_bad_arguments() -> None:
+    mem = HostSpace()
+    arr = np.arange(12, dtype=np.float32).reshape(3, 4)
+    buf = mem.adopt(arr, "send")
+    assert buf.count == 12
+    assert buf.dtype == np.float32
+    assert buf.kind is MemoryKind.HOST
+    assert buf.ptr == arr.__array_interface__["data"][0]
+    buf.array[0] = 99
+    assert arr[0, 0] == 99
+    with pytest.raises(acoll.InvalidUsage, match="recv is read-only"):
+        mem.adopt(_readonly(), "recv", writable=True)
+    with pytest.raises(acoll.InvalidUsage, match="buf is not contiguous"):
+        mem.adopt(np.zeros(10)[::2], "buf")
+    with pytest.raises(acoll.InvalidUsage, match="buf is not a buffer"):
+        mem.adopt(object(), "buf")
+
+
+def _readonly() -> np.ndarray:
+    a = np.zeros(3)
+    a.setflags(write=False)
+    return a
+
+
+def test_slices_and_overlap() -> None:
+    mem = HostSpace()
+    whole = mem.adopt(np.zeros(100, np.int32), "x")
+    a, b, c = whole[0:10], whole[10:20], whole[5:15]
+    assert a.nbytes == 40
+    assert b.ptr == whole.ptr + 40
+    assert not mem.overlaps(a, b)
+    assert mem.overlaps(a, c)
+    assert mem.overlaps(c, b)
+    assert mem.same(whole[0:10], a)
+    assert not mem.same(a, whole[0:11])
+    assert not mem.overlaps(whole[3:3], whole[0:10])  # empty overlaps nothing
+
+
+def test_scratch_is_pooled_per_slot() -> None:
+    mem = HostSpace()
+    s1 = mem.scratch(100, np.dtype(np.float64), 0)
+    s2 = mem.scratch(50, np.dtype(np.float32), 0)
+    assert s1.ptr == s2.ptr  # same slot: same memory, reused
+    s3 = mem.scratch(100, np.dtype(np.float64), 1)
+    assert not mem.overlaps(s1, s3)
+    big = mem.scratch(1 << 20, np.dtype(np.float64), 0)  # grows
+    assert big.count == 1 << 20
+
+
+@pytest.mark.parametrize("op", list(ReduceOp))
+async def test_reduce_and_avg_match_numpy_helpers_in_pieces(op: ReduceOp,
+                                                            monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    global pace_calls
+    monkeypatch.setattr(host_mod, "_MAX_PIECE_BYTES", 4096)
+    mem = HostSpace()
+    for dt in (np.dtype(np.float32), np.dtype(np.int64)):
+        n = 100_003
+        a = (np.arange(n) % 7 + 1).astype(dt)
+        b = (np.arange(n) % 5 + 1).astype(dt)
+        want = np.empty_like(a)
+        reduce_into(want, a, b, op)
+        out = mem.adopt(np.empty_like(a), "out", writable=True)
+        pace_calls = 0
+        await mem.reduce(out, mem.adopt(a, "a"), mem.adopt(b, "b"), op, _pace)
+        assert pace_calls > 10  # cut into pieces, pacing between them
+        np.testing.assert_array_equal(out.array, want)
+        await mem.finish_avg(out, 3, _pace)
+        finish_avg(want, 3)
+        np.testing.assert_array_equal(out.array, want)
+
+
+async def test_copy_and_empty() -> None:
+    mem = HostSpace()
+    src = mem.adopt(np.arange(300_000, dtype=np.uint32), "src")
+    dst = mem.empty(300_000, np.dtype(np.uint32))
+    await mem.copy(dst, src, _pace)
+    np.testing.assert_array_equal(dst.array, src.array)
+    assert dst.dtype in DTYPES
+
+
+def test_host_buffer_wraps_bytes_like_objects() -> None:
+    data = bytearray(b"abcdef")
+    buf = host_buffer(data)
+    assert buf.view().tobytes() == b"abcdef"
+    assert buf.nbytes == 6
+    buf.view()[0] = ord("z")
+    assert data[:1] == b"z"
+    assert host_buffer(b"").nbytes == 0
+    assert host_buffer(memoryview(bytearray(8)).cast("d")).nbytes == 8
+    assert host_buffer(np.zeros((2, 3), np.float32)).nbytes == 24
