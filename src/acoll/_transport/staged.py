@@ -77,13 +77,11 @@ class StagedConnection(Connection):
 
     # ------------------------------------------------------------------ sends
     def isend(self, buf: Buffer, tag: int, meta: bytes) -> asyncio.Future[None]:
-        if self._closing:
+        if self._closing or self._failed is not None or self.inner.failed is not None:
             return self._refused()
         direct = self._direct(buf)
         if direct is not None:
             return self.inner.isend(direct, tag, meta)
-        if self._failed is not None:
-            return self._refused()
         outer: asyncio.Future[None] = self._loop.create_future()
         try:
             host, block = self.staging.lease(buf.nbytes)
@@ -103,7 +101,8 @@ class StagedConnection(Connection):
 
     def _refused(self) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
-        fut.set_exception(self._failed or ConnectionLost("connection is closing"))
+        fut.set_exception(self._failed or self.inner.failed
+                          or ConnectionLost("connection is closing"))
         fut.exception()
         return fut
 
@@ -199,7 +198,9 @@ class StagedConnection(Connection):
 
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._callback = callback
-        if self.inner.failed is not None and self._failed is None:
+        if self._failed is not None:
+            self._loop.call_soon(callback, self._failed)
+        elif self.inner.failed is not None:
             self._loop.call_soon(self._lost, self.inner.failed)
 
     def set_arrival_callback(self, callback: Callable[[int, bytes], None] | None) -> None:
@@ -219,6 +220,7 @@ class StagedConnection(Connection):
             self.inner.close(notice, drop_queued=drop_queued)
 
     def abort(self) -> None:
+        self._closing = True
         self._fail_queued(ConnectionLost("the connection was aborted locally"))
         self._close_args = None
         if self._pump is not None:
