@@ -89,7 +89,8 @@ class FakeStaging(Staging):
         return buf.array.reshape(-1).view(np.uint8)  # type: ignore[no-any-return]
 
     def download(self, dst: Buffer, src: Buffer) -> Fence:
-        assert dst.kind is MemoryKind.HOST and src.kind is MemoryKind.CUDA
+        assert dst.kind is MemoryKind.HOST
+        assert src.kind is MemoryKind.CUDA
         self.downloads += 1
         d, s = self._bytes(dst), self._bytes(src)
 
@@ -102,7 +103,8 @@ class FakeStaging(Staging):
         return _Later(copy, self.delay)
 
     def upload(self, dst: Buffer, src: Buffer) -> Fence:
-        assert dst.kind is MemoryKind.CUDA and src.kind is MemoryKind.HOST
+        assert dst.kind is MemoryKind.CUDA
+        assert src.kind is MemoryKind.HOST
         self.uploads += 1
         self._bytes(dst)[...] = self._bytes(src)  # later "stream" work runs after it
         return _Done()

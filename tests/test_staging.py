@@ -258,7 +258,7 @@ def test_fake_staging_pool_reuses_after_fences() -> None:
     assert view.nbytes == 1000
     assert block.nbytes == 4096
     staging.release(block)
-    view2, block2 = staging.lease(3000)
+    _view2, block2 = staging.lease(3000)
     assert block2 is block
     staging.release(block2)
     _, big = staging.lease(5000)
