@@ -263,3 +263,45 @@ def test_fake_staging_pool_reuses_after_fences() -> None:
     staging.release(block2)
     _, big = staging.lease(5000)
     assert big.nbytes == 8192
+
+
+def test_device_views_without_a_gpu() -> None:
+    """DeviceView and the contiguity rules need no CuPy; importing acoll imports no CuPy."""
+    from acoll._memory.cuda import DeviceView, _contiguous
+
+    v = DeviceView(4096, 100, np.dtype(np.float32), 0, None)
+    w = v[10:20]
+    assert (w.ptr, w.size, w.nbytes, w.itemsize) == (4096 + 40, 10, 40, 4)
+    assert v[95:200].size == 5
+    with pytest.raises(ValueError, match="contiguous"):
+        v[::2]
+    assert v.__cuda_array_interface__["typestr"] == "<f4"
+    assert DeviceView(0, 3, BFLOAT16, 0, None).__cuda_array_interface__["typestr"] == "<u2"
+    assert _contiguous((3, 4), (16, 4), 4)
+    assert _contiguous((3, 4), (4, 12), 4)  # Fortran order
+    assert not _contiguous((3, 4), (32, 8), 4)
+    assert _contiguous((1, 4), (999, 4), 4)  # unit dimensions may have any stride
+    import subprocess
+    import sys
+
+    code = "import sys, acoll; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dlpack_parsing_on_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DLPack reader of GPU buffers, run on CPU tensors by treating device type 1
+    (CPU) as CUDA: pointer, count, dtype (bfloat16 included), strides, read-only flag."""
+    torch = pytest.importorskip("torch")
+    from acoll._memory import cuda as cuda_mod
+
+    monkeypatch.setattr(cuda_mod, "_KDLCUDA", 1)
+    for dtype, want in ((torch.float32, np.dtype(np.float32)), (torch.bfloat16, BFLOAT16),
+                        (torch.int8, np.dtype(np.int8)), (torch.uint8, np.dtype(np.uint8))):
+        t = torch.zeros(3, 5, dtype=dtype)[1:]
+        view = cuda_mod._from_dlpack(t, "send", writable=True)
+        assert (view.ptr, view.size, view.dtype, view.device) == (t.data_ptr(), 10, want, 0)
+    assert cuda_mod._from_dlpack(torch.zeros(4, 4).t(), "x", False).size == 16
+    with pytest.raises(acoll.InvalidUsage, match="send is not contiguous"):
+        cuda_mod._from_dlpack(torch.zeros(8)[::2], "send", False)
+    with pytest.raises(acoll.InvalidUsage, match="unsupported DLPack dtype"):
+        cuda_mod._from_dlpack(torch.zeros(2, dtype=torch.complex64), "send", False)
