@@ -305,3 +305,36 @@ def test_dlpack_parsing_on_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
         cuda_mod._from_dlpack(torch.zeros(8)[::2], "send", False)
     with pytest.raises(acoll.InvalidUsage, match="unsupported DLPack dtype"):
         cuda_mod._from_dlpack(torch.zeros(2, dtype=torch.complex64), "send", False)
+
+
+def test_init_from_env_device_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device="auto" binds local rank l to GPU l % ngpus (the glue, with a stand-in
+    init_rank and GPU count)."""
+    import asyncio
+    import sys
+    import types
+
+    from acoll import _env
+
+    calls: list[dict[str, object]] = []
+
+    async def fake_init_rank(nranks: int, uid: object, rank: int, **kw: object) -> str:
+        calls.append(kw)
+        return "comm"
+
+    fake = types.ModuleType("acoll._communicator")
+    fake.init_rank = fake_init_rank  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "acoll._communicator", fake)
+    monkeypatch.setattr(_env, "_gpu_count", lambda: 2)
+    for name in ("ACOLL_RANK", "ACOLL_COMM_ID", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACOLL_RANK", "3")
+    monkeypatch.setenv("ACOLL_WORLD_SIZE", "4")
+    monkeypatch.setenv("ACOLL_LOCAL_RANK", "3")
+    monkeypatch.setenv("ACOLL_COMM_ID", "127.0.0.1:29500")
+    assert asyncio.run(_env.init_from_env(device="auto")) == "comm"
+    assert asyncio.run(_env.init_from_env()) == "comm"
+    assert asyncio.run(_env.init_from_env(device=0)) == "comm"
+    assert calls == [{"device": 1}, {}, {"device": 0}]
+    with pytest.raises(acoll.InvalidUsage, match="device must be"):
+        asyncio.run(_env.init_from_env(device="cuda"))

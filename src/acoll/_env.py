@@ -437,7 +437,9 @@ async def init_from_env(*, device: int | str | None = None, **init_kw: Any) -> C
               info.comm_id_from)
     # from_address may resolve a host name: keep the blocking lookup off the loop.
     uid = await asyncio.to_thread(UniqueId.from_address, info.comm_id)
-    return await init_rank(info.world_size, uid, info.rank, device=device, **init_kw)
+    if device is not None:
+        init_kw["device"] = device
+    return await init_rank(info.world_size, uid, info.rank, **init_kw)
 
 
 def _gpu_count() -> int:

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._cuda import import_cupy
+from .._cuda import CudaUnavailable, import_cupy
 from .._cuda.completion import arm_stream
 from .._cuda.kernels import launch_finish_avg, launch_reduce
 from .._dtypes import (
@@ -136,10 +136,11 @@ def _checked(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
 
 def _from_dlpack(obj: Any, what: str, writable: bool) -> DeviceView:
     try:
-        capsule = obj.__dlpack__(max_version=(1, 0))
-    except TypeError:  # a producer older than DLPack 1.0
-        capsule = obj.__dlpack__()
-    except (BufferError, RuntimeError) as exc:
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0
+            capsule = obj.__dlpack__()
+    except (BufferError, RuntimeError, TypeError) as exc:
         raise InvalidUsage(f"{what}: cannot export it through DLPack: {exc}") from exc
     name = next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
     if name is None:
@@ -203,11 +204,13 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None and hasattr(obj, "__dlpack__"):
         try:
-            kind = int(dev()[0])
+            kind, index = (int(v) for v in dev())
         except Exception:
-            kind = -1
+            kind, index = -1, 0
         if kind in (_KDLCUDA, _KDLCUDAMANAGED):
-            return _from_dlpack(obj, what, writable)
+            # Producers may export only on their current device (torch does).
+            with cp.cuda.Device(index):
+                return _from_dlpack(obj, what, writable)
     if hasattr(obj, "__cuda_array_interface__"):
         try:
             return _from_cai(obj, what, writable, cp)
@@ -268,7 +271,10 @@ class CudaSpace(MemorySpace):
 
     def __init__(self, device: int) -> None:
         cp = import_cupy()
-        count = int(cp.cuda.runtime.getDeviceCount())
+        try:
+            count = int(cp.cuda.runtime.getDeviceCount())
+        except Exception as exc:  # no driver
+            raise CudaUnavailable(f"no usable CUDA driver or device: {exc}") from None
         if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
             raise InvalidUsage(f"device must be a CUDA device in [0, {count}), got {device!r}")
         self.cp = cp
