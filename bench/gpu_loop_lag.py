@@ -78,6 +78,11 @@ async def latency(comm: acoll.Communicator, x: Any, iters: int) -> dict[str, flo
             "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6}
 
 
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--json")
@@ -109,8 +114,7 @@ async def main() -> None:
         text = json.dumps(out, indent=1)
         print(text, flush=True)
         if args.json:
-            with open(args.json, "w") as f:
-                f.write(text + "\n")
+            _write(args.json, text + "\n")
 
 
 if __name__ == "__main__":
