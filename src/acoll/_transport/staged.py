@@ -64,6 +64,8 @@ class StagedConnection(Connection):
         self._closing = False
         self._close_args: tuple[bytes, bool] | None = None
         self._failed: ConnectionLost | None = None
+        # Staged receives posted to the inner connection, with what finishes each.
+        self._recvs: dict[asyncio.Future[bytes], Callable[[asyncio.Future[bytes]], None]] = {}
         self.staged_sends = 0
         self.staged_recvs = 0
         inner.set_failure_callback(self._lost)
@@ -163,6 +165,8 @@ class StagedConnection(Connection):
         self.staged_recvs += 1
 
         def done(f: asyncio.Future[bytes]) -> None:
+            if self._recvs.pop(f, None) is None:
+                return  # already finished by poll()
             if f.cancelled():
                 self.staging.release(block)
                 if not outer.done():
@@ -186,7 +190,9 @@ class StagedConnection(Connection):
             if not outer.done():
                 outer.set_result(f.result())
 
-        self.inner.irecv(host, tag).add_done_callback(done)
+        inner = self.inner.irecv(host, tag)
+        self._recvs[inner] = done
+        inner.add_done_callback(done)
         return outer
 
     # ------------------------------------------------------------------ the rest delegates
@@ -238,7 +244,15 @@ class StagedConnection(Connection):
         return self.inner.failed
 
     def poll(self) -> None:
+        """Poll the inner connection, then finish staged receives it completed now (not
+        one loop iteration later, when their callbacks would run): a waiter that
+        busy-polls sees its receive done."""
         self.inner.poll()
+        if self._recvs:
+            for fut in [f for f in self._recvs if f.done()]:
+                finish = self._recvs.get(fut)
+                if finish is not None:
+                    finish(fut)
 
 
 def _copy_error(what: str, exc: BaseException) -> AcollError:
