@@ -34,6 +34,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPUS < 1, reason=NO_GPU_REASO
 two_gpus = pytest.mark.skipif(NGPUS < 2, reason=f"needs 2 GPUs, {NGPUS} visible")
 _WIDE = [d for d in ALL_DTYPES if d.name in ("int8", "uint64", "bfloat16", "float16",
                                              "float32", "float64")]
+_NARROW = [d for d in ALL_DTYPES if d.name in ("int8", "float16", "bfloat16", "float32")]
 
 
 def _torch_cuda() -> Any:
@@ -48,9 +49,10 @@ def _torch_cuda() -> Any:
 
 # --------------------------------------------------------------------------- the matrix
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 async def test_matrix_ranks_sharing_one_gpu(nranks: int) -> None:
-    dtypes = ALL_DTYPES if nranks == 2 else _WIDE
+    dtypes = ALL_DTYPES if nranks == 2 else _WIDE if nranks == 3 else _NARROW
 
     async def fn(comm: acoll.Communicator) -> int:
         assert comm.device == 0
@@ -67,6 +69,7 @@ async def _form_on_devices(devices: list[int]) -> list[acoll.Communicator]:
                                        for r, d in enumerate(devices))))
 
 
+@pytest.mark.timeout(300)
 @two_gpus
 async def test_matrix_one_rank_per_gpu_in_one_process() -> None:
     comms = await _form_on_devices([0, 1])
@@ -139,17 +142,31 @@ def test_seed_program_runs_on_gpus() -> None:
     assert "success" in proc.stdout
 
 
+@pytest.mark.timeout(200)
 def test_matrix_across_processes() -> None:
     """Two processes (acoll-run), device="auto": local ranks share or split the GPUs."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     proc = subprocess.run([sys.executable, "-m", "acoll.run", "-n", "2", "--", sys.executable,
                            str(HERE / "mp_gpu.py")], env=env, capture_output=True, text=True,
-                          timeout=110)
+                          timeout=190)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("checks passed") == 2, proc.stdout
     if NGPUS >= 2:
         assert "device 0" in proc.stdout
         assert "device 1" in proc.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_acoll_perf_device_cuda(dtype: str) -> None:
+    """acoll-perf sweeps CuPy buffers (bfloat16 as DeviceViews) and checks every result."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    proc = subprocess.run([sys.executable, "-m", "acoll.perf", "all_reduce", "-b", "8", "-e",
+                           "4M", "-f", "16", "-n", "3", "-w", "1", "-d", dtype, "-N", "2",
+                           "--device", "cuda", "--timeout", "90"], env=env,
+                          capture_output=True, text=True, timeout=110)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Out of bounds values : 0 OK" in proc.stdout
+    assert "cuda:0 buffers" in proc.stdout
 
 
 # --------------------------------------------------------------------------- the space

@@ -13,6 +13,11 @@ descriptor check and raised as :class:`~acoll.InvalidUsage` on every rank. Insid
 ``async with comm.group():`` calls only enqueue (they return at once, results are ready
 when the block exits) and then run concurrently, like ``ncclGroupStart/End``.
 
+Memory. A communicator made with ``device=k`` takes GPU buffers on CUDA device ``k``
+(:mod:`acoll._memory.cuda`): its ops run on its own stream, fitted into the caller's stream
+(``stream=``, or CuPy's current stream), and its connections over transports that move host
+memory only are staged through pinned host buffers (:mod:`acoll._transport.staged`).
+
 Failure model. Any failure on one rank (a peer's connection dropping, a deadline, a
 mismatch, an abort, a cancelled op) puts the communicator in a failed state: every pending
 and later call raises the same error, and every connected peer is told, so failures
