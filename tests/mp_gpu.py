@@ -18,7 +18,9 @@ async def main() -> None:
     comm = await acoll.init_from_env(device="auto", timeout=60)
     assert comm.device is not None
     async with comm:
-        n = await check_all(comm, [0, 1, 7, 1000, 100003], ALL_DTYPES, ALL_OPS,
+        dtypes = [d for d in ALL_DTYPES if d.name in ("int8", "uint64", "float16", "bfloat16",
+                                                      "float32", "float64")]
+        n = await check_all(comm, [0, 1, 7, 1000, 100003], dtypes, ALL_OPS,
                             dev=to_device(comm.device), host=to_host)
     print(f"rank {comm.rank}: device {comm.device}: {n} checks passed")
 
