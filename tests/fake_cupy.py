@@ -154,7 +154,7 @@ class _Runtime:
         return types.SimpleNamespace(device=_device_of(ptr), type=2)
 
 
-class ndarray:  # noqa: N801 - CuPy's name
+class ndarray:  # CuPy's name
     """A 1-D "device" array (NumPy memory registered as device memory)."""
 
     def __init__(self, arr: np.ndarray[Any, Any], device: int | None = None,
