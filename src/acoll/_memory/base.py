@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
@@ -236,7 +237,9 @@ class Staging(ABC):
     kind: ClassVar[MemoryKind] = MemoryKind.CUDA
 
     def __init__(self) -> None:
-        self._free: dict[int, list[tuple[Buffer, Fence | None]]] = {}
+        # Per size class, blocks in release order: fences of one stream pass in order, so
+        # only the oldest needs checking (O(1) per lease, however many are pooled).
+        self._free: dict[int, deque[tuple[Buffer, Fence | None]]] = {}
         self.leased = 0  # host buffers handed out over the pool's life (for tests)
 
     @abstractmethod
@@ -255,18 +258,14 @@ class Staging(ABC):
         """``(view, block)``: a host buffer of ``nbytes`` bytes (``view``) inside a pooled
         ``block``; give ``block`` back with :meth:`release`."""
         size = max(4096, 1 << (nbytes - 1).bit_length())
-        free = self._free.setdefault(size, [])
-        block = None
-        for i, (cand, fence) in enumerate(free):
-            if fence is None or fence.done():
-                block = cand
-                del free[i]
-                break
-        if block is None:
+        free = self._free.get(size)
+        if free and (free[0][1] is None or free[0][1].done()):
+            block = free.popleft()[0]
+        else:
             block = self._allocate(size)
         self.leased += 1
         return block[:nbytes], block
 
     def release(self, block: Buffer, fence: Fence | None = None) -> None:
         """Return ``block`` to the pool; it is reused once ``fence`` (if any) has passed."""
-        self._free.setdefault(block.nbytes, []).append((block, fence))
+        self._free.setdefault(block.nbytes, deque()).append((block, fence))
