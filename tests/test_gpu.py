@@ -352,7 +352,7 @@ async def test_bit_identical_to_the_host_path(algo: str, monkeypatch: pytest.Mon
 
     def inputs(rank: int) -> list[np.ndarray[Any, Any]]:
         rng = np.random.default_rng(rank)
-        return [rng.standard_normal(300_001).astype(dt) for dt in dtypes]
+        return [rng.standard_normal(100_003).astype(dt) for dt in dtypes]
 
     async def host(comm: acoll.Communicator) -> list[bytes]:
         out = []
