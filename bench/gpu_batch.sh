@@ -96,5 +96,7 @@ step tests_gpu_matrix 330 make test-gpu \
   PYTEST_ARGS="-m gpu -rs -v --durations=10 -k 'matrix and not uvloop' tests/test_gpu.py"
 
 $PY bench/gpu_summary.py "$OUT"
-echo "batch done: failed=$failed; results in $OUT"
+# One archive: a remote runner may hand back only a few files.
+tar czf /tmp/gpu_batch.tgz -C "$OUT" . && rm -rf "${OUT:?}"/* && mv /tmp/gpu_batch.tgz "$OUT/"
+echo "batch done: failed=$failed; results in $OUT/gpu_batch.tgz"
 exit $failed
