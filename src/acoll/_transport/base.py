@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 from .._memory import Buffer, MemoryKind
-from ..errors import ProtocolError, TransportError
+from ..errors import ClosedError, ProtocolError, TransportError
 
 __all__ = [
     "META_SIZE",
@@ -71,6 +71,7 @@ __all__ = [
     "Listener",
     "MessageSizeError",
     "PeerInfo",
+    "QueuedListener",
     "Transport",
 ]
 
@@ -236,6 +237,37 @@ class Listener(ABC):
     @abstractmethod
     def close(self) -> None:
         """Stop accepting (idempotent). Connections already returned stay open."""
+
+
+class QueuedListener(Listener):
+    """A listener whose made connections wait in a queue for :meth:`accept`.
+
+    Implementations call :meth:`_offer` for each authenticated connection and
+    :meth:`_close_queue` when closing (connections never accepted are aborted).
+    """
+
+    def __init__(self) -> None:
+        self._closed = False
+        self._ready: asyncio.Queue[tuple[bytes, Connection] | None] = asyncio.Queue()
+
+    def _offer(self, hello: bytes, conn: Connection) -> None:
+        self._ready.put_nowait((hello, conn))
+
+    async def accept(self) -> tuple[bytes, Connection]:
+        if self._closed:
+            raise ClosedError("listener is closed")
+        item = await self._ready.get()
+        if item is None:
+            self._ready.put_nowait(None)  # for the next waiter
+            raise ClosedError("listener is closed")
+        return item
+
+    def _close_queue(self) -> None:
+        while not self._ready.empty():  # made but never accepted: nobody owns them
+            item = self._ready.get_nowait()
+            if item is not None:
+                item[1].abort()
+        self._ready.put_nowait(None)
 
 
 class Transport(ABC):

@@ -53,15 +53,15 @@ from collections.abc import Callable
 from .._config import Setting, get_logger, parse_bool, parse_size
 from .._dtypes import empty_bytes
 from .._memory import Buffer
-from ..errors import ClosedError, ProtocolError, TransportError
+from ..errors import ProtocolError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 from .base import (
     META_SIZE,
     Capability,
     Connection,
     ConnectionLost,
-    Listener,
     PeerInfo,
+    QueuedListener,
     Transport,
 )
 from .matching import Matcher, Message
@@ -434,28 +434,18 @@ def _call_guarded(callback: Callable[[ConnectionLost], None], exc: ConnectionLos
         log.exception("connection failure callback raised")
 
 
-class InprocListener(Listener):
+class InprocListener(QueuedListener):
     """Hands out the acceptor's end of every connection made to ``handle``."""
 
     def __init__(self, handle: bytes, key: bytes, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
         self.handle = handle
         self.key = key
         self.loop = loop
-        self._ready: asyncio.Queue[tuple[bytes, InprocConnection] | None] = asyncio.Queue()
-        self._closed = False
         _listeners[handle] = self
 
     def offer(self, hello: bytes, conn: InprocConnection) -> None:
-        self._ready.put_nowait((hello, conn))
-
-    async def accept(self) -> tuple[bytes, Connection]:
-        if self._closed:
-            raise ClosedError("listener is closed")
-        item = await self._ready.get()
-        if item is None:
-            self._ready.put_nowait(None)  # for the next waiter
-            raise ClosedError("listener is closed")
-        return item
+        self._offer(hello, conn)
 
     def close(self) -> None:
         if self._closed:
@@ -463,11 +453,7 @@ class InprocListener(Listener):
         self._closed = True
         if _listeners.get(self.handle) is self:
             del _listeners[self.handle]
-        while not self._ready.empty():  # made but never accepted: nobody owns them
-            item = self._ready.get_nowait()
-            if item is not None:
-                item[1].abort()
-        self._ready.put_nowait(None)
+        self._close_queue()
 
 
 def _parse_handle(handle: bytes) -> tuple[bytes, int] | None:

@@ -63,8 +63,8 @@ from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
-from ..errors import AcollError, ClosedError, ProtocolError, TransportError
-from .base import META_SIZE, Connection, ConnectionLost, Listener, Transport
+from ..errors import AcollError, ProtocolError, TransportError
+from .base import META_SIZE, Connection, ConnectionLost, QueuedListener, Transport
 from .matching import Matcher, Message
 
 __all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
@@ -612,7 +612,7 @@ class TcpConnection(Connection):
             self._internal_error("receiving from", exc)
 
 
-class TcpListener(Listener):
+class TcpListener(QueuedListener):
     """Accepts authenticated TCP connections and assembles multi-socket ones.
 
     Every accepted socket runs the exchange of :mod:`acoll._auth` (see the module doc)
@@ -632,11 +632,10 @@ class TcpListener(Listener):
         self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
         self._gate = _auth.PreAuthGate()
         self._refusals = _auth.RefusalLog(log)
-        self._ready: asyncio.Queue[tuple[bytes, TcpConnection] | None] = asyncio.Queue()
         # connection id -> (socket count, sockets by index, expiry timer) while they arrive
         self._partial: dict[int, tuple[int, dict[int, socket.socket], asyncio.TimerHandle]]
         self._partial = {}
-        self._closed = False
+        super().__init__()
         self._tasks: set[asyncio.Task[None]] = set()
         # Accepting from a readiness callback, not a task awaiting sock_accept: a task
         # cancelled just after the kernel handed it a socket would drop that socket.
@@ -724,7 +723,7 @@ class TcpListener(Listener):
             timer.cancel()
             socks = [group[i] for i in range(nsocks)]
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe)
-            self._ready.put_nowait((hello, conn))
+            self._offer(hello, conn)
 
     def _expire(self, conn_id: int) -> None:
         entry = self._partial.pop(conn_id, None)
@@ -737,15 +736,6 @@ class TcpListener(Listener):
         for sock in group.values():
             sock.close()
 
-    async def accept(self) -> tuple[bytes, Connection]:
-        if self._closed:
-            raise ClosedError("listener is closed")
-        item = await self._ready.get()
-        if item is None:
-            self._ready.put_nowait(None)  # for the next waiter
-            raise ClosedError("listener is closed")
-        return item
-
     def close(self) -> None:
         if self._closed:
             return
@@ -756,11 +746,7 @@ class TcpListener(Listener):
         for conn_id in list(self._partial):
             self._expire(conn_id)
         self._sock.close()
-        while not self._ready.empty():  # assembled but never accepted: nobody owns them
-            item = self._ready.get_nowait()
-            if item is not None:
-                item[1].abort()
-        self._ready.put_nowait(None)
+        self._close_queue()
 
 
 class _Evicted(Exception):

@@ -50,12 +50,13 @@ class AcollBackend(Backend):
         self.comm = comm
         self.name = "acoll"
         self.rank, self.size = comm.rank, comm.size
-        transport = getattr(comm, "_transport", None)
+        # the transports carrying this rank's traffic (one per peer; usually one kind)
+        nets = sorted({str(comm.transport_name(p)) for p in range(comm.size) if p != comm.rank})
         loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
         where = "" if comm.device is None else f" (cuda:{comm.device} buffers)"
         self.info = {
             "backend": f"acoll {__version__}{where}",
-            "net": str(getattr(transport, "name", "?")) if self.size > 1 else "none",
+            "net": "+".join(nets) if self.size > 1 else "none",
             "loop": "uvloop" if loop == "uvloop" else "asyncio",
             "chunk": human(int(getattr(comm, "chunk_bytes", 0))),
         }
