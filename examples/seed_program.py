@@ -4,6 +4,7 @@ Run it under MPI (needs Open MPI or MPICH and ``pip install 'acoll[mpi]'``)::
 
     mpirun -np 2 python examples/seed_program.py
     mpirun -np 2 python examples/seed_program.py --per-process 2 --count 1048576
+    mpirun -np 2 python examples/seed_program.py --gpus     # as the original: CuPy buffers
 
 (as root Open MPI also wants ``--allow-run-as-root``; with more ranks than cores,
 ``--oversubscribe``).
@@ -22,11 +23,10 @@ What it does, step by step as the original:
 5. Each rank all-reduces a buffer of ones (SUM) and checks every element equals the number
    of ranks; then the communicators are closed (``ncclCommDestroy``).
 
-Devices: acoll moves host (NumPy) memory today; ``init_rank(device=...)`` raises
-``InvalidUsage`` until the CUDA transport exists. So ``USE_GPUS`` is ``False`` and each
-"device" is a host buffer, ``--per-process`` of them (default 1). When GPU communicators
-land, set ``USE_GPUS = True``: ``D`` becomes the number of visible GPUs, slot ``i`` of local
-rank ``l`` uses GPU ``l * D + i`` as in the original, and the buffers become CuPy arrays.
+Devices: with ``--gpus`` (or ``USE_GPUS = True``), as in the original, ``D`` is the
+number of visible GPUs, slot ``i`` of local rank ``l`` uses GPU ``(l * D + i) % ngpus``
+(``init_rank(..., device=...)``) and the buffers are CuPy arrays. Without it each "device"
+is a host buffer, ``--per-process`` of them (default 1).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import numpy as np
 
 import acoll
 
-#: Flip once acoll has GPU communicators (init_rank(device=...)); see the module doc.
+#: Use GPUs (CuPy buffers) without --gpus; see the module doc.
 USE_GPUS = False
 
 
@@ -72,33 +72,44 @@ def share_unique_id(mpi_comm: Any) -> acoll.UniqueId:
     return acoll.UniqueId.from_bytes(buf.tobytes())
 
 
-def devices_per_process(requested: int) -> int:
-    if not USE_GPUS:
-        return requested
+def gpu_count() -> int:
     import cupy  # only with GPUs
 
     count = int(cupy.cuda.runtime.getDeviceCount())
     if count < 1:
-        raise SystemExit("USE_GPUS is set but no GPU is visible")
+        raise SystemExit("--gpus: no GPU is visible")
     return count
 
 
+def devices_per_process(requested: int, use_gpus: bool) -> int:
+    return gpu_count() if use_gpus else requested
+
+
 async def run_process(uid: acoll.UniqueId, rank: int, nprocs: int, local_rank: int,
-                      ndev: int, count: int) -> bool:
+                      ndev: int, count: int, use_gpus: bool = False) -> bool:
     """Initialise this process's ``ndev`` ranks together, all-reduce, check, close."""
     nranks = nprocs * ndev
+    ngpus = gpu_count() if use_gpus else 0
 
     async def init(i: int) -> acoll.Communicator:
-        device = local_rank * ndev + i if USE_GPUS else None
+        device = (local_rank * ndev + i) % ngpus if use_gpus else None
         return await acoll.init_rank(nranks, uid, rank * ndev + i, device=device)
+
+    def alloc(comm: acoll.Communicator, value: float) -> Any:
+        if comm.device is None:
+            return np.full(count, value, dtype=np.float32)
+        import cupy
+
+        with cupy.cuda.Device(comm.device):
+            return cupy.full(count, value, dtype=cupy.float32)
 
     comms = await asyncio.gather(*(init(i) for i in range(ndev)))
     try:
-        sends = [np.ones(count, dtype=np.float32) for _ in comms]
-        recvs = [np.zeros(count, dtype=np.float32) for _ in comms]
+        sends = [alloc(c, 1) for c in comms]
+        recvs = [alloc(c, 0) for c in comms]
         await asyncio.gather(*(c.all_reduce(s, r, op=acoll.SUM)
                                for c, s, r in zip(comms, sends, recvs, strict=True)))
-        ok = [bool(np.all(r == nranks)) for r in recvs]
+        ok = [bool((r == nranks).all()) for r in recvs]
     except BaseException:
         for c in comms:
             c.abort()
@@ -115,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--per-process", type=int, default=1, metavar="D",
                         help="host 'devices' (communicator ranks) per process (default 1)")
+    parser.add_argument("--gpus", action="store_true", default=USE_GPUS,
+                        help="one rank per visible GPU, CuPy buffers (as the original)")
     parser.add_argument("--count", type=int, default=32 * 1024 * 1024,
                         help="floats per buffer (default 32M, as the original)")
     args = parser.parse_args(argv)
@@ -128,8 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, nprocs = world.Get_rank(), world.Get_size()
     local_rank = local_rank_of(world)
     uid = share_unique_id(world)
-    ndev = devices_per_process(args.per_process)
-    ok = asyncio.run(run_process(uid, rank, nprocs, local_rank, ndev, args.count))
+    ndev = devices_per_process(args.per_process, args.gpus)
+    ok = asyncio.run(run_process(uid, rank, nprocs, local_rank, ndev, args.count, args.gpus))
     # Every process learns whether all succeeded (MPI_Allreduce of a flag, LAND).
     flags = np.array([1 if ok else 0], dtype=np.int32)
     world.Allreduce(MPI.IN_PLACE, flags, op=MPI.MIN)

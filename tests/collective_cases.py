@@ -7,6 +7,7 @@ products of up to 5 ranks stay exact: results are compared bit for bit with NumP
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -59,9 +60,19 @@ def assert_same(got: npt.NDArray[Any], want: npt.NDArray[Any], what: str) -> Non
                              f"got {got[bad[:5]]} want {want[bad[:5]]}")
 
 
+def _same(x: Any) -> Any:
+    return x
+
+
 async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[Any],
-                    ops: list[acoll.ReduceOp]) -> int:
-    """Run every collective over the matrix on ``comm``; return the number of checks."""
+                    ops: list[acoll.ReduceOp], *, dev: Callable[[Any], Any] = _same,
+                    host: Callable[[Any], Any] = _same) -> int:
+    """Run every collective over the matrix on ``comm``; return the number of checks.
+
+    ``dev(array)`` makes the buffer a collective gets from a NumPy array (a copy in device
+    memory; it must slice like NumPy, sharing memory) and ``host(buf)`` reads one back as
+    NumPy; both default to the array itself (host buffers).
+    """
     n, r = comm.size, comm.rank
     checks = 0
     for count in counts:
@@ -73,53 +84,58 @@ async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[An
                 ins = [make_input(q, count, dt, op) for q in range(n)]
                 want = reference(ins, op)
                 # all_reduce, out of place and in place
-                out = np.empty_like(ins[r])
-                await comm.all_reduce(ins[r], out, op=op)
-                assert_same(out, want, "all_reduce " + tag)
-                buf = ins[r].copy()
+                out = dev(np.empty_like(ins[r]))
+                await comm.all_reduce(dev(ins[r]), out, op=op)
+                assert_same(host(out), want, "all_reduce " + tag)
+                buf = dev(ins[r].copy())
                 await comm.all_reduce(buf, op=op)
-                assert_same(buf, want, "all_reduce in-place " + tag)
+                assert_same(host(buf), want, "all_reduce in-place " + tag)
                 # reduce to a root that moves with the case
                 root = (count + int(op)) % n
-                out = np.zeros_like(ins[r])
-                await comm.reduce(ins[r], out, op=op, root=root)
+                out = dev(np.zeros_like(ins[r]))
+                await comm.reduce(dev(ins[r]), out, op=op, root=root)
                 if r == root:
-                    assert_same(out, want, f"reduce root={root} " + tag)
+                    assert_same(host(out), want, f"reduce root={root} " + tag)
                 # reduce_scatter: every rank contributes n blocks of `count`
                 big = [make_input(q, n * count, dt, op, salt=1) for q in range(n)]
                 rs_want = reference(big, op)[r * count:(r + 1) * count]
-                rs_out = np.empty(count, dt)
-                await comm.reduce_scatter(big[r], rs_out, op=op)
-                assert_same(rs_out, rs_want, "reduce_scatter " + tag)
-                whole = big[r].copy()  # in place: recv is this rank's block of send
+                rs_out = dev(np.empty(count, dt))
+                await comm.reduce_scatter(dev(big[r]), rs_out, op=op)
+                assert_same(host(rs_out), rs_want, "reduce_scatter " + tag)
+                whole = dev(big[r].copy())  # in place: recv is this rank's block of send
                 mine = whole[r * count:(r + 1) * count]
                 await comm.reduce_scatter(whole, mine, op=op)
-                assert_same(mine, rs_want, "reduce_scatter in-place " + tag)
+                assert_same(host(mine), rs_want, "reduce_scatter in-place " + tag)
                 checks += 4
             # data movement (no op)
             ins = [make_input(q, count, dt, acoll.SUM, salt=2) for q in range(n)]
             root = count % n
-            buf = ins[r].copy()
+            buf = dev(ins[r].copy())
             await comm.broadcast(buf, root=root)
-            assert_same(buf, ins[root], f"broadcast root={root} n={n} count={count} {dt}")
-            gathered = np.empty(n * count, dt)
-            await comm.all_gather(ins[r], gathered)
-            assert_same(gathered, np.concatenate(ins), f"all_gather n={n} count={count} {dt}")
-            inplace = np.zeros(n * count, dt)
-            inplace[r * count:(r + 1) * count] = ins[r]
+            assert_same(host(buf), ins[root],
+                        f"broadcast root={root} n={n} count={count} {dt}")
+            gathered = dev(np.empty(n * count, dt))
+            await comm.all_gather(dev(ins[r]), gathered)
+            assert_same(host(gathered), np.concatenate(ins),
+                        f"all_gather n={n} count={count} {dt}")
+            inplace_host = np.zeros(n * count, dt)
+            inplace_host[r * count:(r + 1) * count] = ins[r]
+            inplace = dev(inplace_host)
             await comm.all_gather(inplace[r * count:(r + 1) * count], inplace)
-            assert_same(inplace, np.concatenate(ins), f"all_gather in-place n={n} {count}")
+            assert_same(host(inplace), np.concatenate(ins),
+                        f"all_gather in-place n={n} {count}")
             a2a_in = [make_input(q, n * count, dt, acoll.SUM, salt=3) for q in range(n)]
-            a2a_out = np.empty(n * count, dt)
-            await comm.all_to_all(a2a_in[r], a2a_out)
+            a2a_out = dev(np.empty(n * count, dt))
+            await comm.all_to_all(dev(a2a_in[r]), a2a_out)
             a2a_want = np.concatenate([a2a_in[q][r * count:(r + 1) * count] for q in range(n)])
-            assert_same(a2a_out, a2a_want, f"all_to_all n={n} count={count} {dt}")
+            assert_same(host(a2a_out), a2a_want, f"all_to_all n={n} count={count} {dt}")
             if n > 1:
-                got = np.empty(count, dt)
+                got = dev(np.empty(count, dt))
                 async with comm.group():
-                    await comm.send(ins[r], (r + 1) % n)
+                    await comm.send(dev(ins[r]), (r + 1) % n)
                     await comm.recv(got, (r - 1) % n)
-                assert_same(got, ins[(r - 1) % n], f"send/recv n={n} count={count} {dt}")
+                assert_same(host(got), ins[(r - 1) % n],
+                            f"send/recv n={n} count={count} {dt}")
             checks += 5
     await comm.barrier()
     return checks

@@ -307,8 +307,10 @@ async def test_split() -> None:
     assert res[3] == (0, 2, 4.0)
 
 
-async def test_send_to_a_peer_that_stopped_reading_fails_at_the_deadline() -> None:
+async def test_send_to_a_peer_that_stopped_reading_fails_at_the_deadline(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """A rank blocked on sending (peer's kernel buffers full) still gets its error in time."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")  # the test stops a socket's reader
     comms = await _ranks(2, timeout=1.0)
     stalled = comms[1]._links.conns[0]
     for s in stalled._socks:  # type: ignore[attr-defined]

@@ -13,6 +13,11 @@ descriptor check and raised as :class:`~acoll.InvalidUsage` on every rank. Insid
 ``async with comm.group():`` calls only enqueue (they return at once, results are ready
 when the block exits) and then run concurrently, like ``ncclGroupStart/End``.
 
+Memory. A communicator made with ``device=k`` takes GPU buffers on CUDA device ``k``
+(:mod:`acoll._memory.cuda`): its ops run on its own stream, fitted into the caller's stream
+(``stream=``, or CuPy's current stream), and its connections over transports that move host
+memory only are staged through pinned host buffers (:mod:`acoll._transport.staged`).
+
 Failure model. Any failure on one rank (a peer's connection dropping, a deadline, a
 mismatch, an abort, a cancelled op) puts the communicator in a failed state: every pending
 and later call raises the same error, and every connected peer is told, so failures
@@ -41,13 +46,13 @@ from ._bootstrap.wire import Address
 from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._comm.args import buffer_pair, check_peer, check_root, descriptor
-from ._comm.executor import Executor, MakeAlgorithm
+from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.ordering import OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._config import TIMEOUT, Setting, get_logger, parse_bool
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype
-from ._memory import Buffer, HostSpace, MemorySpace
+from ._memory import Buffer, HostSpace, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from ._transport.select import select_transports
@@ -157,16 +162,21 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         nranks: the number of ranks; every rank must pass the same value.
         uid: the id from :func:`get_unique_id` on one rank (or its 128 bytes).
         rank: this rank, ``0 <= rank < nranks``; each rank exactly once.
-        device: a CUDA device for GPU buffers; host-only communicators pass ``None``.
+        device: the CUDA device (an int) whose buffers this rank's collectives take
+            (CuPy arrays, torch CUDA tensors, anything with ``__cuda_array_interface__``
+            or a CUDA ``__dlpack__``); ``None`` (default): host buffers. Ranks of one
+            process may use different devices, or share one.
         timeout: deadline in seconds for every network wait (default ``ACOLL_TIMEOUT``).
         ifname: interface rules overriding ``ACOLL_SOCKET_IFNAME``.
         net: data network overriding ``ACOLL_NET``.
         check: descriptor checks overriding ``ACOLL_CHECK``.
 
     Raises:
-        InvalidUsage: bad arguments, a rank claimed twice, ranks disagreeing on nranks.
+        InvalidUsage: bad arguments (``device`` not a visible GPU), a rank claimed twice,
+            ranks disagreeing on nranks.
         acoll.TimeoutError: not every rank arrived within the timeout.
         BootstrapError: the root could not be reached.
+        acoll._cuda.CudaUnavailable: ``device`` given but CuPy cannot be imported.
     """
     if isinstance(uid, (bytes, bytearray, memoryview)):
         uid = UniqueId.from_bytes(uid)
@@ -178,9 +188,10 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < nranks:
         raise InvalidUsage(f"rank must be an int in [0, {nranks}), got {rank!r}")
     _raise_nofile_once()
-    if device is not None:
-        raise InvalidUsage("device=: GPU communicators need the CUDA transport, which this "
-                           "release does not include; pass device=None for host buffers")
+    if device is not None and (isinstance(device, bool) or not isinstance(device, int)
+                               or device < 0):
+        raise InvalidUsage(f"device must be a CUDA device number or None, got {device!r}")
+    mem = HostSpace() if device is None else device_space(device)
     timeout = TIMEOUT.resolve(timeout)
     start = time.perf_counter()
     iface = find_interfaces(ifname, uid.family, uid.host if uid.from_env else None)[0]
@@ -208,7 +219,7 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
 
     try:
         comm = await Communicator._form(join, sockaddr, iface.family, timeout,
-                                        key=uid.job_key, net=net, check=check)
+                                        key=uid.job_key, net=net, check=check, mem=mem)
     except BaseException:
         if root is not None:  # do not keep the fixed ACOLL_COMM_ID port busy
             root.stop()
@@ -223,19 +234,20 @@ class Communicator:
     Attributes:
         rank: this rank, ``0 <= rank < size``.
         size: the number of ranks.
-        device: ``None`` (host buffers).
+        device: the CUDA device of its buffers, or ``None`` (host buffers).
         local_rank / local_size: position among, and number of, ranks on this host.
     """
 
     def __init__(self, boot: Bootstrap, endpoints: list[tuple[Transport, Listener]],
-                 infos: list[PeerInfo], timeout: float, check: bool) -> None:
+                 infos: list[PeerInfo], timeout: float, check: bool,
+                 mem: MemorySpace | None = None) -> None:
         self._boot = boot
         self.rank = boot.rank
         self.size = boot.nranks
-        self.device: int | None = None
+        self.mem: MemorySpace = HostSpace() if mem is None else mem
+        self.device: int | None = self.mem.device
         self.timeout = timeout
         self.check = check
-        self.mem: MemorySpace = HostSpace()
         hosts = [info.host_hash for info in infos]
         self.local_rank = hosts[: self.rank].count(hosts[self.rank])
         self.local_size = hosts.count(hosts[self.rank])
@@ -259,7 +271,7 @@ class Communicator:
                                      lambda: self._error is None and not self._closed)
         self._exec = Executor(self, self._checker)
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
-                                self._checker.on_arrival, self.fail)
+                                self._checker.on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
 
     # ------------------------------------------------------------------ formation
@@ -267,7 +279,8 @@ class Communicator:
     async def _form(cls, join: Callable[[Callable[[Address], bytes]],
                                         Awaitable[tuple[Bootstrap, list[bytes]]]],
                     sockaddr: tuple[Any, ...], family: socket.AddressFamily, timeout: float,
-                    *, key: bytes, net: str | None, check: bool | None) -> Communicator:
+                    *, key: bytes, net: str | None, check: bool | None,
+                    mem: MemorySpace | None = None) -> Communicator:
         """Set up the transports, then ``join`` the bootstrap and learn every rank's info.
 
         ``join(make_info)`` returns the bootstrap and all ranks' info records, in rank order
@@ -297,7 +310,7 @@ class Communicator:
         try:
             infos, addrs = _parse_infos(raw)
             boot.set_peer_addrs(addrs)
-            comm = cls(boot, endpoints, infos, timeout, CHECK.resolve(check))
+            comm = cls(boot, endpoints, infos, timeout, CHECK.resolve(check), mem)
         except BaseException:
             _release(endpoints)
             boot.abort()
@@ -454,11 +467,24 @@ class Communicator:
             return True
         return False
 
-    async def _local_copy(self, dst: Buffer, src: Buffer) -> None:
+    async def _local_copy(self, dst: Buffer, src: Buffer, order: StreamOrder | None) -> None:
         """One rank: the result is the input (copied unless in place)."""
         self.check_usable()
+        if order is not None:
+            order.start()
         if not self.mem.same(dst, src):
             await self.mem.copy(dst, src, _yield)
+        if order is not None:
+            order.finish()
+            if order.settle:
+                await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
+
+    def _ordered(self, make: MakeAlgorithm, order: StreamOrder | None) -> MakeAlgorithm:
+        """``make``, fitted into the caller's stream on a device communicator."""
+        if order is None:
+            return make
+        mem, timeout = self.mem, self.timeout
+        return lambda ctx: _OnStream(make(ctx), order, mem, timeout)
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
@@ -468,36 +494,45 @@ class Communicator:
     # ------------------------------------------------------------------ collectives
     @_announced
     async def all_reduce(self, send: Any, recv: Any = None,
-                         op: ReduceOp | str = ReduceOp.SUM) -> Any:
-        """Reduce ``send`` across ranks into ``recv`` on every rank (in place if ``None``)."""
+                         op: ReduceOp | str = ReduceOp.SUM, *, stream: Any = None) -> Any:
+        """Reduce ``send`` across ranks into ``recv`` on every rank (in place if ``None``).
+
+        On a GPU communicator every collective also takes ``stream=`` (a CuPy stream, a
+        torch stream or a raw ``cudaStream_t``): the op starts after the work queued on it
+        at the call, later work on it sees the result, and the await returns once the work
+        is ordered there. Without ``stream=`` the op is ordered after CuPy's current
+        stream's work and the await returns when the result can be read.
+        """
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
+        order = self.mem.order(stream)
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
-            await self._local_copy(r, s)
+            await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, lambda ctx: cls(ctx, s, r, rop))
+        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
         return out
 
     @_announced
-    async def broadcast(self, buf: Any, root: int = 0) -> Any:
+    async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
         """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
         b = self.mem.adopt(buf, "buf", writable=True)
         root = check_root(root, self.size)
+        order = self.mem.order(stream)
         cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
-        await self._exec.execute(desc, lambda ctx: cls(ctx, b, root))
+        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, b, root), order))
         return buf
 
     @_announced
     async def reduce(self, send: Any, recv: Any = None, op: ReduceOp | str = ReduceOp.SUM,
-                     root: int = 0) -> Any:
+                     root: int = 0, *, stream: Any = None) -> Any:
         """Reduce ``send`` across ranks into ``recv`` on ``root`` (``recv`` unused elsewhere).
 
         ``recv=None`` means in place on the root; non-root ranks' buffers are not changed.
@@ -511,63 +546,71 @@ class Communicator:
             s = self.mem.adopt(send, "send")
             r, out = None, recv if recv is not None else send
         check_op_dtype(rop, s.dtype, "reduce")
+        order = self.mem.order(stream)
         cls = algos.choose("reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.REDUCE, s, rop, root, algo=cls)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
             assert r is not None
-            await self._local_copy(r, s)
+            await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, lambda ctx: cls(ctx, s, r, root, rop))
+        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
+                                                     order))
         return out
 
     @_announced
-    async def all_gather(self, send: Any, recv: Any) -> Any:
+    async def all_gather(self, send: Any, recv: Any, *, stream: Any = None) -> Any:
         """Concatenate every rank's ``send`` into ``recv`` (``size * len(send)``, rank order).
 
         In place when ``send`` is this rank's block of ``recv``.
         """
         s, r, out = self._pair(send, recv, "all_gather", 1, self.size)
+        order = self.mem.order(stream)
         desc = descriptor(Coll.ALL_GATHER, s)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
-            await self._local_copy(r, s)
+            await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, lambda ctx: algos.RingAllGather(ctx, s, r))
+        await self._exec.execute(desc, self._ordered(
+            lambda ctx: algos.RingAllGather(ctx, s, r), order))
         return out
 
     @_announced
-    async def reduce_scatter(self, send: Any, recv: Any,
-                             op: ReduceOp | str = ReduceOp.SUM) -> Any:
+    async def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp | str = ReduceOp.SUM,
+                             *, stream: Any = None) -> Any:
         """Reduce ``send`` (``size`` blocks) across ranks; block ``rank`` lands in ``recv``."""
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
         check_op_dtype(rop, s.dtype, "reduce_scatter")
+        order = self.mem.order(stream)
         desc = descriptor(Coll.REDUCE_SCATTER, r, rop)
         if await self._small_or_empty(desc, r.count):
             return out
         if self.size == 1:
-            await self._local_copy(r, s)
+            await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, lambda ctx: algos.RingReduceScatter(ctx, s, r, rop))
+        await self._exec.execute(desc, self._ordered(
+            lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
         return out
 
     @_announced
-    async def all_to_all(self, send: Any, recv: Any) -> Any:
+    async def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> Any:
         """Block ``p`` of ``send`` goes to rank ``p``; block ``q`` of ``recv`` comes from ``q``."""
         s, r, out = self._pair(send, recv, "all_to_all")
         if s.count % self.size:
             raise InvalidUsage(f"all_to_all: {s.count} elements do not split into "
                                f"{self.size} equal blocks")
+        order = self.mem.order(stream)
         desc = descriptor(Coll.ALL_TO_ALL, s, count=s.count // self.size)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
-            await self._local_copy(r, s)
+            await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, lambda ctx: algos.DirectAllToAll(ctx, s, r))
+        await self._exec.execute(desc, self._ordered(
+            lambda ctx: algos.DirectAllToAll(ctx, s, r), order))
         return out
 
     @_announced
@@ -585,24 +628,26 @@ class Communicator:
         return algos.DisseminationBarrier if self.size <= 64 else algos.TreeBarrier
 
     @_announced
-    async def send(self, buf: Any, peer: int) -> Any:
+    async def send(self, buf: Any, peer: int, *, stream: Any = None) -> Any:
         """Send ``buf`` to ``peer``, matched in order with ``peer``'s ``recv`` from us."""
         b = self.mem.adopt(buf, "buf")
         peer = check_peer(peer, self.rank, self.size)
         self.check_usable()
+        order = self.mem.order(stream)
         index = self._p2p_send[peer]
         self._p2p_send[peer] = index + 1
         desc = descriptor(Coll.SEND_RECV, b, root=self._exec.p2p_stamp())
-        await self._exec.execute(desc, lambda ctx: _Send(ctx, peer, b),
+        await self._exec.execute(desc, self._ordered(lambda ctx: _Send(ctx, peer, b), order),
                                  tag_base=p2p_tag(index))
         return buf
 
     @_announced
-    async def recv(self, buf: Any, peer: int) -> Any:
+    async def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Any:
         """Receive into ``buf`` the next message ``peer`` sends us; sizes must match."""
         b = self.mem.adopt(buf, "buf", writable=True)
         peer = check_peer(peer, self.rank, self.size)
         self.check_usable()
+        order = self.mem.order(stream)
         index = self._p2p_recv[peer]
         self._p2p_recv[peer] = index + 1
         stamp = self._exec.p2p_stamp()
@@ -610,8 +655,9 @@ class Communicator:
         checker = self._checker
         checker.recv_issued(peer, index, stamp)
         try:
-            await self._exec.execute(desc, lambda ctx: _Recv(ctx, peer, b, checker, index),
-                                     tag_base=p2p_tag(index))
+            await self._exec.execute(desc, self._ordered(
+                lambda ctx: _Recv(ctx, peer, b, checker, index), order),
+                tag_base=p2p_tag(index))
         finally:
             checker.recv_done(peer, index)
         return buf
@@ -668,11 +714,20 @@ class Communicator:
                 raise
 
         try:
+            mem = HostSpace() if self.device is None else device_space(self.device)
             return await Communicator._form(join, sockaddr, fam, self.timeout, key=nkey,
-                                            net=None, check=self.check)
+                                            net=None, check=self.check, mem=mem)
         except BaseException:
             sock.close()  # harmless if the bootstrap server already owns and closed it
             raise
+
+
+def device_space(device: int) -> MemorySpace:
+    """The memory space of a communicator bound to CUDA ``device`` (CuPy is imported here;
+    tests replace this function to run device code paths on fake device memory)."""
+    from ._memory.cuda import CudaSpace
+
+    return CudaSpace(device)
 
 
 async def _yield() -> None:
@@ -705,6 +760,23 @@ def _parse_infos(raw: list[bytes]) -> tuple[list[PeerInfo], list[Address]]:
             raise BootstrapError(f"rank {rank} sent a malformed info record: {exc!r}") \
                 from None
     return infos, addrs
+
+
+class _OnStream:
+    """An algorithm fitted into the caller's stream on a device communicator: starts
+    after the caller's queued work, orders the caller's later work after its own, and
+    (without ``stream=``) waits for its work to finish, under the op's deadline."""
+
+    def __init__(self, algo: Algorithm, order: StreamOrder, mem: MemorySpace,
+                 timeout: float) -> None:
+        self.algo, self.order, self.mem, self.timeout = algo, order, mem, timeout
+
+    async def run(self) -> None:
+        self.order.start()
+        await self.algo.run()
+        self.order.finish()
+        if self.order.settle:
+            await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
 
 
 class _Send:

@@ -410,23 +410,47 @@ def ranks_from_env(environ: Mapping[str, str] | None = None) -> LaunchInfo:
     return LaunchInfo(rank, world_size, local_rank, local_size, comm_id, src.name, where)
 
 
-async def init_from_env(**init_kw: Any) -> Communicator:
+async def init_from_env(*, device: int | str | None = None, **init_kw: Any) -> Communicator:
     """Join the job described by the launcher's variables (see :func:`ranks_from_env`).
 
     Equivalent to ``await acoll.init_rank(world_size, UniqueId.from_address(comm_id), rank,
-    **init_kw)``; rank 0 hosts the root at ``comm_id``.
+    device=device, **init_kw)``; rank 0 hosts the root at ``comm_id``. ``device="auto"``
+    binds the rank to GPU ``local_rank % (number of visible GPUs)``; ``None`` (default)
+    keeps it host-only.
 
     Raises:
-        InvalidUsage: as :func:`ranks_from_env`, or the root's host name does not resolve.
+        InvalidUsage: as :func:`ranks_from_env`, the root's host name does not resolve,
+            or ``device="auto"`` finds no GPU.
         Whatever ``init_rank`` raises.
     """
     from ._communicator import init_rank
 
     info = ranks_from_env()
+    if device == "auto":
+        device = info.local_rank % _gpu_count()
+    elif isinstance(device, str):
+        raise InvalidUsage(f"device must be a CUDA device number, 'auto' or None, got "
+                           f"{device!r}")
     _log.info("init_from_env: %s rank %d of %d (local %d of %s), root %s (from %s)",
               info.source, info.rank, info.world_size, info.local_rank,
               info.local_size if info.local_size is not None else "?", info.comm_id,
               info.comm_id_from)
     # from_address may resolve a host name: keep the blocking lookup off the loop.
     uid = await asyncio.to_thread(UniqueId.from_address, info.comm_id)
+    if device is not None:
+        init_kw["device"] = device
     return await init_rank(info.world_size, uid, info.rank, **init_kw)
+
+
+def _gpu_count() -> int:
+    """Visible CUDA devices (CuPy); InvalidUsage if there are none."""
+    from ._cuda import import_cupy
+
+    cp = import_cupy()
+    try:
+        count = int(cp.cuda.runtime.getDeviceCount())
+    except Exception as exc:  # no driver
+        raise InvalidUsage(f"device='auto': no usable CUDA device ({exc})") from None
+    if count < 1:
+        raise InvalidUsage("device='auto': no CUDA device is visible")
+    return count

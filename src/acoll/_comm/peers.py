@@ -7,6 +7,9 @@ compute the same answer from the two :class:`~acoll._transport.base.PeerInfo` re
 the lower rank dials over it and the higher one accepts only a connection that arrives on
 that transport's listener. Connections are made on first use.
 
+A device communicator's connections over a transport that moves host memory only are
+staged through host buffers (:mod:`acoll._transport.staged`).
+
 A connection that breaks is reported through ``on_lost(peer, error)``; a message that
 arrives before its receive is posted through ``on_arrival(peer, tag, meta)``.
 """
@@ -24,7 +27,9 @@ from .._bootstrap.ring import error_from_wire
 from .._bootstrap.wire import Error as WireError
 from .._config import get_logger
 from .._deadline import deadline_after
+from .._memory import Staging
 from .._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
+from .._transport.staged import staged
 from .._transport.window import windowed
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
@@ -72,15 +77,18 @@ class PeerLinks:
     """Connections to every peer, made on demand (see the module docstring).
 
     ``endpoints`` are this rank's transports in preference order, each with its listener;
-    ``infos`` every rank's record, in rank order.
+    ``infos`` every rank's record, in rank order; ``staging`` the memory space's staging
+    primitives (``None``: host memory).
     """
 
     def __init__(self, rank: int, infos: Sequence[PeerInfo],
                  endpoints: Sequence[tuple[Transport, Listener]], timeout: float,
                  on_lost: Callable[[int, ConnectionLost], None],
                  on_arrival: Callable[[int, int, bytes], None],
-                 on_error: Callable[[AcollError], None]) -> None:
+                 on_error: Callable[[AcollError], None],
+                 staging: Staging | None = None) -> None:
         self.rank = rank
+        self._staging = staging
         self.size = len(infos)
         self.timeout = timeout
         self._endpoints = list(endpoints)
@@ -153,7 +161,9 @@ class PeerLinks:
         if self._stopped:
             conn.abort()
             return
-        conn = windowed(conn)
+        transport = self.choice[peer]
+        assert transport is not None
+        conn = staged(windowed(conn), self._staging, transport.memory)
         self.conns[peer] = conn
         conn.set_failure_callback(lambda lost: self._on_lost(peer, lost))
         conn.set_arrival_callback(lambda tag, meta: self._on_arrival(peer, tag, meta))

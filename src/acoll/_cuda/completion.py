@@ -52,13 +52,14 @@ import os
 import platform
 import sys
 import threading
+from collections.abc import Awaitable
 from typing import Any
 
 from ..errors import InvalidUsage
 from ..errors import TimeoutError as AcollTimeoutError
 from . import CudaUnavailable, import_cupy
 
-__all__ = ["DEFAULT_METHOD", "METHODS", "wait_event", "wait_stream"]
+__all__ = ["DEFAULT_METHOD", "METHODS", "arm_stream", "wait_event", "wait_stream"]
 
 METHODS = ("pipe", "hostfunc", "poll", "spin")
 DEFAULT_METHOD = "pipe"
@@ -237,3 +238,52 @@ async def wait_event(event: Any, *, deadline: float | None = None,
     # Only a side stream with nothing pending goes back (a timed-out one may still hold a
     # host function behind a stuck event; it is dropped and freed once that completes).
     pool.append(side)
+
+
+def arm_stream(stream: Any, *, deadline: float | None = None, what: str = ""
+               ) -> Awaitable[None]:
+    """Enqueue the ``pipe`` signal (``hostfunc`` where pipes are unsupported) on ``stream``
+    *now*, and return an awaitable that completes when the stream reaches it.
+
+    For callers that must enqueue under a given device (``with cupy.cuda.Device(k):``)
+    and cannot hold that context across an ``await``: call it inside, await outside.
+    """
+    m = _method(None)
+    what = what or f"GPU work on stream {stream!r}"
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    if m == "pipe":
+        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+        try:
+            _launch_close(int(stream.ptr), w)
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        try:  # the write end belongs to the host function now (see _await_host_func)
+            loop.add_reader(r, _settle, fut)
+        except BaseException:
+            os.close(r)
+            raise
+        return _armed(fut, deadline, what, r)
+    stream.launch_host_func(_wake, (loop, fut))
+    return _armed(fut, deadline, what, None)
+
+
+async def _armed(fut: asyncio.Future[None], deadline: float | None, what: str,
+                 fd: int | None) -> None:
+    loop = asyncio.get_running_loop()
+
+    def expire() -> None:
+        if not fut.done():
+            fut.set_exception(_timeout(what))
+
+    timer = None if deadline is None else loop.call_at(deadline, expire)
+    try:
+        await fut
+    finally:
+        if timer is not None:
+            timer.cancel()
+        if fd is not None:
+            loop.remove_reader(fd)
+            os.close(fd)

@@ -1,4 +1,4 @@
-"""Memory spaces (host now, CUDA devices next): see :mod:`.base`."""
+"""Memory spaces (host; CUDA devices in :mod:`.cuda`, imported on demand): see :mod:`.base`."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ from typing import Any
 
 import numpy as np
 
-from .base import BYTE, Buffer, DType, MemoryKind, MemorySpace, Pace
+from .base import BYTE, Buffer, DType, Fence, MemoryKind, MemorySpace, Pace, Staging, StreamOrder
 from .host import HostSpace
 
-__all__ = ["BYTE", "Buffer", "DType", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
-           "host_buffer"]
+__all__ = ["BYTE", "Buffer", "DType", "Fence", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
+           "Staging", "StreamOrder", "host_buffer"]
 
 _HOST = HostSpace()  # for buffers made outside any communicator (tests, transports)
 

@@ -13,7 +13,10 @@ never call NumPy (or CuPy) themselves:
   asynchronous one (a GPU stream) it is only ordered, and :meth:`MemorySpace.settle`
   returns once everything started so far is done. Who hands a buffer to something outside
   the space's ordering (a host-memory transport reading a device buffer) settles first;
-- ``overlaps`` / ``same``: aliasing checks between buffers of the space.
+- ``overlaps`` / ``same``: aliasing checks between buffers of the space;
+- ``order(stream)``: how an op fits into the caller's stream (device spaces);
+- ``staging()``: the copy primitives that carry this space's buffers over a transport that
+  moves host memory only (device spaces; see :class:`Staging`).
 
 Long operations are cut into pieces with ``pace`` between them (an awaitable that yields
 to the event loop when the caller's step budget is spent), so that no single loop step
@@ -24,14 +27,17 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, ClassVar
 
 import numpy as np
 
 from .._dtypes import ReduceOp
+from ..errors import InvalidUsage
 
-__all__ = ["BYTE", "Buffer", "DType", "MemoryKind", "MemorySpace", "Pace"]
+__all__ = ["BYTE", "Buffer", "DType", "Fence", "MemoryKind", "MemorySpace", "Pace",
+           "Staging", "StreamOrder"]
 
 #: Element types are NumPy dtypes in every space (CuPy uses them too).
 DType = np.dtype[Any]
@@ -139,8 +145,28 @@ class MemorySpace(ABC):
     async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
         """``dst = src`` (same count and dtype)."""
 
-    async def settle(self) -> None:  # noqa: B027 - synchronous spaces have nothing to wait
-        """Return once every operation started on this space so far has finished."""
+    async def settle(self, deadline: float | None = None) -> None:  # noqa: B027
+        """Return once every operation started on this space so far has finished (never
+        blocking the loop). ``deadline``: loop time; past it, :class:`acoll.TimeoutError`.
+        Synchronous spaces have nothing to wait for."""
+
+    def order(self, stream: Any) -> StreamOrder | None:
+        """Capture, at call time, the caller's place in ``stream`` for one op.
+
+        ``None`` (the default, host memory) means there is no stream to order against.
+
+        Raises:
+            InvalidUsage: ``stream`` was given to a space without streams, or is not a
+                stream this space understands.
+        """
+        if stream is not None:
+            raise InvalidUsage("stream= needs a GPU communicator (init_rank(..., device=k))")
+        return None
+
+    def staging(self) -> Staging | None:
+        """The staging primitives for this space's buffers (``None``: host memory, which
+        every transport moves)."""
+        return None
 
     @abstractmethod
     def pointer(self, buf: Buffer) -> int:
@@ -160,3 +186,86 @@ class MemorySpace(ABC):
             return False
         pa, pb = a.ptr, b.ptr
         return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+class StreamOrder(ABC):
+    """One op's place in the caller's stream (see :meth:`MemorySpace.order`).
+
+    Made when the op is called (it records the caller's queued work then); :meth:`start`
+    runs before the op's first memory work, :meth:`finish` after its last. ``settle``
+    says whether the op must also wait until its work is done before returning (no
+    ``stream=`` given: the result must be readable when the await returns).
+    """
+
+    settle: bool = True
+
+    @abstractmethod
+    def start(self) -> None:
+        """Order the space's later work after the caller's work queued at call time."""
+
+    @abstractmethod
+    def finish(self) -> None:
+        """Order the caller's later work after everything the space has queued so far."""
+
+
+class Fence(ABC):
+    """The completion of one enqueued copy (a recorded event)."""
+
+    @abstractmethod
+    def done(self) -> bool:
+        """Whether the copy has finished (a query; never blocks)."""
+
+    @abstractmethod
+    async def wait(self, deadline: float | None = None) -> None:
+        """Return once the copy has finished, without blocking the loop.
+
+        Raises:
+            acoll.TimeoutError: not finished at ``deadline`` (loop time).
+        """
+
+
+class Staging(ABC):
+    """Copies between one device space and host memory, for host-memory transports.
+
+    ``download`` and ``upload`` *enqueue* a copy after all work queued on the space so
+    far and return its :class:`Fence`; work the space queues later sees an upload's data.
+    Host buffers come from a pool (:meth:`lease`): one is reused only after the fence it
+    was released with has passed, so a copy still reading or writing it is never raced.
+    """
+
+    #: The device memory kind whose buffers this staging carries.
+    kind: ClassVar[MemoryKind] = MemoryKind.CUDA
+
+    def __init__(self) -> None:
+        # Per size class, blocks in release order: fences of one stream pass in order, so
+        # only the oldest needs checking (O(1) per lease, however many are pooled).
+        self._free: dict[int, deque[tuple[Buffer, Fence | None]]] = {}
+        self.leased = 0  # host buffers handed out over the pool's life (for tests)
+
+    @abstractmethod
+    def _allocate(self, nbytes: int) -> Buffer:
+        """New host memory (page-locked where that matters) of ``nbytes`` bytes."""
+
+    @abstractmethod
+    def download(self, dst: Buffer, src: Buffer) -> Fence:
+        """Enqueue ``dst`` (host) ``= src`` (device); same byte count."""
+
+    @abstractmethod
+    def upload(self, dst: Buffer, src: Buffer) -> Fence:
+        """Enqueue ``dst`` (device) ``= src`` (host); same byte count."""
+
+    def lease(self, nbytes: int) -> tuple[Buffer, Buffer]:
+        """``(view, block)``: a host buffer of ``nbytes`` bytes (``view``) inside a pooled
+        ``block``; give ``block`` back with :meth:`release`."""
+        size = max(4096, 1 << (nbytes - 1).bit_length())
+        free = self._free.get(size)
+        if free and (free[0][1] is None or free[0][1].done()):
+            block = free.popleft()[0]
+        else:
+            block = self._allocate(size)
+        self.leased += 1
+        return block[:nbytes], block
+
+    def release(self, block: Buffer, fence: Fence | None = None) -> None:
+        """Return ``block`` to the pool; it is reused once ``fence`` (if any) has passed."""
+        self._free.setdefault(block.nbytes, deque()).append((block, fence))

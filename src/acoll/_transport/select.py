@@ -26,6 +26,7 @@ from typing import Any
 from .._config import Setting, get_logger, parse_bool
 from ..errors import InvalidUsage
 from .base import Transport
+from .inproc import make_inproc
 from .tcp import TcpTransport
 
 __all__ = ["NET", "ib_devices", "select_transport", "select_transports"]
@@ -133,4 +134,4 @@ def select_transports(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *
 #: Transports for peers on this host or in this process, tried before the network, in
 #: order. Each is called as ``make(timeout=..., key=...)`` and returns ``None`` when it
 #: is turned off or cannot run here (and logs why at INFO).
-_LOCAL: list[Any] = []
+_LOCAL: list[Any] = [make_inproc]

@@ -1,9 +1,9 @@
 """Test buffers: where the memory a backend measures lives, and its host-side view.
 
 The sweep allocates through an :data:`Allocator` only: host NumPy memory
-(:func:`host_buffer`) or torch tensors (:class:`TorchAllocator`, CPU or CUDA). Device
-memory of another kind (CuPy, say) needs one more allocator returning a
-:class:`StagedBuffer`; the sweep, the check and the backends stay as they are.
+(:func:`host_buffer`), torch tensors (:class:`TorchAllocator`, CPU or CUDA) or CuPy
+device memory (:class:`CupyAllocator`); the sweep, the check and the backends stay as
+they are.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ import numpy.typing as npt
 from .._dtypes import DTYPE_NAMES
 from .colls import Usage
 
-__all__ = ["Allocator", "Buffer", "StagedBuffer", "TorchAllocator", "host_buffer"]
+__all__ = ["Allocator", "Buffer", "CupyAllocator", "StagedBuffer", "TorchAllocator",
+           "host_buffer"]
 
 
 class Buffer:
@@ -101,3 +102,39 @@ class TorchAllocator:
             host.view(np.uint8)[:] = dev.view(torch.uint8).cpu().numpy()
 
         return StagedBuffer(np.empty(count, dtype), t, to_device, to_host)
+
+
+class CupyAllocator:
+    """CuPy memory on CUDA ``device``, staged to and from a host copy. bfloat16 (which
+    CuPy lacks) is a :class:`acoll._memory.cuda.DeviceView` over the same bytes.
+
+    Uploads and downloads run on CuPy's current stream, which acoll orders its work after
+    (and its readers after acoll's), as a CuPy user's own code would.
+    """
+
+    def __init__(self, device: int) -> None:
+        from .._cuda import import_cupy
+
+        self.cp, self.device = import_cupy(), device
+
+    def __call__(self, count: int, dtype: np.dtype[Any]) -> Buffer:
+        from .._memory.cuda import DeviceView
+
+        cp, device = self.cp, self.device
+        with cp.cuda.Device(device):
+            raw = cp.empty(count * dtype.itemsize, cp.uint8)
+        obj: Any
+        if dtype.kind == "V" or dtype.name == "bfloat16":
+            obj = DeviceView(int(raw.data.ptr), count, dtype, device, raw)
+        else:
+            obj = raw.view(dtype)
+
+        def to_device(host: npt.NDArray[Any], dev: Any) -> None:
+            with cp.cuda.Device(device):
+                raw.set(host.view(np.uint8))
+
+        def to_host(dev: Any, host: npt.NDArray[Any]) -> None:
+            with cp.cuda.Device(device):
+                host.view(np.uint8)[:] = raw.get()
+
+        return StagedBuffer(np.empty(count, dtype), obj, to_device, to_host)

@@ -33,6 +33,7 @@ from ..errors import AcollError, InvalidUsage
 from .backends.acoll import AcollBackend
 from .backends.tcp import TcpBackend
 from .backends.torch import TorchBackend
+from .buffers import CupyAllocator
 from .colls import COLLECTIVES, COLLS, Usage
 from .report import PROG, Result, report
 from .sweep import Spec, sweep, sweep_sizes
@@ -56,6 +57,7 @@ class _Opts:
     vs: str | None
     loop: str
     timeout: float | None
+    device: str  # where acoll's buffers live: cpu or cuda
     backend: str  # this process's side: acoll (acoll or tcp, as the collective says) or torch's
     result_file: str | None
     peer_init: str | None
@@ -107,6 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", metavar="FILE", help="write every record and metadata as JSON")
     p.add_argument("--plot", metavar="FILE.png",
                    help="plot busbw against size (needs matplotlib: pip install acoll[plot])")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="acoll's buffers: host NumPy (cpu, default) or CuPy on GPU "
+                        "local_rank %% ngpus (cuda)")
     p.add_argument("--vs", choices=("gloo", "nccl"),
                    help="also run torch.distributed with this backend and compare")
     p.add_argument("--no-inplace", dest="inplace", action="store_false",
@@ -144,7 +149,8 @@ def _parse(argv: list[str]) -> _Opts:
     spec = Spec(ns.collective, ns.minbytes, maxbytes, ns.stepfactor, ns.stepbytes, ns.iters,
                 ns.warmup_iters, DTYPE_NAMES[dtype], op.name.lower(), ns.root,
                 bool(ns.check), ns.average, ns.inplace, progress, ns.inject_error)
-    return _Opts(spec, ns.nranks, ns.json, ns.plot, ns.vs, ns.loop, ns.timeout, ns.backend,
+    return _Opts(spec, ns.nranks, ns.json, ns.plot, ns.vs, ns.loop, ns.timeout, ns.device,
+                 ns.backend,
                  ns.result_file, ns.peer_init, list(argv))
 
 
@@ -154,7 +160,8 @@ def _rank_args(o: _Opts, backend: str, result_file: str, peer_init: str | None) 
     args = [s.coll, "-b", str(s.minbytes), "-e", str(s.maxbytes), "-f", repr(s.factor),
             "-i", str(s.stepbytes), "-n", str(s.iters), "-w", str(s.warmup), "-d", s.dtype,
             "-o", s.op, "-r", str(s.root), "-c", str(int(s.check)), "-a", str(s.average),
-            "--loop", o.loop, "--backend", backend, "--result-file", result_file,
+            "--loop", o.loop, "--device", o.device, "--backend", backend,
+            "--result-file", result_file,
             "--progress" if s.progress else "--no-progress"]
     if not s.inplace:
         args.append("--no-inplace")
@@ -251,19 +258,24 @@ async def _acoll_rank(o: _Opts) -> tuple[Result, LaunchInfo | None, str | None]:
         info: LaunchInfo | None = ranks_from_env()
     except InvalidUsage:
         info = None
+    cuda = o.device == "cuda"
     if info is None:
-        comm = await init_rank(1, get_unique_id(), 0)
+        comm = await init_rank(1, get_unique_id(), 0, device=0 if cuda else None)
     else:
-        comm = await init_from_env()
+        comm = await init_from_env(device="auto" if cuda else None)
     peer_init: str | None = None
     async with comm:
-        backend = _ACOLL_SIDE[COLLS[o.spec.coll].backends[0]](comm)
+        side = COLLS[o.spec.coll].backends[0]
+        if cuda and side == "acoll":
+            assert comm.device is not None
+            backend = AcollBackend(comm, CupyAllocator(comm.device))
+        else:
+            backend = _ACOLL_SIDE[side](comm)
         res = await sweep(backend, o.spec)
         if o.vs is not None and o.result_file is None:
             host = parse_host_port(info.comm_id)[0] if info is not None else "127.0.0.1"
-            port = np.array([_free_port(host) if comm.rank == 0 else 0], np.int64)
-            await comm.broadcast(port, 0)
-            peer_init = f"tcp://{host}:{int(port[0])}"
+            port = await backend.broadcast_scalar(_free_port(host) if comm.rank == 0 else 0)
+            peer_init = f"tcp://{host}:{int(port)}"
     return res, info, peer_init
 
 

@@ -52,8 +52,9 @@ class AcollBackend(Backend):
         self.rank, self.size = comm.rank, comm.size
         transport = getattr(comm, "_transport", None)
         loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
+        where = "" if comm.device is None else f" (cuda:{comm.device} buffers)"
         self.info = {
-            "backend": f"acoll {__version__}",
+            "backend": f"acoll {__version__}{where}",
             "net": str(getattr(transport, "name", "?")) if self.size > 1 else "none",
             "loop": "uvloop" if loop == "uvloop" else "asyncio",
             "chunk": human(int(getattr(comm, "chunk_bytes", 0))),
@@ -73,12 +74,27 @@ class AcollBackend(Backend):
     async def barrier(self) -> None:
         await self.comm.barrier()
 
+    async def sync(self) -> None:
+        await self.comm.mem.settle()
+
+    def _scalar(self, value: float) -> tuple[Any, Callable[[Any], float]]:
+        """A one-element float64 buffer in the communicator's memory, and its reader."""
+        device = self.comm.device
+        if device is None:
+            return np.array([value], np.float64), lambda a: float(a[0])
+        from ..._cuda import import_cupy
+
+        cp = import_cupy()
+        with cp.cuda.Device(device):
+            arr = cp.array([value], cp.float64)
+        return arr, lambda a: float(a.get()[0])
+
     async def all_reduce_scalar(self, value: float, op: ReduceOp) -> float:
-        arr = np.array([value], np.float64)
+        arr, read = self._scalar(value)
         await self.comm.all_reduce(arr, None, op)
-        return float(arr[0])
+        return read(arr)
 
     async def broadcast_scalar(self, value: float) -> float:
-        arr = np.array([value], np.float64)
+        arr, read = self._scalar(value)
         await self.comm.broadcast(arr, 0)
-        return float(arr[0])
+        return read(arr)

@@ -1,0 +1,126 @@
+"""One rank of the GPU loop-lag and latency measurement (run under acoll-run).
+
+    python -m acoll.run -n 2 -- python bench/gpu_loop_lag.py [--json FILE]
+
+Each rank joins with ``device="auto"``. A ticker task (``await asyncio.sleep(0)`` in a
+loop) records the longest wall-clock gap between its resumptions while the rank runs a
+stream of 64 MiB all_reduces, first on GPU buffers (CuPy), then on host buffers (NumPy)
+for comparison; then the awaited latency of 8 B all_reduces (median and p99 of single
+ops) on both. Rank 0 prints one JSON document (and writes it to ``--json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from typing import Any
+
+import numpy as np
+
+import acoll
+
+
+class Ticker:
+    def __init__(self) -> None:
+        self.gaps: list[float] = []
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            self.gaps.append(now - last)
+            last = now
+
+    def __enter__(self) -> Ticker:
+        self._task = asyncio.ensure_future(self._run())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+
+    async def done(self) -> dict[str, float]:
+        assert self._task is not None
+        await self._task
+        g = sorted(self.gaps)
+        return {"worst_ms": g[-1] * 1e3, "p99_ms": g[int(0.99 * (len(g) - 1))] * 1e3,
+                "ticks": len(g)}
+
+
+async def lag(comm: acoll.Communicator, x: Any, iters: int) -> dict[str, float]:
+    await comm.all_reduce(x)  # warm-up: pools, kernels
+    await comm.barrier()
+    t0 = time.perf_counter()
+    with Ticker() as ticker:
+        for _ in range(iters):
+            await comm.all_reduce(x)
+    res = await ticker.done()
+    res["op_ms"] = (time.perf_counter() - t0) / iters * 1e3
+    return res
+
+
+async def latency(comm: acoll.Communicator, x: Any, iters: int) -> dict[str, float]:
+    for _ in range(20):
+        await comm.all_reduce(x)
+    await comm.barrier()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        await comm.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"median_us": statistics.median(times) * 1e6,
+            "p99_us": times[int(0.99 * (len(times) - 1))] * 1e6}
+
+
+def _write(path: str, text: str) -> None:
+    with open(path, "w") as f:
+        f.write(text)
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--json")
+    p.add_argument("--iters", type=int, default=8)
+    p.add_argument("--mib", type=int, default=64)
+    args = p.parse_args()
+    import cupy as cp
+
+    out: dict[str, Any] = {}
+    count = args.mib << 18  # float32
+    gpu = await acoll.init_from_env(device="auto")
+    async with gpu:
+        with cp.cuda.Device(gpu.device):
+            x = cp.ones(count, cp.float32)
+            small = cp.ones(2, cp.float32)
+        out["gpu_lag"] = await lag(gpu, x, args.iters)
+        out["gpu_latency_8B"] = await latency(gpu, small, 300)
+        rank, size, device = gpu.rank, gpu.size, gpu.device
+    del x
+    host = await acoll.init_from_env()
+    async with host:
+        out["host_lag"] = await lag(host, np.ones(count, np.float32), args.iters)
+        out["host_latency_8B"] = await latency(host, np.ones(2, np.float32), 300)
+    out["latency_delta_us"] = (out["gpu_latency_8B"]["median_us"]
+                               - out["host_latency_8B"]["median_us"])
+    out.update(rank=rank, nranks=size, device=device, mib=args.mib,
+               loop=type(asyncio.get_running_loop()).__module__)
+    if rank == 0:
+        text = json.dumps(out, indent=1)
+        print(text, flush=True)
+        if args.json:
+            _write(args.json, text + "\n")
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())

@@ -1,0 +1,426 @@
+"""CUDA device memory (CuPy): one :class:`CudaSpace` per GPU communicator.
+
+CuPy is imported when a space is made, never when acoll is imported. Buffers are
+:class:`DeviceView` objects, raw pointer views (CuPy has no bfloat16, and the kernels take
+pointers anyway). Everything is *enqueued* on the space's own stream, a non-blocking stream
+created on the space's device, so the methods return at once:
+
+- ``reduce`` / ``finish_avg``: the generated kernels of :mod:`acoll._cuda.kernels`;
+- ``copy``: ``cudaMemcpyAsync``;
+- ``settle``: waits for the stream without blocking the loop (a short yielding spin on an
+  event, then the pipe signal of :mod:`acoll._cuda.completion`);
+- ``staging()``: D2H/H2D copies through pooled page-locked host buffers, for transports that
+  move host memory (:mod:`acoll._transport.staged`).
+
+Several ranks of one process may drive different GPUs: every call that touches CUDA enters
+``cupy.cuda.Device(k)`` for its synchronous part only, never across an ``await``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import time
+from typing import Any
+
+import numpy as np
+
+from .._cuda import CudaUnavailable, import_cupy
+from .._cuda.completion import arm_stream
+from .._cuda.kernels import launch_finish_avg, launch_reduce
+from .._dtypes import (
+    _CAPSULES,
+    _DTYPE_IN_TENSOR,
+    BFLOAT16,
+    DTYPES,
+    ReduceOp,
+    _capsule_is_valid,
+    _capsule_pointer,
+)
+from ..errors import InvalidUsage
+from .base import Buffer, DType, Fence, MemoryKind, MemorySpace, Pace, Staging, StreamOrder
+from .host import HostSpace
+
+__all__ = ["CudaSpace", "DeviceView", "adopt_device_array"]
+
+#: Seconds a wait polls its event (yielding to the loop in between) before it arms the
+#: pipe signal: small copies and kernels finish within it, at a few µs of latency.
+SPIN_S = 100e-6
+_D2H, _H2D, _DEFAULT = 2, 1, 4  # cudaMemcpyKind
+
+
+class DeviceView:
+    """``size`` elements of ``dtype`` at device pointer ``ptr`` on ``device``.
+
+    ``owner`` keeps the memory alive (a CuPy array or allocation, a DLPack capsule and its
+    producer). Slices (step 1) are views sharing ``owner``.
+    """
+
+    __slots__ = ("device", "dtype", "owner", "ptr", "size")
+
+    def __init__(self, ptr: int, size: int, dtype: DType, device: int, owner: Any) -> None:
+        self.ptr, self.size, self.dtype, self.device, self.owner = ptr, size, dtype, device, owner
+
+    @property
+    def itemsize(self) -> int:
+        return int(self.dtype.itemsize)
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * int(self.dtype.itemsize)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, items: slice) -> DeviceView:
+        if not isinstance(items, slice):
+            raise TypeError("DeviceView takes slices only")
+        start, stop, step = items.indices(self.size)
+        if step != 1:
+            raise ValueError("DeviceView slices must be contiguous (step 1)")
+        return DeviceView(self.ptr + start * self.itemsize, max(stop - start, 0), self.dtype,
+                          self.device, self.owner)
+
+    @property
+    def __cuda_array_interface__(self) -> dict[str, Any]:
+        typestr = "<u2" if self.dtype == BFLOAT16 else self.dtype.str
+        return {"shape": (self.size,), "typestr": typestr, "data": (self.ptr, False),
+                "version": 3, "strides": None}
+
+    def __repr__(self) -> str:
+        return f"<DeviceView {self.size} x {self.dtype} at {self.ptr:#x} on cuda:{self.device}>"
+
+
+# ------------------------------------------------------------------------ adopting arrays
+
+_KDLCUDA, _KDLCUDAMANAGED = 2, 13
+_DL_CODES = {0: "i", 1: "u", 2: "f"}
+_READ_ONLY = 1  # DLPACK_FLAG_BITMASK_READ_ONLY
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device_type", ctypes.c_int32),
+                ("device_id", ctypes.c_int32), ("ndim", ctypes.c_int32),
+                ("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16),
+                ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+assert _DLTensor.code.offset == _DTYPE_IN_TENSOR  # the layout _dtypes relies on too
+
+
+def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsize: int) -> bool:
+    """C- or Fortran-contiguous (``strides`` in bytes; ``None``: C-contiguous)."""
+    if strides is None or int(np.prod(shape)) <= 1:
+        return True
+    for dims, strs in ((shape, strides), (shape[::-1], strides[::-1])):
+        step, ok = itemsize, True
+        for dim, stride in zip(reversed(dims), reversed(strs), strict=True):
+            if dim != 1 and stride != step:
+                ok = False
+                break
+            step *= dim
+        if ok:
+            return True
+    return False
+
+
+def _checked(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
+             dtype: np.dtype[Any], device: int, owner: Any, what: str) -> DeviceView:
+    if dtype not in DTYPES:
+        raise InvalidUsage(f"{what} has dtype {dtype}, which is not supported")
+    if not _contiguous(shape, strides, dtype.itemsize):
+        raise InvalidUsage(f"{what} is not contiguous")
+    return DeviceView(ptr, int(np.prod(shape, dtype=np.int64)), dtype, device, owner)
+
+
+def _from_dlpack(obj: Any, what: str, writable: bool) -> DeviceView:
+    try:
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0
+            capsule = obj.__dlpack__()
+    except (BufferError, RuntimeError, TypeError) as exc:
+        raise InvalidUsage(f"{what}: cannot export it through DLPack: {exc}") from exc
+    name = next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
+    if name is None:
+        raise InvalidUsage(f"{what}: its __dlpack__ returned no DLPack capsule")
+    base = _capsule_pointer(capsule, name)
+    if name == b"dltensor_versioned" and writable:
+        flags = ctypes.c_uint64.from_address(base + _CAPSULES[name] - 8).value
+        if flags & _READ_ONLY:
+            raise InvalidUsage(f"{what} is read-only")
+    t = _DLTensor.from_address(base + _CAPSULES[name])
+    if t.device_type not in (_KDLCUDA, _KDLCUDAMANAGED):
+        raise InvalidUsage(f"{what} is not in GPU memory (DLPack device type "
+                           f"{t.device_type})")
+    if t.lanes != 1 or (t.code not in _DL_CODES and (t.code, t.bits) != (4, 16)):
+        raise InvalidUsage(f"{what} has an unsupported DLPack dtype (code {t.code}, "
+                           f"{t.bits} bits)")
+    dtype = BFLOAT16 if t.code == 4 else np.dtype(f"{_DL_CODES[t.code]}{t.bits // 8}")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = None if not t.strides else tuple(t.strides[i] * dtype.itemsize
+                                               for i in range(t.ndim))
+    # The capsule (and obj) own the memory: keep both for as long as the view lives.
+    return _checked(int(t.data or 0) + int(t.byte_offset), shape, strides, dtype,
+                    int(t.device_id), (obj, capsule), what)
+
+
+def _from_cai(obj: Any, what: str, writable: bool, cp: Any) -> DeviceView:
+    cai = obj.__cuda_array_interface__
+    ptr, readonly = cai["data"]
+    if writable and readonly:
+        raise InvalidUsage(f"{what} is read-only")
+    dtype = np.dtype(cai["typestr"])
+    shape = tuple(int(d) for d in cai["shape"])
+    strides = cai.get("strides")
+    device = -1
+    if ptr:
+        try:
+            device = int(cp.cuda.runtime.pointerGetAttributes(ptr).device)
+        except Exception as exc:
+            raise InvalidUsage(f"{what}: its __cuda_array_interface__ pointer is not GPU "
+                               f"memory: {exc}") from None
+    return _checked(int(ptr), shape, None if strides is None else tuple(strides), dtype,
+                    device, obj, what)
+
+
+def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> DeviceView:
+    """``obj`` (a :class:`DeviceView`, a CuPy array, anything with a CUDA ``__dlpack__`` or
+    ``__cuda_array_interface__``) as a flat device view, without copying.
+
+    Raises:
+        InvalidUsage: naming ``what``: host memory, not contiguous, read-only where
+            ``writable``, unsupported dtype.
+    """
+    if isinstance(obj, DeviceView):
+        return obj
+    cp = import_cupy()
+    if isinstance(obj, cp.ndarray):
+        if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+            raise InvalidUsage(f"{what} is not contiguous")
+        return _checked(int(obj.data.ptr), (obj.size,), None, obj.dtype, obj.device.id, obj,
+                        what)
+    dev = getattr(obj, "__dlpack_device__", None)
+    if dev is not None and hasattr(obj, "__dlpack__"):
+        try:
+            kind, index = (int(v) for v in dev())
+        except Exception:
+            kind, index = -1, 0
+        if kind in (_KDLCUDA, _KDLCUDAMANAGED):
+            # Producers may export only on their current device (torch does).
+            with cp.cuda.Device(index):
+                return _from_dlpack(obj, what, writable)
+    if hasattr(obj, "__cuda_array_interface__"):
+        try:
+            return _from_cai(obj, what, writable, cp)
+        except (TypeError, AttributeError, RuntimeError) as exc:  # e.g. torch bf16
+            raise InvalidUsage(f"{what}: bad __cuda_array_interface__: {exc}") from None
+    raise InvalidUsage(f"{what} is in host memory ({type(obj).__name__}); a GPU "
+                       "communicator needs GPU buffers (CuPy arrays, torch CUDA tensors, "
+                       "or anything with __cuda_array_interface__ or a CUDA __dlpack__)")
+
+
+# ------------------------------------------------------------------------ waiting for work
+
+class _EventFence(Fence):
+    """A recorded event of ``space``'s stream."""
+
+    __slots__ = ("event", "space")
+
+    def __init__(self, space: CudaSpace, event: Any) -> None:
+        self.space, self.event = space, event
+
+    def done(self) -> bool:
+        return bool(self.event.done)
+
+    async def wait(self, deadline: float | None = None) -> None:
+        await self.space.wait_event(self.event, deadline)
+
+
+class _Order(StreamOrder):
+    def __init__(self, space: CudaSpace, stream: Any, settle: bool) -> None:
+        self.space, self.stream, self.settle = space, stream, settle
+        with space.cp.cuda.Device(space.device):
+            self.event = space.cp.cuda.Event(block=False, disable_timing=True)
+            self.event.record(stream)
+
+    def start(self) -> None:
+        with self.space.cp.cuda.Device(self.space.device):
+            self.space.stream.wait_event(self.event)
+
+    def finish(self) -> None:
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            done = space.cp.cuda.Event(block=False, disable_timing=True)
+            done.record(space.stream)
+            self.stream.wait_event(done)
+
+
+# ------------------------------------------------------------------------ the space
+
+class CudaSpace(MemorySpace):
+    """CUDA memory of ``device`` (see the module docstring). One per communicator: it
+    holds that communicator's stream, scratch pool and pinned staging pool.
+
+    Raises:
+        CudaUnavailable: no CuPy. InvalidUsage: no such device.
+    """
+
+    kind = MemoryKind.CUDA
+
+    def __init__(self, device: int) -> None:
+        cp = import_cupy()
+        try:
+            count = int(cp.cuda.runtime.getDeviceCount())
+        except Exception as exc:  # no driver
+            raise CudaUnavailable(f"no usable CUDA driver or device: {exc}") from None
+        if isinstance(device, bool) or not isinstance(device, int) or not 0 <= device < count:
+            raise InvalidUsage(f"device must be a CUDA device in [0, {count}), got {device!r}")
+        self.cp = cp
+        self.device = device
+        self.ordinal = device  # the same, typed as an int
+        with cp.cuda.Device(device):
+            self.stream = cp.cuda.Stream(non_blocking=True)
+            self._side = cp.cuda.Stream(non_blocking=True)  # carries pipe signals of waits
+        self._pool: dict[int, Any] = {}
+        self._staging: CudaStaging | None = None
+
+    def __repr__(self) -> str:
+        return f"cuda:{self.device} memory"
+
+    # -- buffers
+    def adopt(self, obj: Any, what: str, *, writable: bool = False) -> Buffer:
+        view = adopt_device_array(obj, what, writable=writable)
+        if view.size and view.device != self.device:
+            raise InvalidUsage(f"{what} is on cuda:{view.device}; this communicator uses "
+                               f"cuda:{self.device}")
+        return Buffer(view, self)
+
+    def _alloc(self, nbytes: int) -> Any:
+        # Allocated while our stream is current, so CuPy's pool hands the block to other
+        # work only in our stream's order once it is freed.
+        with self.cp.cuda.Device(self.device), self.stream:
+            return self.cp.cuda.alloc(max(nbytes, 256))
+
+    def empty(self, count: int, dtype: DType) -> Buffer:
+        mem = self._alloc(count * dtype.itemsize)
+        return Buffer(DeviceView(int(mem.ptr), count, dtype, self.ordinal, mem), self)
+
+    def scratch(self, count: int, dtype: DType, slot: int = 0) -> Buffer:
+        nbytes = count * dtype.itemsize
+        mem = self._pool.get(slot)
+        if mem is None or mem.mem.size < nbytes:
+            mem = self._pool[slot] = self._alloc(nbytes)
+        return Buffer(DeviceView(int(mem.ptr), count, dtype, self.ordinal, mem), self)
+
+    # -- work (enqueued)
+    async def reduce(self, out: Buffer, a: Buffer, b: Buffer, op: ReduceOp,
+                     pace: Pace) -> None:
+        with self.cp.cuda.Device(self.device):
+            launch_reduce(out.ptr, a.ptr, b.ptr, out.count, op, out.dtype, self.stream)
+
+    async def finish_avg(self, buf: Buffer, n: int, pace: Pace) -> None:
+        with self.cp.cuda.Device(self.device):
+            launch_finish_avg(buf.ptr, buf.count, n, buf.dtype, self.stream)
+
+    async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
+        if dst.nbytes:
+            with self.cp.cuda.Device(self.device):
+                self.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _DEFAULT,
+                                                 self.stream.ptr)
+
+    def pointer(self, buf: Buffer) -> int:
+        return int(buf.array.ptr)
+
+    def byte_view(self, buf: Buffer) -> memoryview:
+        raise InvalidUsage("GPU memory has no host view; a transport that moves host "
+                           "memory needs staging (acoll._transport.staged)")
+
+    # -- completion and streams
+    def record(self) -> Any:
+        """A new event recorded on the space's stream now."""
+        with self.cp.cuda.Device(self.device):
+            event = self.cp.cuda.Event(block=False, disable_timing=True)
+            event.record(self.stream)
+        return event
+
+    async def wait_event(self, event: Any, deadline: float | None = None) -> None:
+        """Return once ``event`` has passed: poll it for up to :data:`SPIN_S`, yielding to
+        the loop between polls, then sleep until the pipe signal (never blocks the loop)."""
+        if event.done:
+            return
+        end = time.perf_counter() + SPIN_S
+        while time.perf_counter() < end:
+            await asyncio.sleep(0)
+            if event.done:
+                return
+        with self.cp.cuda.Device(self.device):
+            self._side.wait_event(event)
+            signal = arm_stream(self._side, deadline=deadline,
+                                what=f"GPU work on cuda:{self.device}")
+        await signal
+
+    async def settle(self, deadline: float | None = None) -> None:
+        await self.wait_event(self.record(), deadline)
+
+    def resolve_stream(self, stream: Any) -> Any:
+        """``stream`` as a CuPy stream: ``None`` (CuPy's current stream on this device), a
+        CuPy stream, a torch stream (``.cuda_stream``) or a raw ``cudaStream_t`` int.
+
+        Raises:
+            InvalidUsage: anything else.
+        """
+        cp = self.cp
+        if stream is None:
+            with cp.cuda.Device(self.device):
+                return cp.cuda.get_current_stream()
+        if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
+            return stream
+        handle = getattr(stream, "cuda_stream", stream)
+        if isinstance(handle, bool) or not isinstance(handle, int):
+            raise InvalidUsage(f"stream= must be a CuPy stream, a torch stream or a "
+                               f"cudaStream_t int, not {type(stream).__name__}")
+        with cp.cuda.Device(self.device):
+            return cp.cuda.ExternalStream(handle)
+
+    def order(self, stream: Any) -> StreamOrder:
+        return _Order(self, self.resolve_stream(stream), settle=stream is None)
+
+    def staging(self) -> CudaStaging:
+        if self._staging is None:
+            self._staging = CudaStaging(self)
+        return self._staging
+
+
+class CudaStaging(Staging):
+    """D2H/H2D copies on the space's stream through pooled page-locked host memory."""
+
+    kind = MemoryKind.CUDA
+
+    def __init__(self, space: CudaSpace) -> None:
+        super().__init__()
+        self.space = space
+        self._host = HostSpace()
+
+    def _allocate(self, nbytes: int) -> Buffer:
+        cp = self.space.cp
+        with cp.cuda.Device(self.space.device):
+            mem = cp.cuda.alloc_pinned_memory(nbytes)
+        return self._host.wrap(np.frombuffer(mem, np.uint8, nbytes))  # keeps mem alive
+
+    def _copy(self, dst: Buffer, src: Buffer, kind: int) -> Fence:
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            if dst.nbytes:
+                space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, kind,
+                                                  space.stream.ptr)
+            event = space.cp.cuda.Event(block=False, disable_timing=True)
+            event.record(space.stream)
+        return _EventFence(space, event)
+
+    def download(self, dst: Buffer, src: Buffer) -> Fence:
+        return self._copy(dst, src, _D2H)
+
+    def upload(self, dst: Buffer, src: Buffer) -> Fence:
+        return self._copy(dst, src, _H2D)

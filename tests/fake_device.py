@@ -1,0 +1,190 @@
+"""A fake device memory space: host NumPy memory that acoll must treat as device memory.
+
+It drives the device code paths on a CPU: argument adoption (host buffers and buffers of
+another "device" are refused), stream ordering hooks, settling, and above all staging
+(:mod:`acoll._transport.staged`): its buffers have no host view (``byte_view`` raises, as
+for CUDA), so a transport that moves host memory can carry them only through the staging
+copies. Downloads complete *later* (their fence passes on a later loop iteration, and the
+bytes are copied only then, as a real asynchronous copy would land), so a send posted
+before its copy finished would carry stale bytes and fail the exact result checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from acoll._dtypes import ReduceOp, as_host_array
+from acoll._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, Staging
+from acoll._memory.base import DType, Pace, StreamOrder
+from acoll.errors import InvalidUsage
+
+
+class FakeDevArray:
+    """A NumPy array "on" fake device ``device``; slices share memory."""
+
+    def __init__(self, arr: np.ndarray[Any, Any], device: int = 0) -> None:
+        self.arr, self.device = arr, device
+
+    def __getitem__(self, items: Any) -> FakeDevArray:
+        return FakeDevArray(self.arr[items], self.device)
+
+    @property
+    def size(self) -> int:
+        return int(self.arr.size)
+
+    def get(self) -> np.ndarray[Any, Any]:
+        """A host copy."""
+        return self.arr.copy()
+
+
+class _Done(Fence):
+    def done(self) -> bool:
+        return True
+
+    async def wait(self, deadline: float | None = None) -> None:
+        return
+
+
+class _Later(Fence):
+    """Passes ``iterations`` loop iterations after it was made, running ``then`` first."""
+
+    def __init__(self, then: Any, iterations: int) -> None:
+        self._done = False
+        self._then = then
+        loop = asyncio.get_running_loop()
+        self._event = asyncio.Event()
+
+        def step(left: int) -> None:
+            if left:
+                loop.call_soon(step, left - 1)
+                return
+            self._then()
+            self._done = True
+            self._event.set()
+
+        loop.call_soon(step, iterations)
+
+    def done(self) -> bool:
+        return self._done
+
+    async def wait(self, deadline: float | None = None) -> None:
+        await self._event.wait()
+
+
+class FakeStaging(Staging):
+    def __init__(self, delay: int) -> None:
+        super().__init__()
+        self.delay = delay
+        self._host = HostSpace()
+        self.downloads = self.uploads = 0
+
+    def _allocate(self, nbytes: int) -> Buffer:
+        return self._host.wrap(np.empty(nbytes, np.uint8))
+
+    @staticmethod
+    def _bytes(buf: Buffer) -> np.ndarray[Any, Any]:
+        return buf.array.reshape(-1).view(np.uint8)  # type: ignore[no-any-return]
+
+    def download(self, dst: Buffer, src: Buffer) -> Fence:
+        assert dst.kind is MemoryKind.HOST
+        assert src.kind is MemoryKind.CUDA
+        self.downloads += 1
+        d, s = self._bytes(dst), self._bytes(src)
+
+        def copy() -> None:
+            d[...] = s
+
+        if not self.delay:
+            copy()
+            return _Done()
+        return _Later(copy, self.delay)
+
+    def upload(self, dst: Buffer, src: Buffer) -> Fence:
+        assert dst.kind is MemoryKind.CUDA
+        assert src.kind is MemoryKind.HOST
+        self.uploads += 1
+        self._bytes(dst)[...] = self._bytes(src)  # later "stream" work runs after it
+        return _Done()
+
+
+class _FakeOrder(StreamOrder):
+    def __init__(self, space: FakeDeviceSpace, stream: Any) -> None:
+        self.space, self.stream, self.settle = space, stream, stream is None
+
+    def start(self) -> None:
+        self.space.events.append(("start", self.stream))
+
+    def finish(self) -> None:
+        self.space.events.append(("finish", self.stream))
+
+
+class FakeDeviceSpace(MemorySpace):
+    """Fake device ``device`` (see the module docstring); ``delay``: loop iterations a
+    download takes (0: synchronous)."""
+
+    kind = MemoryKind.CUDA
+    delay = 2
+
+    def __init__(self, device: int) -> None:
+        self.device = device
+        self._host = HostSpace()
+        self._staging = FakeStaging(self.delay)
+        self.events: list[tuple[str, Any]] = []
+        self.settles = 0
+
+    def __repr__(self) -> str:
+        return f"fake device {self.device}"
+
+    def adopt(self, obj: Any, what: str, *, writable: bool = False) -> Buffer:
+        if not isinstance(obj, FakeDevArray):
+            raise InvalidUsage(f"{what} is in host memory; this communicator uses fake "
+                               f"device {self.device}")
+        if obj.device != self.device:
+            raise InvalidUsage(f"{what} is on fake device {obj.device}; this communicator "
+                               f"uses fake device {self.device}")
+        return Buffer(as_host_array(obj.arr, what, writable=writable), self)
+
+    def empty(self, count: int, dtype: DType) -> Buffer:
+        return Buffer(self._host.empty(count, dtype).array, self)
+
+    def scratch(self, count: int, dtype: DType, slot: int = 0) -> Buffer:
+        return Buffer(self._host.scratch(count, dtype, slot).array, self)
+
+    async def reduce(self, out: Buffer, a: Buffer, b: Buffer, op: ReduceOp,
+                     pace: Pace) -> None:
+        await self._host.reduce(out, a, b, op, pace)
+
+    async def finish_avg(self, buf: Buffer, n: int, pace: Pace) -> None:
+        await self._host.finish_avg(buf, n, pace)
+
+    async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
+        await self._host.copy(dst, src, pace)
+
+    async def settle(self, deadline: float | None = None) -> None:
+        self.settles += 1
+
+    def pointer(self, buf: Buffer) -> int:
+        return int(buf.array.__array_interface__["data"][0])
+
+    def byte_view(self, buf: Buffer) -> memoryview:
+        raise InvalidUsage("fake device memory has no host view")
+
+    def order(self, stream: Any) -> StreamOrder:
+        if stream is not None and not isinstance(stream, str):
+            raise InvalidUsage("stream= must be a str on a fake device")
+        return _FakeOrder(self, stream)
+
+    def staging(self) -> FakeStaging:
+        return self._staging
+
+
+def to_dev(device: int = 0) -> Any:
+    """``check_all``'s ``dev``: a NumPy array copied to fake device ``device``."""
+    return lambda arr: FakeDevArray(np.array(arr, copy=True), device)
+
+
+def to_host(buf: FakeDevArray) -> np.ndarray[Any, Any]:
+    return buf.get()

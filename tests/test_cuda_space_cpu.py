@@ -1,0 +1,128 @@
+"""acoll's real CUDA space and staging (:mod:`acoll._memory.cuda`) run on a CPU, over a
+stand-in for CuPy (``tests/fake_cupy.py``): the collective matrix over TCP, two ranks of
+one process on two "devices" (every copy and kernel enqueued under the device that owns
+the memory), and ``stream=`` ordering bookkeeping. What needs a real GPU (asynchrony,
+the kernels themselves, DLPack of CUDA tensors) is in tests/test_gpu.py."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+import fake_cupy
+from acoll._dtypes import BFLOAT16
+from acoll.testing import run_ranks
+from collective_cases import ALL_OPS, check_all
+
+DTYPES = [np.dtype(np.int8), BFLOAT16, np.dtype(np.float32)]
+
+
+@pytest.fixture
+def cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from acoll._memory import cuda as cuda_mod
+
+    mod = fake_cupy.module()
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    monkeypatch.setattr(cuda_mod, "launch_reduce", fake_cupy.launch_reduce)
+    monkeypatch.setattr(cuda_mod, "launch_finish_avg", fake_cupy.launch_finish_avg)
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    fake_cupy.enqueued.clear()
+    return mod
+
+
+def _dev(device: int) -> Any:
+    return lambda arr: fake_cupy.ndarray(np.array(arr), device)
+
+
+def _host(buf: Any) -> np.ndarray[Any, Any]:
+    return buf.get()  # type: ignore[no-any-return]
+
+
+async def test_matrix_over_tcp_with_the_cuda_space(cupy: Any,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    from acoll._memory.cuda import CudaSpace, CudaStaging
+    from acoll._transport.staged import StagedConnection
+
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
+
+    async def fn(comm: acoll.Communicator) -> int:
+        assert isinstance(comm.mem, CudaSpace)
+        assert comm.device == 0
+        n = await check_all(comm, [0, 1, 7, 1000, 30001], DTYPES, ALL_OPS, dev=_dev(0),
+                            host=_host)
+        conn = await comm.connection(1 - comm.rank)
+        assert isinstance(conn, StagedConnection)
+        assert isinstance(conn.staging, CudaStaging)
+        assert conn.staged_sends > 0
+        return n
+
+    results = await run_ranks(2, fn, device=0)
+    assert results[0] == results[1] > 0
+    kinds = {what for what, _ in fake_cupy.enqueued}
+    assert {"memcpy", "reduce", "finish_avg", "record", "wait_event"} <= kinds
+
+
+async def test_two_devices_in_one_process(cupy: Any) -> None:
+    """Each rank's work is enqueued under its own device (the fake asserts it on every
+    copy and kernel), while the other rank's work interleaves on the same thread."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=r, ifname="=lo")
+                                   for r in range(2)))
+    try:
+        assert [c.device for c in comms] == [0, 1]
+        xs = [fake_cupy.ndarray(np.full(100_003, c.rank + 1.0, np.float32), c.rank)
+              for c in comms]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        for x in xs:
+            assert (x.get() == 3).all()
+
+        async def exchange(c: acoll.Communicator, x: Any) -> Any:
+            got = fake_cupy.ndarray(np.zeros(100_003, np.float32), c.rank)
+            async with c.group():
+                await c.send(x, 1 - c.rank)
+                await c.recv(got, 1 - c.rank)
+            return got
+
+        gots = await asyncio.gather(*(exchange(c, x) for c, x in zip(comms, xs, strict=True)))
+        assert all((g.get() == 3).all() for g in gots)
+        with pytest.raises(acoll.InvalidUsage, match="buf is on cuda:1"):
+            await comms[0].broadcast(xs[1])
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    for c in comms:
+        c.abort()
+
+
+async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        user = cupy.cuda.Stream(non_blocking=True)
+        x = fake_cupy.ndarray(np.ones(1000, np.float32), 0)
+        await comm.all_reduce(x, stream=user)
+        assert len(user.waits) == 1  # later work on the caller's stream waits for ours
+        assert user.waits[0].recorded_on is comm.mem.stream  # type: ignore[attr-defined]
+        await comm.all_reduce(x, stream=user.ptr)  # a raw handle
+        torch_like = type("S", (), {"cuda_stream": user.ptr})()
+        await comm.all_reduce(x, stream=torch_like)
+        assert (x.get() == 8).all()
+        null = cupy.cuda.get_current_stream()
+        before = len(null.waits)
+        await comm.all_reduce(x)  # no stream=: CuPy's current stream
+        assert len(null.waits) == before + 1
+        with pytest.raises(acoll.InvalidUsage, match="stream= must be"):
+            await comm.all_reduce(x, stream="s")
+
+    with pytest.raises(acoll.InvalidUsage, match="stream= must be"):
+        await run_ranks(2, fn, device=0)
+
+
+async def test_device_out_of_range(cupy: Any) -> None:
+    uid = acoll.get_unique_id(ifname="=lo")
+    with pytest.raises(acoll.InvalidUsage, match=r"device must be a CUDA device in \[0, 2\)"):
+        await acoll.init_rank(1, uid, 0, device=2, ifname="=lo")

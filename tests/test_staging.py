@@ -1,0 +1,341 @@
+"""Device buffers over host-memory transports (:mod:`acoll._transport.staged`), on a CPU.
+
+A fake device space (``tests/fake_device.py``: host memory that acoll must treat as
+device memory, whose downloads land a few loop iterations late) drives the same staging
+code as CUDA: the whole collective matrix over TCP gives exact results, TCP only ever sees
+host buffers, and the staged connection keeps the transport contract (the conformance
+battery, with every message staged).
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+from acoll import _communicator
+from acoll._dtypes import BFLOAT16
+from acoll._memory import Buffer, MemoryKind
+from acoll._transport.base import Connection, Listener, Transport
+from acoll._transport.staged import StagedConnection
+from acoll._transport.tcp import TcpConnection, TcpTransport
+from acoll.testing import run_ranks
+from collective_cases import ALL_OPS, check_all
+from fake_device import FakeDevArray, FakeDeviceSpace, FakeStaging, to_dev, to_host
+from transport_conformance import TransportConformance, TransportHarness
+
+KEY = bytes(range(32))
+DTYPES = [np.dtype(np.int8), np.dtype(np.float16), BFLOAT16, np.dtype(np.float32),
+          np.dtype(np.int64)]
+COUNTS = [0, 1, 7, 1000, 100003]
+
+
+@pytest.fixture
+def fake_devices(monkeypatch: pytest.MonkeyPatch) -> list[FakeDeviceSpace]:
+    """``init_rank(device=k)`` makes a fake device space; returns every space made."""
+    made: list[FakeDeviceSpace] = []
+
+    def make(device: int) -> FakeDeviceSpace:
+        made.append(FakeDeviceSpace(device))
+        return made[-1]
+
+    monkeypatch.setattr(_communicator, "device_space", make)
+    return made
+
+
+@pytest.fixture
+def tcp_kinds(monkeypatch: pytest.MonkeyPatch) -> list[MemoryKind]:
+    """The memory kind of every buffer TCP connections were handed."""
+    seen: list[MemoryKind] = []
+    isend, irecv = TcpConnection.isend, TcpConnection.irecv
+
+    def spy_send(self: TcpConnection, buf: Buffer, tag: int, meta: bytes = bytes(16)) -> Any:
+        seen.append(buf.kind)
+        return isend(self, buf, tag, meta)
+
+    def spy_recv(self: TcpConnection, buf: Buffer, tag: int) -> Any:
+        seen.append(buf.kind)
+        return irecv(self, buf, tag)
+
+    monkeypatch.setattr(TcpConnection, "isend", spy_send)
+    monkeypatch.setattr(TcpConnection, "irecv", spy_recv)
+    return seen
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_full_matrix_on_fake_device_over_tcp(
+        nranks: int, fake_devices: list[FakeDeviceSpace], tcp_kinds: list[MemoryKind],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")  # many chunks: sends queue behind copies
+
+    async def fn(comm: acoll.Communicator) -> int:
+        assert comm.device == 0
+        peers = [p for p in range(nranks) if p != comm.rank]
+        assert {comm.transport_name(p) for p in peers} == {"socket"}
+        dtypes = DTYPES if nranks == 2 else [np.dtype(np.int8), BFLOAT16, np.dtype(np.float32)]
+        checks = await check_all(comm, COUNTS, dtypes, ALL_OPS, dev=to_dev(0), host=to_host)
+        for p in peers:
+            conn = await comm.connection(p)
+            assert isinstance(conn, StagedConnection)
+            assert conn.staged_sends > 0
+            assert conn.staged_recvs > 0
+        return checks
+
+    results = await run_ranks(nranks, fn, device=0)
+    assert len(set(results)) == 1
+    assert tcp_kinds
+    assert set(tcp_kinds) == {MemoryKind.HOST}
+    for space in fake_devices:
+        staging = space.staging()
+        assert staging.downloads > 0
+        assert staging.uploads > 0
+        # Pooled: far fewer host buffers exist than were leased.
+        assert sum(len(v) for v in staging._free.values()) < staging.leased / 10
+        assert space.settles > 0  # every op without stream= waited for its work
+
+
+async def test_large_messages_and_many_chunks(fake_devices: list[FakeDeviceSpace],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+    n = 3_000_001
+
+    async def fn(comm: acoll.Communicator) -> None:
+        x = FakeDevArray(np.arange(n, dtype=np.float64) + comm.rank)
+        await comm.all_reduce(x)
+        np.testing.assert_array_equal(x.arr, 3 * np.arange(n) + 3)
+        b = FakeDevArray(np.full(n, comm.rank, np.int32))
+        await comm.broadcast(b, root=2)
+        assert (b.arr == 2).all()
+
+    await run_ranks(3, fn, device=0)
+
+
+async def test_device_arguments_are_checked(fake_devices: list[FakeDeviceSpace],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def fn(comm: acoll.Communicator) -> None:
+        await comm.all_reduce(np.zeros(4, np.float32), FakeDevArray(np.zeros(4, np.float32)))
+
+    with pytest.raises(acoll.InvalidUsage, match="send is in host memory"):
+        await run_ranks(1, fn, device=0)
+
+    async def wrong_device(comm: acoll.Communicator) -> None:
+        await comm.all_reduce(FakeDevArray(np.zeros(4)), FakeDevArray(np.zeros(4), 1))
+
+    with pytest.raises(acoll.InvalidUsage, match="recv is on fake device 1"):
+        await run_ranks(1, wrong_device, device=0)
+
+    async def strided(comm: acoll.Communicator) -> None:
+        await comm.broadcast(FakeDevArray(np.zeros(10)[::2]))
+
+    with pytest.raises(acoll.InvalidUsage, match="buf is not contiguous"):
+        await run_ranks(1, strided, device=0)
+
+
+async def test_bad_device_argument() -> None:
+    uid = acoll.get_unique_id(ifname="=lo")
+    for bad in (-1, 1.5, "0", True):
+        with pytest.raises(acoll.InvalidUsage, match="device must be"):
+            await acoll.init_rank(1, uid, 0, device=bad)  # type: ignore[arg-type]
+
+
+async def test_stream_argument_needs_a_device() -> None:
+    async def fn(comm: acoll.Communicator) -> None:
+        with pytest.raises(acoll.InvalidUsage, match="stream= needs a GPU communicator"):
+            await comm.all_reduce(np.zeros(4), stream=1)
+
+    await run_ranks(2, fn)
+
+
+async def test_stream_ordering_hooks(fake_devices: list[FakeDeviceSpace],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each op starts after the caller's stream and publishes to it; only ops without
+    ``stream=`` wait for their work (``settle``)."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def fn(comm: acoll.Communicator) -> None:
+        space = comm.mem
+        assert isinstance(space, FakeDeviceSpace)
+        x = FakeDevArray(np.ones(1000, np.float32))
+        before = space.settles
+        await comm.all_reduce(x, stream="s1")
+        assert space.events[-2:] == [("start", "s1"), ("finish", "s1")]
+        assert space.settles == before
+        await comm.all_gather(x[:10], FakeDevArray(np.zeros(20, np.float32)))
+        assert space.events[-2:] == [("start", None), ("finish", None)]
+        assert space.settles == before + 1
+        async with comm.group():
+            await comm.send(x, 1 - comm.rank, stream="g")
+            await comm.recv(FakeDevArray(np.zeros(1000, np.float32)), 1 - comm.rank,
+                            stream="g")
+        assert [e for e in space.events if e[1] == "g"] == [("start", "g"), ("start", "g"),
+                                                            ("finish", "g"), ("finish", "g")]
+        assert (x.arr == 2).all()
+
+    await run_ranks(2, fn, device=0)
+
+
+async def test_split_keeps_the_device(fake_devices: list[FakeDeviceSpace],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def fn(comm: acoll.Communicator) -> None:
+        sub = await comm.split(comm.rank % 2)
+        assert sub is not None
+        async with sub:
+            assert sub.device == comm.device
+            assert sub.mem is not comm.mem  # its own stream and pools
+            x = FakeDevArray(np.full(5, comm.rank, np.int64))
+            await sub.all_reduce(x)
+            assert (x.arr == (2 if comm.rank % 2 == 0 else 4)).all()
+
+    await run_ranks(4, fn, device=0)
+
+
+# ----------------------------------------------------------------------- the transport contract
+
+class _Labelled(StagedConnection):
+    """Stages *every* message: the battery's host buffers are relabelled as fake device
+    memory first."""
+
+    def __init__(self, inner: Connection, space: FakeDeviceSpace) -> None:
+        super().__init__(inner, space.staging())
+        self.space = space
+
+    def _relabel(self, buf: Buffer) -> Buffer:
+        return Buffer(buf.array, self.space) if buf.kind is MemoryKind.HOST else buf
+
+    def isend(self, buf: Buffer, tag: int, meta: bytes) -> Any:
+        return super().isend(self._relabel(buf), tag, meta)
+
+    def irecv(self, buf: Buffer, tag: int) -> Any:
+        return super().irecv(self._relabel(buf), tag)
+
+
+class _StagedListener(Listener):
+    def __init__(self, inner: Listener) -> None:
+        self.inner, self.handle = inner, inner.handle
+
+    async def accept(self) -> tuple[bytes, Connection]:
+        hello, conn = await self.inner.accept()
+        return hello, _Labelled(conn, FakeDeviceSpace(0))
+
+    def close(self) -> None:
+        self.inner.close()
+
+
+class _StagedTransport(Transport):
+    name = "staged"
+
+    def __init__(self, key: bytes = KEY) -> None:
+        self.inner = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=key, timeout=1.0)
+
+    async def listen(self) -> Listener:
+        return _StagedListener(await self.inner.listen())
+
+    async def connect(self, handle: bytes, hello: bytes, deadline: float) -> Connection:
+        return _Labelled(await self.inner.connect(handle, hello, deadline), FakeDeviceSpace(0))
+
+
+@pytest.fixture
+def harness() -> TransportHarness:
+    return TransportHarness("staged", _StagedTransport,
+                            stranger=lambda: _StagedTransport(bytes(range(1, 33))))
+
+
+class TestStagedConformance(TransportConformance):
+    """The shared battery on TCP, every message staged through (late) host copies."""
+
+
+def test_fake_staging_pool_reuses_after_fences() -> None:
+    staging = FakeStaging(0)
+    view, block = staging.lease(1000)
+    assert view.nbytes == 1000
+    assert block.nbytes == 4096
+    staging.release(block)
+    _view2, block2 = staging.lease(3000)
+    assert block2 is block
+    staging.release(block2)
+    _, big = staging.lease(5000)
+    assert big.nbytes == 8192
+
+
+def test_device_views_without_a_gpu() -> None:
+    """DeviceView and the contiguity rules need no CuPy; importing acoll imports no CuPy."""
+    from acoll._memory.cuda import DeviceView, _contiguous
+
+    v = DeviceView(4096, 100, np.dtype(np.float32), 0, None)
+    w = v[10:20]
+    assert (w.ptr, w.size, w.nbytes, w.itemsize) == (4096 + 40, 10, 40, 4)
+    assert v[95:200].size == 5
+    with pytest.raises(ValueError, match="contiguous"):
+        v[::2]
+    assert v.__cuda_array_interface__["typestr"] == "<f4"
+    assert DeviceView(0, 3, BFLOAT16, 0, None).__cuda_array_interface__["typestr"] == "<u2"
+    assert _contiguous((3, 4), (16, 4), 4)
+    assert _contiguous((3, 4), (4, 12), 4)  # Fortran order
+    assert not _contiguous((3, 4), (32, 8), 4)
+    assert _contiguous((1, 4), (999, 4), 4)  # unit dimensions may have any stride
+    import subprocess
+    import sys
+
+    code = "import sys, acoll; assert 'cupy' not in sys.modules, 'cupy imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_dlpack_parsing_on_cpu_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DLPack reader of GPU buffers, run on CPU tensors by treating device type 1
+    (CPU) as CUDA: pointer, count, dtype (bfloat16 included), strides, read-only flag."""
+    torch = pytest.importorskip("torch")
+    from acoll._memory import cuda as cuda_mod
+
+    monkeypatch.setattr(cuda_mod, "_KDLCUDA", 1)
+    for dtype, want in ((torch.float32, np.dtype(np.float32)), (torch.bfloat16, BFLOAT16),
+                        (torch.int8, np.dtype(np.int8)), (torch.uint8, np.dtype(np.uint8))):
+        t = torch.zeros(3, 5, dtype=dtype)[1:]
+        view = cuda_mod._from_dlpack(t, "send", writable=True)
+        assert (view.ptr, view.size, view.dtype, view.device) == (t.data_ptr(), 10, want, 0)
+    assert cuda_mod._from_dlpack(torch.zeros(4, 4).t(), "x", False).size == 16
+    with pytest.raises(acoll.InvalidUsage, match="send is not contiguous"):
+        cuda_mod._from_dlpack(torch.zeros(8)[::2], "send", False)
+    with pytest.raises(acoll.InvalidUsage, match="unsupported DLPack dtype"):
+        cuda_mod._from_dlpack(torch.zeros(2, dtype=torch.complex64), "send", False)
+
+
+def test_init_from_env_device_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """device="auto" binds local rank l to GPU l % ngpus (the glue, with a stand-in
+    init_rank and GPU count)."""
+    import asyncio
+    import sys
+    import types
+
+    from acoll import _env
+
+    calls: list[dict[str, object]] = []
+
+    async def fake_init_rank(nranks: int, uid: object, rank: int, **kw: object) -> str:
+        calls.append(kw)
+        return "comm"
+
+    fake = types.ModuleType("acoll._communicator")
+    fake.init_rank = fake_init_rank  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "acoll._communicator", fake)
+    monkeypatch.setattr(_env, "_gpu_count", lambda: 2)
+    for name in ("ACOLL_RANK", "ACOLL_COMM_ID", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("ACOLL_RANK", "3")
+    monkeypatch.setenv("ACOLL_WORLD_SIZE", "4")
+    monkeypatch.setenv("ACOLL_LOCAL_RANK", "3")
+    monkeypatch.setenv("ACOLL_COMM_ID", "127.0.0.1:29500")
+    assert asyncio.run(_env.init_from_env(device="auto")) == "comm"
+    assert asyncio.run(_env.init_from_env()) == "comm"
+    assert asyncio.run(_env.init_from_env(device=0)) == "comm"
+    assert calls == [{"device": 1}, {}, {"device": 0}]
+    with pytest.raises(acoll.InvalidUsage, match="device must be"):
+        asyncio.run(_env.init_from_env(device="cuda"))
