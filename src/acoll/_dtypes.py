@@ -209,6 +209,23 @@ class _Capsule:
         return (_KDLCPU, 0)
 
 
+def export_capsule(obj: Any, what: str, failure: str) -> tuple[object, bytes | None]:
+    """``obj.__dlpack__()`` (DLPack 1.0's versioned capsule when the producer can make one:
+    it carries the read-only flag) and the capsule's name (``None``: not a DLPack capsule).
+
+    Raises:
+        InvalidUsage: the producer refused, as ``"{what}: {failure}: ..."``.
+    """
+    try:
+        try:
+            capsule = obj.__dlpack__(max_version=(1, 0))
+        except TypeError:  # a producer older than DLPack 1.0
+            capsule = obj.__dlpack__()
+    except (BufferError, TypeError, RuntimeError) as exc:
+        raise InvalidUsage(f"{what}: {failure}: {exc}") from exc
+    return capsule, next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
+
+
 def _from_dlpack(obj: Any, what: str) -> npt.NDArray[Any]:
     """View a CPU DLPack exporter as an array; bfloat16 through a uint16 relabelling."""
     try:
@@ -225,14 +242,7 @@ def _from_dlpack(obj: Any, what: str) -> npt.NDArray[Any]:
     # NumPy knows no bfloat16. Export a capsule ourselves (versioned if the producer can:
     # it carries the read-only flag); if it holds bf16, mark it uint16 (same size; the
     # producer's deleter never reads the dtype) and let NumPy import that.
-    try:
-        try:
-            capsule = obj.__dlpack__(max_version=(1, 0))
-        except TypeError:  # a producer older than DLPack 1.0
-            capsule = obj.__dlpack__()
-    except (BufferError, TypeError, RuntimeError) as exc:
-        raise InvalidUsage(f"{what}: cannot view it as host memory: {exc}") from exc
-    name = next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
+    capsule, name = export_capsule(obj, what, "cannot view it as host memory")
     if name is None:
         raise InvalidUsage(f"{what}: cannot view it as host memory: {first}") from first
     tensor = _capsule_pointer(capsule, name) + _CAPSULES[name]

@@ -34,8 +34,8 @@ from .._dtypes import (
     BFLOAT16,
     DTYPES,
     ReduceOp,
-    _capsule_is_valid,
     _capsule_pointer,
+    export_capsule,
 )
 from ..errors import InvalidUsage
 from .base import Buffer, DType, Fence, MemoryKind, MemorySpace, Pace, Staging, StreamOrder
@@ -135,14 +135,7 @@ def _checked(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
 
 
 def _from_dlpack(obj: Any, what: str, writable: bool) -> DeviceView:
-    try:
-        try:
-            capsule = obj.__dlpack__(max_version=(1, 0))
-        except TypeError:  # a producer older than DLPack 1.0
-            capsule = obj.__dlpack__()
-    except (BufferError, RuntimeError, TypeError) as exc:
-        raise InvalidUsage(f"{what}: cannot export it through DLPack: {exc}") from exc
-    name = next((n for n in _CAPSULES if _capsule_is_valid(capsule, n)), None)
+    capsule, name = export_capsule(obj, what, "cannot export it through DLPack")
     if name is None:
         raise InvalidUsage(f"{what}: its __dlpack__ returned no DLPack capsule")
     base = _capsule_pointer(capsule, name)
