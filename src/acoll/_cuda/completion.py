@@ -130,7 +130,7 @@ async def _await_host_func(stream: Any, method: str, deadline: float | None,
                            what: str) -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-    cleanup = None
+    fd = None
     if method == "pipe":
         r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         try:
@@ -146,24 +146,10 @@ async def _await_host_func(stream: Any, method: str, deadline: float | None,
         except BaseException:
             os.close(r)
             raise
-
-        def cleanup() -> None:
-            loop.remove_reader(r)
-            os.close(r)
+        fd = r
     else:
         stream.launch_host_func(_wake, (loop, fut))
-    def expire() -> None:
-        if not fut.done():
-            fut.set_exception(_timeout(what))
-
-    timer = None if deadline is None else loop.call_at(deadline, expire)
-    try:
-        await fut
-    finally:
-        if timer is not None:
-            timer.cancel()
-        if cleanup is not None:
-            cleanup()
+    await _armed(fut, deadline, what, fd)
 
 
 # ------------------------------------------------------------------------------ query waits
