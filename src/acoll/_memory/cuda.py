@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import time
+import warnings
 from typing import Any
 
 import numpy as np
@@ -374,7 +375,10 @@ class CudaSpace(MemorySpace):
         if isinstance(handle, bool) or not isinstance(handle, int):
             raise InvalidUsage(f"stream= must be a CuPy stream, a torch stream or a "
                                f"cudaStream_t int, not {type(stream).__name__}")
-        with cp.cuda.Device(self.device):
+        with cp.cuda.Device(self.device), warnings.catch_warnings():
+            # CuPy 14 deprecates ExternalStream in favour of Stream.from_external, which
+            # takes objects with __cuda_stream__, not the raw handle we have here.
+            warnings.simplefilter("ignore", DeprecationWarning)
             return cp.cuda.ExternalStream(handle)
 
     def order(self, stream: Any) -> StreamOrder:

@@ -21,7 +21,10 @@ Contracts shared by every implementation (checked by ``tests/transport_conforman
 - At most one message per tag may be in flight per direction; reusing a tag before the
   previous message with it was received is a caller bug.
 - ``isend`` may return before the bytes left the machine; the buffer must stay untouched
-  until the returned future completes. ``irecv`` completes once the whole message is in
+  until the returned future completes. It may also complete only once the peer posted the
+  matching receive (the in-process transport hands large messages over by reference, as
+  MPI's rendezvous protocol does): never wait for a send before posting the receive that
+  the peer's own send needs. ``irecv`` completes once the whole message is in
   the buffer, with the sender's ``meta``. A message whose size differs from the receive
   buffer fails that receive with :class:`MessageSizeError` (the connection stays usable),
   once the whole message has arrived and been dropped, so the tag may be posted again.
