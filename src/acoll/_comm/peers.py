@@ -114,6 +114,9 @@ class PeerLinks:
                 counts[t.name] = counts.get(t.name, 0) + 1
         log.info("rank %d: transports per peer: %s", rank,
                  ", ".join(f"{name} x{n}" for name, n in counts.items()) or "none")
+        for peer, chosen in enumerate(self.choice):  # every pair, at ACOLL_DEBUG=TRACE
+            if chosen is not None:
+                log.debug("rank %d -> rank %d: %s", rank, peer, chosen.name)
 
     def transport_for(self, peer: int) -> Transport | None:
         return self.choice[peer]
