@@ -128,28 +128,32 @@ def _wake(arg: tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]) -> None:
 
 async def _await_host_func(stream: Any, method: str, deadline: float | None,
                            what: str) -> None:
+    await _arm(stream, method, deadline, what)
+
+
+def _arm(stream: Any, method: str, deadline: float | None, what: str) -> Awaitable[None]:
+    """Enqueue the ``pipe`` (or ``hostfunc``) signal on ``stream`` now; the awaitable
+    completes when the stream reaches it (or raises at ``deadline``)."""
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-    fd = None
-    if method == "pipe":
-        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            _launch_close(int(stream.ptr), w)
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        # From here the write end belongs to the host function: never close it ourselves
-        # (its number could be reused by then and the host function would close that).
-        try:
-            loop.add_reader(r, _settle, fut)
-        except BaseException:
-            os.close(r)
-            raise
-        fd = r
-    else:
+    if method != "pipe":
         stream.launch_host_func(_wake, (loop, fut))
-    await _armed(fut, deadline, what, fd)
+        return _armed(fut, deadline, what, None)
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        _launch_close(int(stream.ptr), w)
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    # From here the write end belongs to the host function: never close it ourselves
+    # (its number could be reused by then and the host function would close that).
+    try:
+        loop.add_reader(r, _settle, fut)
+    except BaseException:
+        os.close(r)
+        raise
+    return _armed(fut, deadline, what, r)
 
 
 # ------------------------------------------------------------------------------ query waits
@@ -234,26 +238,8 @@ def arm_stream(stream: Any, *, deadline: float | None = None, what: str = ""
     For callers that must enqueue under a given device (``with cupy.cuda.Device(k):``)
     and cannot hold that context across an ``await``: call it inside, await outside.
     """
-    m = _method(None)
     what = what or f"GPU work on stream {stream!r}"
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    if m == "pipe":
-        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-        try:
-            _launch_close(int(stream.ptr), w)
-        except BaseException:
-            os.close(r)
-            os.close(w)
-            raise
-        try:  # the write end belongs to the host function now (see _await_host_func)
-            loop.add_reader(r, _settle, fut)
-        except BaseException:
-            os.close(r)
-            raise
-        return _armed(fut, deadline, what, r)
-    stream.launch_host_func(_wake, (loop, fut))
-    return _armed(fut, deadline, what, None)
+    return _arm(stream, "pipe" if _method(None) == "pipe" else "hostfunc", deadline, what)
 
 
 async def _armed(fut: asyncio.Future[None], deadline: float | None, what: str,
