@@ -197,10 +197,14 @@ def test_space_reductions_match_the_host_bit_for_bit() -> None:
                 ga, gb = space.adopt(dev(a), "a"), space.adopt(dev(b), "b")
                 out_obj = dev(np.zeros_like(a))
                 out = space.adopt(out_obj, "out", writable=True)
+                copy_obj = dev(np.zeros_like(a))
+                # The inputs were written on CuPy's current stream, which the space's own
+                # (non-blocking) stream does not wait for: a communicator orders the two
+                # (stream=), this test uses the space directly.
+                cp.cuda.get_current_stream().synchronize()
                 await space.reduce(out, ga, gb, op, pace)
                 if op == ReduceOp.AVG:
                     await space.finish_avg(out, 3, pace)
-                copy_obj = dev(np.zeros_like(a))
                 await space.copy(space.adopt(copy_obj, "c", writable=True), out, pace)
                 await space.settle()
                 assert_same(to_host(copy_obj), want, f"{dt} {op.name}")
