@@ -50,8 +50,14 @@ def _torch_cuda() -> Any:
 # --------------------------------------------------------------------------- the matrix
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("path", ["p2p", "staged"])
 @pytest.mark.parametrize("nranks", [2, 3, 4])
-async def test_matrix_ranks_sharing_one_gpu(nranks: int) -> None:
+async def test_matrix_ranks_sharing_one_gpu(nranks: int, path: str,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """In one loop: the intra-host GPU path (direct mode), and with it turned off the
+    algorithms over staged transports."""
+    if path == "staged":
+        monkeypatch.setenv("ACOLL_P2P_DISABLE", "1")
     dtypes = ALL_DTYPES if nranks == 2 else _WIDE if nranks == 3 else _NARROW
 
     async def fn(comm: acoll.Communicator) -> int:
@@ -352,6 +358,7 @@ async def test_bit_identical_to_the_host_path(algo: str, monkeypatch: pytest.Mon
     """Random floats, same algorithm and chunks: GPU and host results are the same bits."""
     monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+    monkeypatch.setenv("ACOLL_P2P_DISABLE", "1")  # the staged path runs these algorithms
     dtypes = [np.dtype(np.float32), np.dtype(np.float16), BFLOAT16, np.dtype(np.float64)]
 
     def inputs(rank: int) -> list[np.ndarray[Any, Any]]:

@@ -36,7 +36,7 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import msgpack
 
@@ -50,13 +50,19 @@ from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.ordering import OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._config import TIMEOUT, Setting, get_logger, parse_bool
+from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, check_op_dtype
-from ._memory import Buffer, HostSpace, MemorySpace, StreamOrder
+from ._dtypes import ReduceOp, check_op_dtype, dtype_code
+from ._memory import Buffer, HostSpace, MemoryKind, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
+from ._p2p.ops import P2POp, Sequencer
+from ._p2p.plan import plan as p2p_plan
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from ._transport.select import select_transports
 from ._uid import UniqueId
+
+if TYPE_CHECKING:
+    from ._p2p.domain import P2PDomain
 from .errors import (
     AcollError,
     BootstrapError,
@@ -265,6 +271,8 @@ class Communicator:
         self._error: AcollError | None = None
         self._closed = False
         self._split_seq = 0
+        self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
+        self._p2p_seq = Sequencer()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
         self._checker = OrderChecker(self.rank, check, self.fail, lambda: self._exec.seq,
@@ -296,10 +304,11 @@ class Communicator:
             raise
         host_hash = _host_hash() & 0x7FFFFFFFFFFFFFFF
         loop_id = id(asyncio.get_running_loop())
+        p2p = _p2p_wanted(mem)
 
         def make_info(boot_addr: Address) -> bytes:
             return msgpack.packb({"host_hash": host_hash, "pid": os.getpid(), "proc": _PROC,
-                                  "loop": loop_id, "boot": list(boot_addr),
+                                  "loop": loop_id, "boot": list(boot_addr), "p2p": p2p,
                                   "handles": {t.name: lis.handle for t, lis in endpoints}})
 
         try:
@@ -320,6 +329,12 @@ class Communicator:
                 ring = {(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size}
                 await wait_until(asyncio.gather(*(comm.connection(p) for p in ring)),
                                  deadline_after(timeout), "ring connections")
+            # Every rank sees the same records, so all of them try the P2P path or none.
+            if comm.size > 1 and len({i.host_hash for i in infos}) == 1 and all(
+                    msgpack.unpackb(r).get("p2p", False) for r in raw):
+                from ._p2p.domain import P2PDomain
+                comm._p2p = await P2PDomain.establish(comm.mem, comm.rank, comm.size, boot,
+                                                      timeout)
         except BaseException:
             comm.abort()
             raise
@@ -373,6 +388,9 @@ class Communicator:
             return
         self._error = error
         log.info("rank %d: communicator failed: %s", self.rank, error)
+        self._p2p_seq.fail(error)
+        if self._p2p is not None:
+            self._p2p.abort()
         wire = error_to_wire(error, self.rank)
         notice = msgpack.packb({"kind": wire.kind, "message": wire.message,
                                 "rank": wire.rank})
@@ -392,6 +410,10 @@ class Communicator:
         self._closed = True
         if self._error is None:
             self._error = ClosedError("the communicator was aborted")
+        self._p2p_seq.fail(self._error)
+        if self._p2p is not None:
+            self._p2p.abort()
+            self._p2p.close()
         self._links.abort_all()
         self._links.stop(self._error)
         self._links.close_transports()
@@ -417,6 +439,10 @@ class Communicator:
                                          self._barrier_algo())
             except AcollError as exc:
                 failure = exc
+        if self._p2p is not None:
+            with contextlib.suppress(AcollError):
+                await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
+            self._p2p.close()
         self._closed = True
         self._links.stop(None)
         # A failed communicator queued its failure notice when it failed: give it a
@@ -486,6 +512,26 @@ class Communicator:
         mem, timeout = self.mem, self.timeout
         return lambda ctx: _OnStream(make(ctx), order, mem, timeout)
 
+    def _p2p_make(self, mode: int, name: str, s: Buffer, r: Buffer, count: int,
+                  order: StreamOrder | None, *, op: ReduceOp | None = None, root: int = 0
+                  ) -> MakeAlgorithm | None:
+        """The call on the intra-host GPU path, or ``None`` when the communicator has none.
+
+        Made at the call (not when the executor runs it): its launch ticket fixes the
+        order in which its kernels reach the stream."""
+        dom = self._p2p
+        if dom is None or order is None:
+            return None
+        steps = p2p_plan(mode, count, s.dtype.itemsize, self.size, self.rank, root,
+                         capacity=dom.capacity, direct=dom.direct,
+                         most_blocks=dom.most_blocks)
+        p2p_op = P2POp(dom, self._p2p_seq, order, self.timeout,
+                       dom.source(None if op is None else op, s.dtype), steps, s, r,
+                       root=root, op=0 if op is None else int(op),
+                       dtype_code=dtype_code(s.dtype), total=count,
+                       mine=f"{name} of {count} x {s.dtype}")
+        return lambda ctx: p2p_op
+
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
         return buffer_pair(self.mem, self.rank, self.size, send, recv, what, ratio_send,
@@ -514,7 +560,11 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
+        one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
+        make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
+                              "all_reduce", s, r, s.count, order, op=rop)
+        await self._exec.execute(desc, make or self._ordered(lambda ctx: cls(ctx, s, r, rop),
+                                                              order))
         return out
 
     @_announced
@@ -527,7 +577,9 @@ class Communicator:
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
-        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, b, root), order))
+        make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
+        await self._exec.execute(desc, make or self._ordered(lambda ctx: cls(ctx, b, root),
+                                                              order))
         return buf
 
     @_announced
@@ -555,8 +607,10 @@ class Communicator:
             assert r is not None
             await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
-                                                     order))
+        make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
+                              op=rop, root=root)
+        await self._exec.execute(desc, make or self._ordered(
+            lambda ctx: cls(ctx, s, r, root, rop), order))
         return out
 
     @_announced
@@ -573,7 +627,8 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, self._ordered(
+        make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
+        await self._exec.execute(desc, make or self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
         return out
 
@@ -591,7 +646,9 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, self._ordered(
+        make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
+                              op=rop)
+        await self._exec.execute(desc, make or self._ordered(
             lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
         return out
 
@@ -609,7 +666,9 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        await self._exec.execute(desc, self._ordered(
+        make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
+                              order)
+        await self._exec.execute(desc, make or self._ordered(
             lambda ctx: algos.DirectAllToAll(ctx, s, r), order))
         return out
 
@@ -720,6 +779,16 @@ class Communicator:
         except BaseException:
             sock.close()  # harmless if the bootstrap server already owns and closed it
             raise
+
+
+def _p2p_wanted(mem: MemorySpace | None) -> bool:
+    """Whether this rank offers the intra-host GPU path (a real CUDA space, not
+    disabled)."""
+    if mem is None or mem.kind != MemoryKind.CUDA:
+        return False
+    from ._memory.cuda import CudaSpace
+    from ._p2p.domain import DISABLE
+    return isinstance(mem, CudaSpace) and not DISABLE.resolve()
 
 
 def device_space(device: int) -> MemorySpace:

@@ -1,0 +1,127 @@
+"""A collective on the P2P path, run by the communicator's executor like any algorithm.
+
+The call's steps are launched in the order the calls were made (a ticket taken at the
+call, so that ops of one group whose kernels compile at different speeds still launch in
+the same order on every rank), each preceded in copy mode by the copies of this rank's
+pieces into its workspace, all on the communicator's stream, fitted into the caller's
+stream by ``order``. Without ``stream=`` the op then waits (off the loop thread) for the
+stream and raises what the kernels recorded; with ``stream=`` an error surfaces at the
+next call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from .._cuda.p2p_kernels import P2PSource
+from .._memory.base import Buffer, StreamOrder
+from .domain import P2PDomain
+from .plan import Step, pack_sig
+
+__all__ = ["P2POp", "Sequencer"]
+
+_DEFAULT = 4  # cudaMemcpyDefault
+
+
+class Sequencer:
+    """Hands out tickets at call time; :meth:`turn` waits until every earlier ticket is
+    :meth:`done`."""
+
+    def __init__(self) -> None:
+        self._next = 0
+        self._served = 0
+        self._finished: set[int] = set()
+        self._waiters: dict[int, asyncio.Future[None]] = {}
+        self._error: BaseException | None = None
+
+    def ticket(self) -> int:
+        self._next += 1
+        return self._next - 1
+
+    async def turn(self, ticket: int) -> None:
+        if self._error is not None:
+            raise self._error
+        if ticket == self._served:
+            return
+        fut = self._waiters[ticket] = asyncio.get_running_loop().create_future()
+        try:
+            await fut
+        finally:
+            self._waiters.pop(ticket, None)
+
+    def fail(self, error: BaseException) -> None:
+        """Make every waiting and later :meth:`turn` raise ``error`` (the communicator
+        failed: earlier tickets may never be done)."""
+        if self._error is None:
+            self._error = error
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(error)
+
+    def done(self, ticket: int) -> None:
+        self._finished.add(ticket)
+        while self._served in self._finished:
+            self._finished.discard(self._served)
+            self._served += 1
+        fut = self._waiters.get(self._served)
+        if fut is not None and not fut.done():
+            fut.set_result(None)
+
+
+class P2POp:
+    """One call: ``steps`` of ``src`` between ``send`` and ``recv`` (see module doc)."""
+
+    def __init__(self, dom: P2PDomain, seq: Sequencer, order: StreamOrder, timeout: float,
+                 src: P2PSource, steps: list[Step], send: Buffer, recv: Buffer, *,
+                 root: int, op: int, dtype_code: int, total: int, mine: str) -> None:
+        self.dom, self.seq, self.order, self.timeout = dom, seq, order, timeout
+        self.src, self.steps, self.send, self.recv = src, steps, send, recv
+        self.root, self.op, self.dtype_code, self.total, self.mine = (root, op, dtype_code,
+                                                                      total, mine)
+        self.ticket = seq.ticket()
+
+    async def run(self) -> None:
+        dom = self.dom
+        try:
+            dom.check()
+            kern = await dom.kernel(self.src)
+            await self.seq.turn(self.ticket)
+            dom.check()
+            self._enqueue(kern)
+        finally:
+            self.seq.done(self.ticket)
+        if self.order.settle:
+            await dom.space.settle(asyncio.get_running_loop().time() + self.timeout)
+            dom.check()
+
+    def _enqueue(self, kern: Any) -> None:
+        dom = self.dom
+        cp = dom.cp
+        isz = self.send.dtype.itemsize if self.src.dtype is not None else 1
+        unit = self.send.dtype.itemsize // isz  # elements -> kernel units
+        stream = dom.space.stream.ptr
+        self.order.start()
+        with cp.cuda.Device(dom.device):
+            for step in self.steps:
+                for piece in step.pieces:
+                    cp.cuda.runtime.memcpyAsync(
+                        dom.workspace + piece.dst * isz * unit,
+                        self.send.ptr + piece.src * isz * unit,
+                        piece.count * isz * unit, _DEFAULT, stream)
+                sig = pack_sig(step.mode, self.dtype_code, self.op, self.root, step.index)
+                dom.launch(kern, _scaled(step, unit), mode_sig=sig, total=self.total,
+                           root=self.root,
+                           in_ptr=self.send.ptr + step.in_off * isz * unit,
+                           out_ptr=self.recv.ptr + step.out_off * isz * unit,
+                           mine=self.mine)
+        self.order.finish()
+
+
+def _scaled(step: Step, unit: int) -> Step:
+    """A step in kernel units (bytes for the copy kernel)."""
+    if unit == 1:
+        return step
+    return Step(step.mode, step.index, step.n * unit, step.in_off * unit,
+                step.out_off * unit, step.out_stride * unit, step.src_stride * unit,
+                step.pieces, step.blocks)

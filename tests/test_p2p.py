@@ -1,0 +1,179 @@
+"""The intra-host GPU path without a GPU: step plans, descriptors, the launch order of a
+group, and the kernel sources (compiled with nvcc for sm_90 when it is installed)."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from acoll._cuda import p2p_kernels as pk
+from acoll._cuda.p2p_kernels import Mode
+from acoll._dtypes import DTYPE_NAMES, DTYPES, dtype_code
+from acoll._p2p.ops import Sequencer
+from acoll._p2p.plan import Piece, blocks_for, describe, pack_sig, plan
+from acoll.errors import RemoteError
+
+MiB = 1 << 20
+
+
+def _plan(mode: int, count: int, *, itemsize: int = 4, n: int = 2, rank: int = 0,
+          root: int = 0, capacity: int = MiB, direct: bool = False) -> list:
+    return plan(mode, count, itemsize, n, rank, root, capacity=capacity, direct=direct,
+                most_blocks=64)
+
+
+def test_all_reduce_steps_cover_the_buffer_in_workspace_sized_pieces() -> None:
+    count = 600_001  # float32: 2.4 MB > 1 MiB workspace -> 3 steps
+    steps = _plan(Mode.ALL_REDUCE_TWO_SHOT, count)
+    assert [s.index for s in steps] == [0, 1, 2]
+    assert sum(s.n for s in steps) == count
+    assert [s.in_off for s in steps] == [0, 262144, 524288]
+    for s in steps:
+        assert s.n * 4 <= MiB
+        assert s.in_off % 4 == 0  # 16-byte aligned step starts
+        assert s.pieces == (Piece(0, s.in_off, s.n),)
+
+
+def test_direct_mode_is_one_step_without_copies() -> None:
+    steps = _plan(Mode.ALL_REDUCE_ONE_SHOT, 10_000_000, direct=True)
+    assert len(steps) == 1
+    assert steps[0].pieces == ()
+    assert steps[0].n == 10_000_000
+
+
+def test_reduce_scatter_and_all_to_all_copy_every_rank_block() -> None:
+    count, n = 100_000, 4
+    for mode in (Mode.REDUCE_SCATTER, Mode.ALL_TO_ALL):
+        steps = _plan(mode, count, n=n)
+        assert sum(s.n for s in steps) == count
+        for s in steps:
+            assert s.n * 4 * n <= MiB
+            assert s.src_stride == s.n
+            assert s.pieces == tuple(Piece(q * s.n, q * count + s.in_off, s.n)
+                                     for q in range(n))
+        assert all(s.out_stride == (count if mode == Mode.ALL_TO_ALL else 0) for s in steps)
+        direct = _plan(mode, count, n=n, direct=True)
+        assert len(direct) == 1
+        assert direct[0].src_stride == count
+        assert not direct[0].pieces
+
+
+def test_broadcast_only_the_root_copies() -> None:
+    assert _plan(Mode.BROADCAST, 1000, rank=1, root=1)[0].pieces == (Piece(0, 0, 1000),)
+    assert _plan(Mode.BROADCAST, 1000, rank=0, root=1)[0].pieces == ()
+
+
+def test_all_gather_strides_by_the_block() -> None:
+    steps = _plan(Mode.ALL_GATHER, 500_000)
+    assert all(s.out_stride == 500_000 for s in steps)
+    assert sum(s.n for s in steps) == 500_000
+
+
+def test_plans_agree_across_ranks_except_root_copies() -> None:
+    for mode in (Mode.ALL_REDUCE_ONE_SHOT, Mode.REDUCE, Mode.ALL_GATHER, Mode.ALL_TO_ALL):
+        a = [(s.n, s.blocks, s.index) for s in _plan(mode, 777_777, n=3, rank=0)]
+        b = [(s.n, s.blocks, s.index) for s in _plan(mode, 777_777, n=3, rank=2)]
+        assert a == b
+
+
+def test_empty_and_tiny() -> None:
+    assert _plan(Mode.ALL_REDUCE_ONE_SHOT, 0) == []
+    (s,) = _plan(Mode.ALL_REDUCE_ONE_SHOT, 1, itemsize=1)
+    assert s.n == 1
+    assert s.blocks == 1
+    with pytest.raises(ValueError, match="workspace"):
+        _plan(Mode.ALL_TO_ALL, 10, n=32, capacity=256)
+
+
+def test_blocks_grow_with_bytes_up_to_the_limit() -> None:
+    assert blocks_for(8, 64) == 1
+    assert blocks_for(1 * MiB, 64) == 64
+    assert blocks_for(1 * MiB, 16) == 16
+    assert blocks_for(1 << 30, 1000) == pk.MAX_BLOCKS
+
+
+def test_descriptors_name_the_call() -> None:
+    names = {dtype_code(dt): DTYPE_NAMES[dt] for dt in DTYPES}
+    f32 = dtype_code(np.dtype(np.float32))
+    sig = pack_sig(Mode.BROADCAST, f32, 0, 3, 7)
+    assert describe(sig, 1024, names) == "broadcast of 1024 x float32, root 3, step 7"
+    sig = pack_sig(Mode.ALL_REDUCE_TWO_SHOT, f32, 2, 0, 0)
+    assert describe(sig, 5, names) == "all_reduce of 5 x float32, op 2, step 0"
+    assert pack_sig(Mode.ALL_GATHER, f32, 0, 0, 1) != pack_sig(Mode.ALL_GATHER, f32, 0, 0, 2)
+
+
+async def test_sequencer_launches_in_ticket_order() -> None:
+    seq = Sequencer()
+    order: list[int] = []
+    tickets = [seq.ticket() for _ in range(4)]
+
+    async def op(t: int, delay: float) -> None:
+        await asyncio.sleep(delay)  # e.g. a kernel compiling
+        await seq.turn(t)
+        order.append(t)
+        seq.done(t)
+
+    await asyncio.gather(*(op(t, d) for t, d in zip(tickets, [0.03, 0.0, 0.02, 0.01],
+                                                     strict=True)))
+    assert order == tickets
+
+
+async def test_sequencer_failure_wakes_waiters() -> None:
+    seq = Sequencer()
+    seq.ticket()  # never done: an op abandoned when its communicator failed
+    later = seq.ticket()
+    waiter = asyncio.ensure_future(seq.turn(later))
+    await asyncio.sleep(0)
+    seq.fail(RemoteError("rank 1 is gone", 1))
+    with pytest.raises(RemoteError):
+        await asyncio.wait_for(waiter, 1)
+    with pytest.raises(RemoteError):
+        await seq.turn(seq.ticket())
+
+
+def test_sources_cover_every_op_and_dtype() -> None:
+    names = set()
+    for dt in DTYPES:
+        for op in ("sum", "prod", "max", "min", "avg"):
+            src = pk.reduce_source(op, dt)
+            assert src.name in src.code
+            assert "extern \"C\"" in src.code
+            names.add(src.name)
+    assert len(names) == len(DTYPES) * 5
+    assert "acoll_fin" in pk.reduce_source("avg", "float16").code
+    assert "acoll_fin" not in pk.reduce_source("sum", "float16").code
+    assert pk.copy_source().dtype is None
+
+
+NVCC = shutil.which("nvcc")
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc not installed: P2P kernels not compile-checked")
+@pytest.mark.timeout(600)
+def test_sources_compile_for_sm90(tmp_path: Path) -> None:
+    """The P2P kernels compile: the copy kernel and one reducing kernel per element-type
+    family and op shape (float32 arithmetic, 16-bit floats through float32 with AVG's
+    division, float64, wrapping integers, comparisons); the GPU tests run them all."""
+    srcs = [pk.copy_source()] + [pk.reduce_source(op, dt) for op, dt in (
+        ("sum", "float32"), ("avg", "bfloat16"), ("max", "float16"), ("prod", "float64"),
+        ("avg", "int64"), ("min", "uint8"))]
+    procs = []
+    for src in srcs:
+        path = tmp_path / f"{src.name}.cu"
+        path.write_text(src.code)
+        procs.append((src.name, subprocess.Popen(
+            [str(NVCC), "-arch=sm_90", "-std=c++17", "--fmad=false", "-c", str(path), "-o",
+             str(tmp_path / f"{src.name}.o")], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True)))
+        if len(procs) >= 4:
+            name, p = procs.pop(0)
+            out, _ = p.communicate(timeout=300)
+            assert p.returncode == 0, f"{name}: {out}"
+    for name, p in procs:
+        out, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, f"{name}: {out}"

@@ -1,0 +1,226 @@
+"""The intra-host GPU path (issue 10) on real GPUs: marked ``gpu``, skipped where CuPy or
+a device is missing (tests/test_p2p.py covers plans and sources without one).
+
+- the domain forms where it should (ranks in one process: direct mode; across processes:
+  copy mode through CUDA IPC; ranks sharing a GPU across processes: refused) and not
+  where it should not (``ACOLL_P2P_DISABLE=1``);
+- the collective matrix in copy mode with a small workspace (calls in several steps),
+  unaligned buffers, groups mixing kernels, and the same matrix across two processes;
+- failures: mismatched calls are reported by name on every rank; a rank that never
+  arrives makes the others time out; a killed process makes the survivor fail with
+  RemoteError long before the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all
+from gpu_cases import NGPUS, NO_GPU_REASON, cp, to_device, to_host
+
+HERE = Path(__file__).parent
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPUS < 1, reason=NO_GPU_REASON)]
+two_gpus = pytest.mark.skipif(NGPUS < 2, reason=f"needs 2 GPUs, {NGPUS} visible")
+_SOME = [d for d in ALL_DTYPES if d.name in ("uint8", "int64", "bfloat16", "float16",
+                                            "float32", "float64")]
+
+
+async def _form(devices: list[int], **kw: Any) -> list[acoll.Communicator]:
+    uid = acoll.get_unique_id(ifname="=lo")
+    n = len(devices)
+    return list(await asyncio.gather(*(acoll.init_rank(n, uid, r, device=d, ifname="=lo",
+                                                       **kw)
+                                       for r, d in enumerate(devices))))
+
+
+async def _close(comms: list[acoll.Communicator]) -> None:
+    await asyncio.gather(*(c.close() for c in comms))
+
+
+def _devices(n: int) -> list[int]:
+    return [r % NGPUS for r in range(n)]
+
+
+async def test_domain_forms_in_direct_mode_in_one_process() -> None:
+    comms = await _form(_devices(2))
+    try:
+        for c in comms:
+            assert c._p2p is not None
+            assert c._p2p.direct
+    finally:
+        await _close(comms)
+
+
+async def test_disabled_means_no_domain(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_P2P_DISABLE", "1")
+    comms = await _form(_devices(2))
+    try:
+        assert all(c._p2p is None for c in comms)
+        x = [to_device(c.device or 0)(np.full(1000, c.rank + 1.0, np.float32)) for c in comms]
+        await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, x, strict=True)))
+        assert all(float(to_host(b)[0]) == 3.0 for b in x)
+    finally:
+        await _close(comms)
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_matrix_copy_mode_in_steps(nranks: int, monkeypatch: pytest.MonkeyPatch
+                                         ) -> None:
+    """Copy mode (as across processes) with a 1 MiB workspace: the 2.4 MB cases take
+    several steps; reduce_scatter/all_to_all split the workspace between ranks."""
+    monkeypatch.setenv("ACOLL_P2P_DIRECT", "0")
+    monkeypatch.setenv("ACOLL_P2P_BUFFER", "1M")
+    comms = await _form(_devices(nranks))
+    try:
+        assert all(c._p2p is not None and not c._p2p.direct for c in comms)
+        counts = [1, 7, 1000, 600_001]
+        results = await asyncio.gather(*(
+            check_all(c, counts, _SOME, ALL_OPS, dev=to_device(c.device or 0), host=to_host)
+            for c in comms))
+        assert len(set(results)) == 1
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("direct", ["1", "0"])
+async def test_unaligned_buffers(direct: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Buffers starting 2 bytes past a 16-byte boundary take the scalar path."""
+    monkeypatch.setenv("ACOLL_P2P_DIRECT", direct)
+    comms = await _form(_devices(2))
+    try:
+        async def one(c: acoll.Communicator) -> None:
+            with cp.cuda.Device(c.device):
+                base = cp.arange(100_001, dtype=cp.float16) % 7
+                x = base[1:]  # 2-byte offset
+                want = (cp.asnumpy(x).astype(np.float32) * 2).astype(np.float16)
+                await c.all_reduce(x)
+                assert np.array_equal(cp.asnumpy(x), want)
+                out = cp.zeros(2 * 100_000 + 1, cp.float16)[1:]
+                await c.all_gather(base[1:], out)
+                got = cp.asnumpy(out)
+                assert np.array_equal(got[:100_000], got[100_000:])
+        await asyncio.gather(*(one(c) for c in comms))
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+async def test_group_of_different_kernels_keeps_order() -> None:
+    """A group issuing float16 and float32 all-reduces (kernels compiled at different
+    moments) still launches them in call order on every rank."""
+    comms = await _form(_devices(2))
+    try:
+        async def one(c: acoll.Communicator) -> list[float]:
+            with cp.cuda.Device(c.device):
+                bufs = [cp.full(4096, c.rank + 1 + k, dt) for k, dt in
+                        enumerate([cp.float16, cp.float32, cp.float64, cp.float16])]
+            async with c.group():
+                for b in bufs:
+                    await c.all_reduce(b)
+            await c.mem.settle()
+            return [float(to_host(b)[0]) for b in bufs]
+        got = await asyncio.gather(*(one(c) for c in comms))
+        assert got[0] == got[1] == [3.0, 5.0, 7.0, 9.0]
+    finally:
+        await _close(comms)
+
+
+async def test_mismatched_calls_are_named_on_every_rank() -> None:
+    comms = await _form(_devices(2), timeout=20)
+    sizes = [1000, 2000]
+    try:
+        async def one(c: acoll.Communicator) -> BaseException | None:
+            with cp.cuda.Device(c.device):
+                x = cp.ones(sizes[c.rank], cp.float32)
+            try:
+                await c.all_reduce(x)
+            except acoll.AcollError as exc:
+                return exc
+            return None
+        t0 = time.monotonic()
+        errs = await asyncio.gather(*(one(c) for c in comms))
+        assert time.monotonic() - t0 < 10
+        for err in errs:
+            assert isinstance(err, acoll.InvalidUsage), err
+            assert "mismatched" in str(err)
+            assert "all_reduce of" in str(err)
+        assert "2000 x float32" in str(errs[0])
+        assert "1000 x float32" in str(errs[1])
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_rank_that_never_arrives_times_out() -> None:
+    comms = await _form(_devices(2), timeout=3)
+    try:
+        with cp.cuda.Device(comms[0].device):
+            x = cp.ones(1 << 20, cp.float32)
+        t0 = time.monotonic()
+        with pytest.raises(acoll.TimeoutError):
+            await comms[0].all_reduce(x)
+        took = time.monotonic() - t0
+        assert 2.5 < took < 8, took
+        # The other rank learns it at its next call.
+        with cp.cuda.Device(comms[1].device):
+            y = cp.ones(1 << 20, cp.float32)
+        with pytest.raises(acoll.AcollError):
+            await asyncio.wait_for(comms[1].all_reduce(y), 10)
+    finally:
+        for c in comms:
+            c.abort()
+
+
+def _run_pair(script: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    return subprocess.run([sys.executable, "-m", "acoll.run", "-n", "2", "--", sys.executable,
+                           str(HERE / script), *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@two_gpus
+@pytest.mark.timeout(300)
+def test_matrix_across_processes_over_cuda_ipc() -> None:
+    proc = _run_pair("mp_p2p.py", "matrix", timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("copy mode") == 2, proc.stdout
+    assert proc.stdout.count("checks passed") == 2, proc.stdout
+
+
+def test_ranks_sharing_a_gpu_across_processes_do_not_form_a_domain() -> None:
+    env_gpu = "0"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["CUDA_VISIBLE_DEVICES"] = env_gpu
+    proc = subprocess.run([sys.executable, "-m", "acoll.run", "-n", "2", "--", sys.executable,
+                           str(HERE / "mp_p2p.py"), "probe"], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("no domain") == 2, proc.stdout
+
+
+@two_gpus
+@pytest.mark.timeout(120)
+def test_killed_process_fails_the_survivor_fast() -> None:
+    t0 = time.monotonic()
+    proc = _run_pair("mp_p2p.py", "kill", timeout=100)
+    took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert "survivor: RemoteError" in out, out[-3000:]
+    assert took < 40, took  # the communicator timeout there is 60 s
