@@ -39,7 +39,7 @@ try:
     from cupy.cuda import nccl; print('nccl', nccl.get_version())
 except Exception as e: print('no cupy nccl', e)
 " ;;
-    tests) step tests 330 python3 -m pytest -p no:cacheprovider -p no:randomly -x -q -rs --timeout 200 ${TESTS:-tests/test_p2p_gpu.py} ;;
+    tests) step tests 400 python3 -m pytest -p no:cacheprovider -p no:randomly ${XFLAG:--x} -q -rs --timeout 200 ${TESTS:-tests/test_p2p_gpu.py} ;;
     bench_inproc) step bench_inproc 150 python3 bench/p2p_bench.py inproc --json "$OUT/inproc.json" ${BENCH_ARGS:-} ;;
     bench_procs) step bench_procs 200 python3 bench/p2p_bench.py procs --json "$OUT/procs.json" ${BENCH_ARGS:-} ;;
     *) step "$s" 300 bash -c "$s" ;;

@@ -38,14 +38,18 @@ def to_device(device: int) -> Callable[[np.ndarray[Any, Any]], Any]:
 
 
 def to_host(buf: Any) -> np.ndarray[Any, Any]:
-    """A GPU buffer (CuPy array or DeviceView) copied to a NumPy array (synchronously)."""
+    """A GPU buffer (CuPy array or DeviceView) copied to a NumPy array (synchronously).
+
+    The caller awaited the op that wrote it, so no device-wide synchronize: with several
+    ranks driving GPUs from this thread, that would wait for a peer's P2P kernel which
+    waits for a rank this thread has not launched yet.
+    """
     from acoll._memory.cuda import DeviceView
 
     if isinstance(buf, DeviceView):
         out = np.empty(buf.size, buf.dtype)
         if buf.nbytes:
             with cp.cuda.Device(buf.device):
-                cp.cuda.runtime.deviceSynchronize()
                 cp.cuda.runtime.memcpy(out.ctypes.data, buf.ptr, buf.nbytes, 2)
         return out
     with buf.device:

@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def _plan(mode: int, count: int, *, itemsize: int = 4, n: int = 2, rank: int = 0,
           root: int = 0, capacity: int = MiB, direct: bool = False) -> list:
-    return plan(mode, count, itemsize, n, rank, root, capacity=capacity, direct=direct,
+    return plan(mode, count, itemsize, n, rank, root, capacity=None if direct else capacity,
                 most_blocks=64)
 
 
@@ -39,10 +39,10 @@ def test_all_reduce_steps_cover_the_buffer_in_workspace_sized_pieces() -> None:
         assert s.pieces == (Piece(0, s.in_off, s.n),)
 
 
-def test_direct_mode_is_one_step_without_copies() -> None:
-    steps = _plan(Mode.ALL_REDUCE_ONE_SHOT, 10_000_000, direct=True)
+def test_without_capacity_a_call_is_one_step() -> None:
+    """Direct mode: ranks read user buffers in place (they skip the pieces)."""
+    steps = _plan(Mode.ALL_REDUCE_TWO_SHOT, 10_000_000, direct=True)
     assert len(steps) == 1
-    assert steps[0].pieces == ()
     assert steps[0].n == 10_000_000
 
 
@@ -54,13 +54,13 @@ def test_reduce_scatter_and_all_to_all_copy_every_rank_block() -> None:
         for s in steps:
             assert s.n * 4 * n <= MiB
             assert s.src_stride == s.n
+            assert s.user_stride == count
             assert s.pieces == tuple(Piece(q * s.n, q * count + s.in_off, s.n)
                                      for q in range(n))
         assert all(s.out_stride == (count if mode == Mode.ALL_TO_ALL else 0) for s in steps)
         direct = _plan(mode, count, n=n, direct=True)
         assert len(direct) == 1
-        assert direct[0].src_stride == count
-        assert not direct[0].pieces
+        assert direct[0].user_stride == count
 
 
 def test_broadcast_only_the_root_copies() -> None:

@@ -56,7 +56,6 @@ from ._dtypes import ReduceOp, check_op_dtype, dtype_code
 from ._memory import Buffer, HostSpace, MemoryKind, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
-from ._p2p.plan import plan as p2p_plan
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from ._transport.select import select_transports
 from ._uid import UniqueId
@@ -390,7 +389,7 @@ class Communicator:
         log.info("rank %d: communicator failed: %s", self.rank, error)
         self._p2p_seq.fail(error)
         if self._p2p is not None:
-            self._p2p.abort()
+            self._p2p.abort(error)
         wire = error_to_wire(error, self.rank)
         notice = msgpack.packb({"kind": wire.kind, "message": wire.message,
                                 "rank": wire.rank})
@@ -412,7 +411,7 @@ class Communicator:
             self._error = ClosedError("the communicator was aborted")
         self._p2p_seq.fail(self._error)
         if self._p2p is not None:
-            self._p2p.abort()
+            self._p2p.abort(self._error)
             self._p2p.close()
         self._links.abort_all()
         self._links.stop(self._error)
@@ -522,14 +521,10 @@ class Communicator:
         dom = self._p2p
         if dom is None or order is None:
             return None
-        steps = p2p_plan(mode, count, s.dtype.itemsize, self.size, self.rank, root,
-                         capacity=dom.capacity, direct=dom.direct,
-                         most_blocks=dom.most_blocks)
-        p2p_op = P2POp(dom, self._p2p_seq, order, self.timeout,
-                       dom.source(None if op is None else op, s.dtype), steps, s, r,
-                       root=root, op=0 if op is None else int(op),
-                       dtype_code=dtype_code(s.dtype), total=count,
-                       mine=f"{name} of {count} x {s.dtype}")
+        steps = dom.plan(mode, count, s.dtype.itemsize, root)
+        p2p_op = P2POp(dom, self._p2p_seq, order, self.timeout, dom.source(op, s.dtype),
+                       steps, s, r, root=root, op=0 if op is None else int(op),
+                       dtype_code=dtype_code(s.dtype), total=count, name=name)
         return lambda ctx: p2p_op
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,

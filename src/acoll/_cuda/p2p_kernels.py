@@ -16,10 +16,12 @@ a block only waits for the same block of its peers. Flags hold the step's *epoch
 counter every rank advances identically, written with ``st.release.sys`` and read with
 ``ld.acquire.sys``; one thread per peer signals and waits, then the block syncs.
 
-Sources of the data phase (``direct``): in *copy* mode every rank first copied its input
-into its own data area at ``ws_off`` bytes (stream-ordered, before the launch) and reads
-peers' inputs there; in *direct* mode (all ranks in one process, or registered buffers)
-every rank publishes its user pointers in its descriptor and peers read them in place.
+Where each rank's data is (``own_ws``, chosen per rank and call and published in its
+descriptor): either the rank copied its input into its own data area at ``ws_off`` bytes
+(stream-ordered, before the launch) and peers read it there, or (ranks all in one process)
+it publishes its user pointers and peers read them in place. A rank whose call would let
+peers read memory it overwrites (in-place one-shot all-reduce, in-place all-to-all) takes
+the workspace even then.
 
 Bounded waits: a wait gives up after ``timeout_ns`` (GPU ``%globaltimer``) or as soon as
 the host sets ``abort[0]`` (the communicator failed), recording ``(code, peer, phase,
@@ -82,8 +84,10 @@ class P2PSource:
     """One generated translation unit; the kernel is ``extern "C"`` ``name``.
 
     Parameters: ``(const u64* tab, u64* err, const volatile unsigned* abort, int rank,
-    int nranks, int root, int mode, int direct, u64 epoch, u64 timeout_ns, u64 sig,
-    u64 sig2, const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride)``;
+    int nranks, int root, int mode, int own_ws, u64 epoch, u64 timeout_ns, u64 sig,
+    u64 sig2, const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride,
+    u64 user_stride)``; ``src_stride`` is the distance between rank blocks in a
+    workspace, ``user_stride`` in a user buffer;
     ``sig``/``sig2`` describe the step (every rank must pass the same); counts in
     elements of ``T`` (bytes for the copy kernel), ``ws_off`` in bytes.
     """
@@ -124,7 +128,7 @@ static __device__ __forceinline__ u64 acoll_now() {{
 
 struct acoll_args {{
   const u64* tab; u64* err; const volatile unsigned* abort_flag;
-  int rank, nranks, root, mode, direct;
+  int rank, nranks, root, mode, own_ws;
   u64 epoch, timeout_ns, sig, sig2;
 }};
 
@@ -138,6 +142,7 @@ static __device__ void acoll_fail(const acoll_args& a, u64 code, int peer, int p
   row[4] = value2;
   __threadfence_system();
   row[0] = code;
+  a.err[(u64)NB * ERR_WORDS] = 1;  // the one word the host polls
 }}
 
 // Wait until *flag >= epoch; false (and a recorded error) on timeout or abort.
@@ -244,14 +249,16 @@ static __device__ __forceinline__ bool acoll_al(const void* p) {{
 
 extern "C" __global__ void __launch_bounds__({threads}) {name}(
     const u64* tab, u64* err, const volatile unsigned* abort_flag, int rank, int nranks,
-    int root, int mode, int direct, u64 epoch, u64 timeout_ns, u64 sig, u64 sig2,
-    const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride) {{
+    int root, int mode, int own_ws, u64 epoch, u64 timeout_ns, u64 sig, u64 sig2,
+    const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride,
+    u64 user_stride) {{
   __shared__ int s_ok;
   __shared__ const T* s_src[MAXR];  // each rank's input, as this rank addresses it
   __shared__ const T* s_res[MAXR];  // each rank's two-shot result half
+  __shared__ u64 s_stride[MAXR];    // distance between the rank blocks of each input
   acoll_args a;
   a.tab = tab; a.err = err; a.abort_flag = abort_flag; a.rank = rank; a.nranks = nranks;
-  a.root = root; a.mode = mode; a.direct = direct; a.epoch = epoch;
+  a.root = root; a.mode = mode; a.own_ws = own_ws; a.epoch = epoch;
   a.timeout_ns = timeout_ns; a.sig = sig; a.sig2 = sig2;
   const int t = threadIdx.x;
   u64* mysig = acoll_sig(a, rank);
@@ -261,6 +268,7 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}(
     d[1] = reinterpret_cast<u64>(in);
     d[2] = reinterpret_cast<u64>(out);
     d[3] = sig2;
+    d[4] = (u64)own_ws;
   }}
   if (!acoll_barrier(a, 0, &s_ok)) return;
   if (t < nranks) {{
@@ -270,21 +278,25 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}(
       acoll_fail(a, {mismatch}, t, 0, theirs, theirs2);
       s_ok = 0;
     }}
-    if (direct) {{
-      s_src[t] = t == rank ? in : reinterpret_cast<const T*>(d[1]);
-      s_res[t] = t == rank ? out : reinterpret_cast<const T*>(d[2]);
-    }} else {{
+    const bool in_ws = t == rank ? own_ws != 0 : d[4] != 0;
+    if (in_ws) {{
       const T* ws = reinterpret_cast<const T*>(tab[t] + ws_off);
       s_src[t] = ws;
       s_res[t] = ws;
+      s_stride[t] = src_stride;
+    }} else {{
+      s_src[t] = t == rank ? in : reinterpret_cast<const T*>(d[1]);
+      s_res[t] = t == rank ? out : reinterpret_cast<const T*>(d[2]);
+      s_stride[t] = user_stride;
     }}
   }}
   __syncthreads();
   if (!s_ok) return;
   const u64 g = (u64)blockIdx.x * blockDim.x + t, G = (u64)gridDim.x * blockDim.x;
   bool vec = acoll_al(out);
-  for (int p = 0; p < nranks; ++p) vec = vec && acoll_al(s_src[p]) && acoll_al(s_res[p]);
-  vec = vec && (out_stride * sizeof(T)) % 16 == 0 && (src_stride * sizeof(T)) % 16 == 0;
+  for (int p = 0; p < nranks; ++p)
+    vec = vec && acoll_al(s_src[p]) && acoll_al(s_res[p]) && (s_stride[p] * sizeof(T)) % 16 == 0;
+  vec = vec && (out_stride * sizeof(T)) % 16 == 0;
   const u64 V = 16 / sizeof(T);
 {body}
   acoll_barrier(a, 2, &s_ok);
@@ -310,7 +322,7 @@ _RANGE = r"""
 _REDUCE_BODY = r"""
   const T* srcs[MAXR];
   if (mode == {rs}) {{
-    for (int p = 0; p < nranks; ++p) srcs[p] = s_src[p] + (u64)rank * src_stride;
+    for (int p = 0; p < nranks; ++p) srcs[p] = s_src[p] + (u64)rank * s_stride[p];
   }} else {{
     for (int p = 0; p < nranks; ++p) srcs[p] = s_src[p];
   }}
@@ -323,14 +335,14 @@ _REDUCE_BODY = r"""
     const u64 nv = vec ? n / V : n, unit = vec ? V : 1;
     const u64 lo = nv * rank / nranks * unit;
     const u64 hi = rank == nranks - 1 ? n : nv * (rank + 1) / nranks * unit;
-    T* res = direct ? out : const_cast<T*>(s_res[rank]);
+    T* res = const_cast<T*>(s_res[rank]);  // own_ws: my workspace, else out itself
     ACOLL_RANGE(lo, hi,
       {{ const uint4 v = acoll_vdone(acoll_vred(srcs, nranks, i), nranks);
         reinterpret_cast<uint4*>(out)[i] = v;
-        if (!direct) reinterpret_cast<uint4*>(res)[i] = v; }},
+        if (own_ws) reinterpret_cast<uint4*>(res)[i] = v; }},
       {{ const T v = acoll_sdone(acoll_sred(srcs, nranks, j), nranks);
         out[j] = v;
-        if (!direct) res[j] = v; }});
+        if (own_ws) res[j] = v; }});
     if (!acoll_barrier(a, 1, &s_ok)) return;
     for (int q = 0; q < nranks; ++q) {{
       if (q == rank) continue;
@@ -347,7 +359,7 @@ _REDUCE_BODY = r"""
 _COPY_BODY = r"""
   if (mode == {ag} || mode == {a2a}) {{
     for (int q = 0; q < nranks; ++q) {{
-      const T* src = s_src[q] + (mode == {a2a} ? (u64)rank * src_stride : 0);
+      const T* src = s_src[q] + (mode == {a2a} ? (u64)rank * s_stride[q] : 0);
       T* dst = out + (u64)q * out_stride;
       if (src == dst) continue;  // in place: my own block is already there
       ACOLL_RANGE(0, n,

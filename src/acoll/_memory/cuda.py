@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import math
 import time
 import warnings
 from typing import Any
@@ -126,13 +127,16 @@ def _contiguous(shape: tuple[int, ...], strides: tuple[int, ...] | None, itemsiz
     return False
 
 
+_SUPPORTED = frozenset(DTYPES)
+
+
 def _checked(ptr: int, shape: tuple[int, ...], strides: tuple[int, ...] | None,
              dtype: np.dtype[Any], device: int, owner: Any, what: str) -> DeviceView:
-    if dtype not in DTYPES:
+    if dtype not in _SUPPORTED:
         raise InvalidUsage(f"{what} has dtype {dtype}, which is not supported")
-    if not _contiguous(shape, strides, dtype.itemsize):
+    if strides is not None and not _contiguous(shape, strides, dtype.itemsize):
         raise InvalidUsage(f"{what} is not contiguous")
-    return DeviceView(ptr, int(np.prod(shape, dtype=np.int64)), dtype, device, owner)
+    return DeviceView(ptr, math.prod(shape), dtype, device, owner)
 
 
 def _from_dlpack(obj: Any, what: str, writable: bool) -> DeviceView:
@@ -191,10 +195,13 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
         return obj
     cp = import_cupy()
     if isinstance(obj, cp.ndarray):
-        if not (obj.flags.c_contiguous or obj.flags.f_contiguous):
+        flags = obj.flags
+        if not (flags.c_contiguous or flags.f_contiguous):
             raise InvalidUsage(f"{what} is not contiguous")
-        return _checked(int(obj.data.ptr), (obj.size,), None, obj.dtype, obj.device.id, obj,
-                        what)
+        dtype = obj.dtype
+        if dtype not in _SUPPORTED:
+            raise InvalidUsage(f"{what} has dtype {dtype}, which is not supported")
+        return DeviceView(obj.data.ptr, obj.size, dtype, obj.device.id, obj)
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None and hasattr(obj, "__dlpack__"):
         try:
@@ -233,22 +240,28 @@ class _EventFence(Fence):
 
 
 class _Order(StreamOrder):
+    """Events come from the space's pool: a wait on an event captures its last record at
+    the time of the wait, so an event is reusable as soon as that wait was enqueued."""
+
     def __init__(self, space: CudaSpace, stream: Any, settle: bool) -> None:
         self.space, self.stream, self.settle = space, stream, settle
         with space.cp.cuda.Device(space.device):
-            self.event = space.cp.cuda.Event(block=False, disable_timing=True)
+            self.event: Any = space.take_event()
             self.event.record(stream)
 
     def start(self) -> None:
-        with self.space.cp.cuda.Device(self.space.device):
-            self.space.stream.wait_event(self.event)
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            space.stream.wait_event(self.event)
+        space.give_event(self.event)
 
     def finish(self) -> None:
         space = self.space
         with space.cp.cuda.Device(space.device):
-            done = space.cp.cuda.Event(block=False, disable_timing=True)
+            done = space.take_event()
             done.record(space.stream)
             self.stream.wait_event(done)
+        space.give_event(done)
 
 
 # ------------------------------------------------------------------------ the space
@@ -279,6 +292,17 @@ class CudaSpace(MemorySpace):
             self._side = cp.cuda.Stream(non_blocking=True)  # carries pipe signals of waits
         self._pool: dict[int, Any] = {}
         self._staging: CudaStaging | None = None
+        self._events: list[Any] = []  # idle events (see take_event)
+
+    def take_event(self) -> Any:
+        """An idle timing-free event of this device (call under its device context); give
+        it back with :meth:`give_event` once nothing will wait on its current record."""
+        return self._events.pop() if self._events else self.cp.cuda.Event(
+            block=False, disable_timing=True)
+
+    def give_event(self, event: Any) -> None:
+        if len(self._events) < 64:
+            self._events.append(event)
 
     def __repr__(self) -> str:
         return f"cuda:{self.device} memory"
@@ -356,7 +380,11 @@ class CudaSpace(MemorySpace):
         await signal
 
     async def settle(self, deadline: float | None = None) -> None:
-        await self.wait_event(self.record(), deadline)
+        with self.cp.cuda.Device(self.device):
+            event = self.take_event()
+            event.record(self.stream)
+        await self.wait_event(event, deadline)
+        self.give_event(event)  # not on error: a wait may still be queued on it
 
     def resolve_stream(self, stream: Any) -> Any:
         """``stream`` as a CuPy stream: ``None`` (CuPy's current stream on this device), a

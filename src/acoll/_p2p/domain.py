@@ -18,9 +18,15 @@ reach each other:
    ``cudaDeviceEnablePeerAccess``), ``cudaIpcOpenMemHandle`` across processes (an
    opened handle is cached per process: CUDA allows one open per handle and process).
 
-Ranks sharing one GPU must be in one process: across processes their kernels would
-time-slice, and a kernel spinning at a barrier for a peer's kernel that cannot run until
-the slice ends turns every step into milliseconds.
+Ranks sharing one GPU must be in one process and one event loop: across processes their
+kernels would time-slice, and a kernel spinning at a barrier for a peer's kernel that
+cannot run until the slice ends turns every step into milliseconds.
+
+Ranks of one communicator that live in one process and loop launch each call together
+(:class:`LocalLaunch`): the last of them to reach call *k* enqueues every local rank's
+kernels back to back. No kernel of a local rank spins while this thread still has to
+launch its peer's, so an allocation or a synchronize the application makes between the
+ranks' calls (which may wait for every kernel on the device) cannot deadlock.
 
 The domain then launches the kernels of :mod:`acoll._cuda.p2p_kernels` on the
 communicator's stream. Errors the kernels record (a peer that never arrived, an abort,
@@ -34,6 +40,7 @@ import asyncio
 import ctypes
 import os
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
@@ -51,6 +58,7 @@ from .._cuda.p2p_kernels import (
     PHASES,
     SIGNAL_BYTES,
     THREADS,
+    Mode,
     P2PSource,
     copy_source,
     reduce_source,
@@ -58,7 +66,7 @@ from .._cuda.p2p_kernels import (
 from .._dtypes import DTYPE_NAMES, ReduceOp
 from ..errors import AcollError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
-from .plan import Step, describe
+from .plan import Step, describe, plan
 
 __all__ = ["BLOCKS", "BUFFER", "DISABLE", "ONE_SHOT_MAX", "P2PDomain"]
 
@@ -85,6 +93,88 @@ _opened: dict[bytes, list[int]] = {}  # IPC handle -> [pointer, users] (per proc
 _opened_lock = threading.Lock()
 _kernels: dict[tuple[str, int], Any] = {}
 _kernels_lock = threading.Lock()
+_libcuda: list[Any] = []
+
+
+class _Args(ctypes.Structure):
+    """The kernel's parameters, in order (see :class:`~acoll._cuda.p2p_kernels.P2PSource`),
+    kept in one place so that a launch only rewrites the fields that change."""
+
+    _fields_ = [("tab", ctypes.c_uint64), ("err", ctypes.c_uint64),
+                ("abort", ctypes.c_uint64), ("rank", ctypes.c_int32),
+                ("nranks", ctypes.c_int32), ("root", ctypes.c_int32),
+                ("mode", ctypes.c_int32), ("own_ws", ctypes.c_int32),
+                ("epoch", ctypes.c_uint64), ("timeout", ctypes.c_uint64),
+                ("sig", ctypes.c_uint64), ("sig2", ctypes.c_uint64),
+                ("inp", ctypes.c_uint64), ("out", ctypes.c_uint64), ("n", ctypes.c_uint64),
+                ("ws_off", ctypes.c_uint64), ("out_stride", ctypes.c_uint64),
+                ("src_stride", ctypes.c_uint64), ("user_stride", ctypes.c_uint64)]
+
+
+def _cu_launch() -> Any:
+    """``cuLaunchKernel`` through ctypes (a launch costs a few µs instead of CuPy's
+    argument conversion), or ``None`` where the driver library cannot be loaded."""
+    if not _libcuda:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuLaunchKernel
+            fn.argtypes = [ctypes.c_void_p] + [ctypes.c_uint] * 7 + [
+                ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+            fn.restype = ctypes.c_int
+            _libcuda.append(fn)
+        except (OSError, AttributeError):
+            _libcuda.append(None)
+    return _libcuda[0]
+
+
+class LocalLaunch:
+    """The ranks of one communicator in this process and loop, launching together.
+
+    :meth:`submit` takes rank ``rank``'s launch for its call number ``index``; the last
+    local rank to submit runs every local rank's launch, in rank order. The others get a
+    future that completes then (or fails with that rank's launch error).
+    """
+
+    def __init__(self, expected: int) -> None:
+        self.expected = expected
+        self.users = 0
+        self.pending: dict[int, dict[int, tuple[Callable[[], None],
+                                                asyncio.Future[None] | None]]] = {}
+
+    def submit(self, index: int, rank: int, launch: Callable[[], None]
+               ) -> asyncio.Future[None] | None:
+        entries = self.pending.setdefault(index, {})
+        if len(entries) + 1 < self.expected:
+            fut = asyncio.get_running_loop().create_future()
+            entries[rank] = (launch, fut)
+            return fut
+        del self.pending[index]
+        entries[rank] = (launch, None)
+        mine: BaseException | None = None
+        for r in sorted(entries):
+            run, waiter = entries[r]
+            try:
+                run()
+            except BaseException as exc:
+                if waiter is None:
+                    mine = exc
+                elif not waiter.done():
+                    waiter.set_exception(exc)
+                continue
+            if waiter is not None and not waiter.done():
+                waiter.set_result(None)
+        if mine is not None:
+            raise mine
+        return None
+
+    def withdraw(self, index: int, rank: int) -> None:
+        entries = self.pending.get(index)
+        if entries is not None:
+            entries.pop(rank, None)
+            if not entries:
+                del self.pending[index]
+
+
+_local_groups: dict[tuple[Any, ...], LocalLaunch] = {}
 
 
 def _compile(src: P2PSource, device: int) -> Any:
@@ -152,14 +242,27 @@ class P2PDomain:
         raw = memoryview((ctypes.c_char * nbytes).from_address(self._host_ptr)).cast("B")
         self._err = np.frombuffer(raw, np.uint64, MAX_BLOCKS * ERR_WORDS).reshape(
             MAX_BLOCKS, ERR_WORDS)
-        self._abort = np.frombuffer(raw, np.uint32, 1, MAX_BLOCKS * ERR_WORDS * 8)
         self._err[:] = 0
-        self._abort[0] = 0
         self._err_dev = self._device_pointer(self._host_ptr)
-        self._abort_dev = self._err_dev + MAX_BLOCKS * ERR_WORDS * 8
         self._failed: AcollError | None = None
         self._freed = False
         self.timeout_ns = 0
+        self._flag = np.frombuffer(raw, np.uint64, 1, MAX_BLOCKS * ERR_WORDS * 8)
+        self._abort = np.frombuffer(raw, np.uint32, 1, MAX_BLOCKS * ERR_WORDS * 8 + 8)
+        self._flag[0] = 0
+        self._abort[0] = 0
+        self._abort_dev = self._err_dev + MAX_BLOCKS * ERR_WORDS * 8 + 8
+        self._args = _Args()
+        base = ctypes.addressof(self._args)
+        self._params = (ctypes.c_void_p * len(_Args._fields_))(
+            *(base + getattr(_Args, field[0]).offset for field in _Args._fields_))
+        self._functions: dict[str, int] = {}  # kernel name -> CUfunction on this device
+        self._plans: dict[tuple[int, int, int, int], list[Step]] = {}
+        self._sources: dict[tuple[Any, Any], P2PSource] = {}
+        self._local: LocalLaunch | None = None
+        self._local_key: tuple[Any, ...] = ()
+        self._launches = 0
+        self._waiting: tuple[int, asyncio.Future[None]] | None = None
 
     def _device_pointer(self, host_ptr: int) -> int:
         rt = self.cp.cuda.runtime
@@ -193,6 +296,7 @@ class P2PDomain:
                     "bus": str(rt.deviceGetPCIBusId(space.device)).lower(),
                     "sms": int(cp.cuda.Device(space.device).attributes[
                         "MultiProcessorCount"]),
+                    "loop": id(asyncio.get_running_loop()),
                     "cap": capacity, "blocks": BLOCKS.resolve(),
                     "direct": DIRECT.resolve(), "one": ONE_SHOT_MAX.resolve()}
         except Exception as exc:
@@ -227,7 +331,20 @@ class P2PDomain:
         except BaseException:
             dom.close()
             raise
+        me = records[rank]
+        local = [p for p, r in enumerate(records)
+                 if (r["pid"], r["loop"]) == (me["pid"], me["loop"])]
+        if len(local) > 1:
+            dom._local_key = tuple((r["pid"], r["ptr"]) for r in records)
+            group = _local_groups.get(dom._local_key)
+            if group is None:
+                group = _local_groups[dom._local_key] = LocalLaunch(len(local))
+            group.users += 1
+            dom._local = group
         dom.timeout_ns = int(timeout * 1e9) + 2_000_000_000
+        a = dom._args
+        a.tab, a.err, a.abort = int(dom._table.data.ptr), dom._err_dev, dom._abort_dev
+        a.rank, a.nranks, a.timeout = rank, nranks, dom.timeout_ns
         log.info("rank %d: intra-host GPU path on cuda:%d: %d ranks, %s mode, %d blocks, "
                  "%d MiB workspace", rank, space.device, nranks,
                  "direct" if direct else "copy", most, dom.capacity >> 20)
@@ -267,12 +384,52 @@ class P2PDomain:
         return kern
 
     def source(self, op: ReduceOp | None, dtype: Any) -> P2PSource:
-        return copy_source() if op is None else reduce_source(op, dtype)
+        key = (op, dtype)
+        src = self._sources.get(key)
+        if src is None:
+            src = self._sources[key] = copy_source() if op is None else reduce_source(
+                op, dtype)
+        return src
+
+    def plan(self, mode: int, count: int, itemsize: int, root: int) -> list[Step]:
+        """The steps of a call (cached: the same for every call with these arguments)."""
+        key = (mode, count, itemsize, root)
+        steps = self._plans.get(key)
+        if steps is None:
+            if len(self._plans) >= 1024:
+                self._plans.clear()
+            # Ranks all in one process read user buffers in place, except for the calls
+            # where a rank may have to take its workspace (see P2POp.own_ws): those go
+            # in workspace-sized steps on every rank alike.
+            whole = self.direct and mode not in (Mode.ALL_REDUCE_ONE_SHOT, Mode.ALL_TO_ALL)
+            steps = self._plans[key] = plan(
+                mode, count, itemsize, self.nranks, self.rank, root,
+                capacity=None if whole else self.capacity, most_blocks=self.most_blocks)
+        return steps
+
+    async def submit(self, launch: Callable[[], None]) -> None:
+        """Run ``launch`` (this rank's enqueue of one call) together with the same call of
+        the other local ranks (see :class:`LocalLaunch`)."""
+        index = self._launches
+        self._launches += 1
+        if self._local is None:
+            launch()
+            return
+        fut = self._local.submit(index, self.rank, launch)
+        if fut is None:
+            return
+        self._waiting = (index, fut)
+        try:
+            await fut
+        finally:
+            self._waiting = None
 
     def check(self) -> None:
         """Raise the first error a kernel recorded (and keep raising it)."""
         if self._failed is not None:
             raise self._failed
+        if not self._flag[0]:
+            return
         rows = np.flatnonzero(self._err[:, 0])
         if rows.size == 0:
             return
@@ -296,23 +453,41 @@ class P2PDomain:
             return InvalidUsage(
                 f"mismatched collectives: rank {peer} called "
                 f"{describe(value, value2, names)} while rank {self.rank} called "
-                f"{self._mine or '?'}")
+                f"{self.mine() or '?'}")
         return RemoteError(f"GPU peer-to-peer step failed with code {code}", peer)
 
-    _mine = ""
+    #: Describes this rank's last call, for mismatch reports (set by the launcher).
+    mine: Callable[[], str] = staticmethod(lambda: "")
 
-    def launch(self, kern: Any, step: Step, *, mode_sig: int, total: int, root: int,
-               in_ptr: int, out_ptr: int, mine: str) -> None:
-        """Enqueue one step on the communicator's stream (the caller copied its pieces)."""
+    def launch(self, kern: Any, src: P2PSource, step: Step, *, own_ws: bool, mode_sig: int,
+               total: int, root: int, in_ptr: int, out_ptr: int) -> None:
+        """Enqueue one step on the communicator's stream (the caller copied its pieces;
+        call under this device's context)."""
         self.epoch += 1
-        self._mine = mine
-        u64, i32 = np.uint64, np.int32
-        kern((step.blocks,), (THREADS,), (
-            u64(self._table.data.ptr), u64(self._err_dev), u64(self._abort_dev),
-            i32(self.rank), i32(self.nranks), i32(root), i32(step.mode), i32(self.direct),
-            u64(self.epoch), u64(self.timeout_ns), u64(mode_sig), u64(total),
-            u64(in_ptr), u64(out_ptr), u64(step.n), u64(0), u64(step.out_stride),
-            u64(step.src_stride)), stream=self.space.stream)
+        cu = _cu_launch()
+        fn = self._functions.get(src.name) if cu is not None else None
+        if cu is not None and fn is None:
+            fn = self._functions[src.name] = int(kern.kernel.ptr)
+        if fn is None:
+            u64, i32 = np.uint64, np.int32
+            kern((step.blocks,), (THREADS,), (
+                u64(self._table.data.ptr), u64(self._err_dev), u64(self._abort_dev),
+                i32(self.rank), i32(self.nranks), i32(root), i32(step.mode),
+                i32(own_ws), u64(self.epoch), u64(self.timeout_ns), u64(mode_sig),
+                u64(total), u64(in_ptr), u64(out_ptr), u64(step.n), u64(0),
+                u64(step.out_stride), u64(step.src_stride), u64(step.user_stride)),
+                stream=self.space.stream)
+            return
+        a = self._args
+        a.root, a.mode, a.epoch, a.sig, a.sig2 = root, step.mode, self.epoch, mode_sig, total
+        a.inp, a.out, a.n, a.own_ws = in_ptr, out_ptr, step.n, own_ws
+        a.out_stride, a.src_stride, a.user_stride = (step.out_stride, step.src_stride,
+                                                     step.user_stride)
+        rc = cu(fn, step.blocks, 1, 1, THREADS, 1, 1, 0, self.space.stream.ptr,
+                self._params, None)
+        if rc != 0:
+            raise RemoteError(f"rank {self.rank}: launching a GPU peer-to-peer kernel "
+                              f"failed (CUresult {rc})", None)
 
     @property
     def workspace(self) -> int:
@@ -320,10 +495,19 @@ class P2PDomain:
         return self._block + SIGNAL_BYTES
 
     # ------------------------------------------------------------------ ending
-    def abort(self) -> None:
-        """Make every kernel of this rank that waits for a peer give up now."""
+    def abort(self, error: AcollError | None = None) -> None:
+        """Make every kernel of this rank that waits for a peer give up now, and a call
+        waiting for the other local ranks fail with ``error``."""
         if not self._freed:
             self._abort[0] = 1
+        waiting = self._waiting
+        if waiting is not None:
+            index, fut = waiting
+            if self._local is not None:
+                self._local.withdraw(index, self.rank)
+            if not fut.done():
+                fut.set_exception(error or RemoteError(
+                    f"rank {self.rank}: the communicator failed", None))
 
     def close(self) -> None:
         """Unmap the peers and free the workspace (after the last step finished; a domain
@@ -331,6 +515,11 @@ class P2PDomain:
         if self._freed:
             return
         self._freed = True
+        if self._local is not None:
+            self._local.users -= 1
+            if self._local.users <= 0:
+                _local_groups.pop(self._local_key, None)
+            self._local = None
         cp = self.cp
         busy = False
         try:
@@ -376,8 +565,9 @@ def _reach(cp: Any, device: int, rank: int, records: list[dict[str, Any]]) -> st
             peer_dev = int(rt.deviceGetByPCIBusId(r["bus"]))
         except Exception:
             return f"rank {p}'s GPU {r['bus']} is not visible to rank {rank}"
-        if r["pid"] != me["pid"] and peer_dev == device:
-            return (f"ranks {rank} and {p} share GPU {r['bus']} from different processes")
+        if (r["pid"], r["loop"]) != (me["pid"], me["loop"]) and peer_dev == device:
+            return (f"ranks {rank} and {p} share GPU {r['bus']} from different processes "
+                    "or event loops")
         if peer_dev != device and not rt.deviceCanAccessPeer(device, peer_dev):
             return f"cuda:{device} cannot access cuda:{peer_dev} (no P2P)"
     return ""

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from .._cuda.p2p_kernels import P2PSource
+from .._cuda.p2p_kernels import Mode, P2PSource
 from .._memory.base import Buffer, StreamOrder
 from .domain import P2PDomain
 from .plan import Step, pack_sig
@@ -72,14 +72,31 @@ class Sequencer:
 class P2POp:
     """One call: ``steps`` of ``src`` between ``send`` and ``recv`` (see module doc)."""
 
+    __slots__ = ("dom", "dtype_code", "name", "op", "order", "recv", "root", "send", "seq",
+                 "src", "steps", "ticket", "timeout", "total")
+
     def __init__(self, dom: P2PDomain, seq: Sequencer, order: StreamOrder, timeout: float,
                  src: P2PSource, steps: list[Step], send: Buffer, recv: Buffer, *,
-                 root: int, op: int, dtype_code: int, total: int, mine: str) -> None:
+                 root: int, op: int, dtype_code: int, total: int, name: str) -> None:
         self.dom, self.seq, self.order, self.timeout = dom, seq, order, timeout
         self.src, self.steps, self.send, self.recv = src, steps, send, recv
-        self.root, self.op, self.dtype_code, self.total, self.mine = (root, op, dtype_code,
-                                                                      total, mine)
+        self.root, self.op, self.dtype_code, self.total, self.name = (root, op, dtype_code,
+                                                                      total, name)
         self.ticket = seq.ticket()
+
+    def own_ws(self) -> bool:
+        """Whether peers read this rank's input from its workspace: always across
+        processes; in one process only when they would otherwise read memory this rank
+        overwrites during the step (in-place one-shot all-reduce or all-to-all)."""
+        if not self.dom.direct:
+            return True
+        mode = self.steps[0].mode if self.steps else -1
+        return mode in (Mode.ALL_REDUCE_ONE_SHOT, Mode.ALL_TO_ALL) and \
+            self.send.ptr < self.recv.ptr + self.recv.nbytes and \
+            self.recv.ptr < self.send.ptr + self.send.nbytes
+
+    def describe(self) -> str:
+        return f"{self.name} of {self.total} x {self.send.dtype}"
 
     async def run(self) -> None:
         dom = self.dom
@@ -88,7 +105,7 @@ class P2POp:
             kern = await dom.kernel(self.src)
             await self.seq.turn(self.ticket)
             dom.check()
-            self._enqueue(kern)
+            await dom.submit(lambda: self._enqueue(kern))
         finally:
             self.seq.done(self.ticket)
         if self.order.settle:
@@ -98,23 +115,23 @@ class P2POp:
     def _enqueue(self, kern: Any) -> None:
         dom = self.dom
         cp = dom.cp
-        isz = self.send.dtype.itemsize if self.src.dtype is not None else 1
-        unit = self.send.dtype.itemsize // isz  # elements -> kernel units
+        isz = self.send.dtype.itemsize
         stream = dom.space.stream.ptr
+        copy_kernel = self.src.dtype is None
+        own_ws = self.own_ws()
+        dom.mine = self.describe
         self.order.start()
         with cp.cuda.Device(dom.device):
             for step in self.steps:
-                for piece in step.pieces:
+                for piece in step.pieces if own_ws else ():
                     cp.cuda.runtime.memcpyAsync(
-                        dom.workspace + piece.dst * isz * unit,
-                        self.send.ptr + piece.src * isz * unit,
-                        piece.count * isz * unit, _DEFAULT, stream)
+                        dom.workspace + piece.dst * isz, self.send.ptr + piece.src * isz,
+                        piece.count * isz, _DEFAULT, stream)
                 sig = pack_sig(step.mode, self.dtype_code, self.op, self.root, step.index)
-                dom.launch(kern, _scaled(step, unit), mode_sig=sig, total=self.total,
-                           root=self.root,
-                           in_ptr=self.send.ptr + step.in_off * isz * unit,
-                           out_ptr=self.recv.ptr + step.out_off * isz * unit,
-                           mine=self.mine)
+                dom.launch(kern, self.src, _scaled(step, isz) if copy_kernel else step,
+                           own_ws=own_ws, mode_sig=sig, total=self.total, root=self.root,
+                           in_ptr=self.send.ptr + step.in_off * isz,
+                           out_ptr=self.recv.ptr + step.out_off * isz)
         self.order.finish()
 
 
@@ -124,4 +141,4 @@ def _scaled(step: Step, unit: int) -> Step:
         return step
     return Step(step.mode, step.index, step.n * unit, step.in_off * unit,
                 step.out_off * unit, step.out_stride * unit, step.src_stride * unit,
-                step.pieces, step.blocks)
+                step.user_stride * unit, step.pieces, step.blocks)

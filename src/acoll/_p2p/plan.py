@@ -43,8 +43,9 @@ class Step:
     in_off: int  # into the user input
     out_off: int  # into the user output
     out_stride: int
-    src_stride: int
-    pieces: tuple[Piece, ...]
+    src_stride: int  # between rank blocks in a workspace
+    user_stride: int  # between rank blocks in a user input
+    pieces: tuple[Piece, ...]  # what a rank reading from its workspace copies there first
     blocks: int
 
 
@@ -76,43 +77,39 @@ def _spans(total: int, per_step: int) -> list[tuple[int, int]]:
 
 
 def plan(mode: int, count: int, itemsize: int, nranks: int, rank: int, root: int, *,
-         capacity: int, direct: bool, most_blocks: int) -> list[Step]:
-    """The steps of one call.
+         capacity: int | None, most_blocks: int) -> list[Step]:
+    """The steps of one call (the same count and sizes on every rank).
 
     ``count``: elements per rank's input for all_reduce/reduce/broadcast, per rank's block
     for all_gather (input), reduce_scatter (output) and all_to_all (each peer's block).
-    ``capacity``: workspace bytes per rank. ``direct``: peers read user buffers in place
-    (no copy-in, no size limit per step).
+    ``capacity``: workspace bytes per rank: a step never holds more, so that every rank
+    can take its workspace for any call (ranks reading user buffers in place just skip
+    the pieces); ``None``: one step (no rank will use its workspace).
     """
     if count <= 0:
         return []
     # Keep step boundaries on 16-byte multiples so every step stays vector-aligned.
     align = max(1, 16 // itemsize) if itemsize <= 16 else 1
     share = nranks if mode in (Mode.REDUCE_SCATTER, Mode.ALL_TO_ALL) else 1
-    if direct:
-        per_step = count
-    else:
-        per_step = capacity // (itemsize * share) // align * align
-        if per_step <= 0:
-            raise ValueError(f"workspace of {capacity} bytes cannot hold a step")
+    per_step = count if capacity is None else capacity // (itemsize * share) // align * align
+    if per_step <= 0:
+        raise ValueError(f"workspace of {capacity} bytes cannot hold a step")
     steps = []
     for index, (k0, c) in enumerate(_spans(count, per_step)):
         pieces: tuple[Piece, ...] = ()
-        out_stride = src_stride = 0
+        out_stride = src_stride = user_stride = 0
         if mode in (Mode.REDUCE_SCATTER, Mode.ALL_TO_ALL):
             out_stride = count if mode == Mode.ALL_TO_ALL else 0
-            src_stride = count if direct else c
-            if not direct:
-                pieces = tuple(Piece(q * c, q * count + k0, c) for q in range(nranks))
+            src_stride, user_stride = c, count
+            pieces = tuple(Piece(q * c, q * count + k0, c) for q in range(nranks))
         elif mode == Mode.ALL_GATHER:
             out_stride = count
-            if not direct:
-                pieces = (Piece(0, k0, c),)
-        elif mode == Mode.BROADCAST:
-            if not direct and rank == root:
-                pieces = (Piece(0, k0, c),)
-        elif not direct:
             pieces = (Piece(0, k0, c),)
-        steps.append(Step(mode, index, c, k0, k0, out_stride, src_stride, pieces,
-                          blocks_for(c * itemsize, most_blocks)))
+        elif mode == Mode.BROADCAST:
+            if rank == root:
+                pieces = (Piece(0, k0, c),)
+        else:
+            pieces = (Piece(0, k0, c),)
+        steps.append(Step(mode, index, c, k0, k0, out_stride, src_stride, user_stride,
+                          pieces, blocks_for(c * itemsize, most_blocks)))
     return steps
