@@ -513,7 +513,7 @@ class Communicator:
 
     def _p2p_make(self, mode: int, name: str, s: Buffer, r: Buffer, count: int,
                   order: StreamOrder | None, *, op: ReduceOp | None = None, root: int = 0
-                  ) -> MakeAlgorithm | None:
+                  ) -> P2POp | None:
         """The call on the intra-host GPU path, or ``None`` when the communicator has none.
 
         Made at the call (not when the executor runs it): its launch ticket fixes the
@@ -521,11 +521,38 @@ class Communicator:
         dom = self._p2p
         if dom is None or order is None:
             return None
-        steps = dom.plan(mode, count, s.dtype.itemsize, root)
-        p2p_op = P2POp(dom, self._p2p_seq, order, self.timeout, dom.source(op, s.dtype),
-                       steps, s, r, root=root, op=0 if op is None else int(op),
-                       dtype_code=dtype_code(s.dtype), total=count, name=name)
-        return lambda ctx: p2p_op
+        return P2POp(dom, self._p2p_seq, order, self.timeout, dom.source(op, s.dtype),
+                     dom.plan(mode, count, s.dtype.itemsize, root), s, r, root=root,
+                     op=0 if op is None else int(op), dtype_code=dtype_code(s.dtype),
+                     total=count, name=name)
+
+    async def _execute(self, desc: Descriptor, p2p: P2POp | None, make: MakeAlgorithm
+                       ) -> None:
+        """Run a call: ``p2p`` when the call is on the intra-host GPU path, else ``make``.
+
+        A P2P call made while the executor is idle (no op running or queued, no group)
+        runs at once, without the executor's bookkeeping: it uses up its sequence number
+        like every rank does, and its waits carry their own deadlines (the kernels',
+        the stream wait's, the local launch's).
+        """
+        ex = self._exec
+        if p2p is None:
+            await ex.execute(desc, make)
+            return
+        if ex.in_group or ex.running or ex.lock.locked():
+            await ex.execute(desc, lambda ctx: p2p)
+            return
+        self.check_usable()
+        ex.skip()
+        try:
+            await p2p.run()
+        except asyncio.CancelledError:
+            ex.cancelled(desc.coll.name.lower(), ex.seq - 1)
+            raise
+        except AcollError as exc:
+            first = self._error
+            self.fail(exc)
+            raise (first or exc) from None
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
@@ -558,8 +585,7 @@ class Communicator:
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
                               "all_reduce", s, r, s.count, order, op=rop)
-        await self._exec.execute(desc, make or self._ordered(lambda ctx: cls(ctx, s, r, rop),
-                                                              order))
+        await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
         return out
 
     @_announced
@@ -573,8 +599,7 @@ class Communicator:
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
         make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
-        await self._exec.execute(desc, make or self._ordered(lambda ctx: cls(ctx, b, root),
-                                                              order))
+        await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, b, root), order))
         return buf
 
     @_announced
@@ -604,8 +629,8 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
                               op=rop, root=root)
-        await self._exec.execute(desc, make or self._ordered(
-            lambda ctx: cls(ctx, s, r, root, rop), order))
+        await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
+                                                      order))
         return out
 
     @_announced
@@ -623,7 +648,7 @@ class Communicator:
             await self._local_copy(r, s, order)
             return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
-        await self._exec.execute(desc, make or self._ordered(
+        await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
         return out
 
@@ -643,7 +668,7 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
-        await self._exec.execute(desc, make or self._ordered(
+        await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
         return out
 
@@ -663,7 +688,7 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)
-        await self._exec.execute(desc, make or self._ordered(
+        await self._execute(desc, make, self._ordered(
             lambda ctx: algos.DirectAllToAll(ctx, s, r), order))
         return out
 

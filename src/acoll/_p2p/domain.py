@@ -40,7 +40,7 @@ import asyncio
 import ctypes
 import os
 import threading
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgpack
@@ -376,6 +376,10 @@ class P2PDomain:
             self.space.stream.synchronize()  # small, once: the table is in place
 
     # ------------------------------------------------------------------ running
+    def loaded(self, src: P2PSource) -> Any:
+        """The kernel of ``src`` if it is compiled for this device already, else ``None``."""
+        return _kernels.get((src.name, self.device))
+
     async def kernel(self, src: P2PSource) -> Any:
         """The kernel of ``src`` for this device (compiled off the loop thread once)."""
         kern = _kernels.get((src.name, self.device))
@@ -407,21 +411,38 @@ class P2PDomain:
                 capacity=None if whole else self.capacity, most_blocks=self.most_blocks)
         return steps
 
-    async def submit(self, launch: Callable[[], None]) -> None:
+    def submit(self, launch: Callable[[], None], timeout: float, name: str
+               ) -> Awaitable[None] | None:
         """Run ``launch`` (this rank's enqueue of one call) together with the same call of
-        the other local ranks (see :class:`LocalLaunch`)."""
+        the other local ranks (see :class:`LocalLaunch`): ``None`` when it ran now, else
+        an awaitable that completes when it ran, or raises :class:`~acoll.TimeoutError`
+        if the other local ranks did not make the call within ``timeout`` seconds."""
         index = self._launches
         self._launches += 1
         if self._local is None:
             launch()
-            return
+            return None
         fut = self._local.submit(index, self.rank, launch)
         if fut is None:
-            return
+            return None
+        return self._wait_local(index, fut, timeout, name)
+
+    async def _wait_local(self, index: int, fut: asyncio.Future[None], timeout: float,
+                          name: str) -> None:
+        def expire() -> None:
+            if not fut.done():
+                if self._local is not None:
+                    self._local.withdraw(index, self.rank)
+                fut.set_exception(AcollTimeoutError(
+                    f"{name} did not start within {timeout:g} s on rank {self.rank}: the "
+                    "other ranks of this process did not make the call"))
+
+        timer = asyncio.get_running_loop().call_later(timeout, expire)
         self._waiting = (index, fut)
         try:
             await fut
         finally:
+            timer.cancel()
             self._waiting = None
 
     def check(self) -> None:

@@ -39,10 +39,14 @@ class Sequencer:
         self._next += 1
         return self._next - 1
 
-    async def turn(self, ticket: int) -> None:
+    def ready(self, ticket: int) -> bool:
+        """True when ``ticket`` may go now (no earlier ticket is pending)."""
         if self._error is not None:
             raise self._error
-        if ticket == self._served:
+        return ticket == self._served
+
+    async def turn(self, ticket: int) -> None:
+        if self.ready(ticket):
             return
         fut = self._waiters[ticket] = asyncio.get_running_loop().create_future()
         try:
@@ -102,10 +106,13 @@ class P2POp:
         dom = self.dom
         try:
             dom.check()
-            kern = await dom.kernel(self.src)
-            await self.seq.turn(self.ticket)
+            kern = dom.loaded(self.src) or await dom.kernel(self.src)
+            if not self.seq.ready(self.ticket):
+                await self.seq.turn(self.ticket)
             dom.check()
-            await dom.submit(lambda: self._enqueue(kern))
+            waiter = dom.submit(lambda: self._enqueue(kern), self.timeout, self.name)
+            if waiter is not None:
+                await waiter
         finally:
             self.seq.done(self.ticket)
         if self.order.settle:
