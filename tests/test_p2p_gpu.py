@@ -104,16 +104,20 @@ async def test_unaligned_buffers(direct: str, monkeypatch: pytest.MonkeyPatch) -
     comms = await _form(_devices(2))
     try:
         async def one(c: acoll.Communicator) -> None:
+            # (a device context must not be held across an await: the other rank's
+            # coroutine, on this thread, switches the current device)
             with cp.cuda.Device(c.device):
                 base = (cp.arange(100_001) % 7).astype(cp.float16)
                 x = base[1:]  # 2-byte offset
                 want = (cp.asnumpy(x).astype(np.float32) * 2).astype(np.float16)
-                await c.all_reduce(x)
+            await c.all_reduce(x)
+            with cp.cuda.Device(c.device):
                 assert np.array_equal(cp.asnumpy(x), want)
                 out = cp.zeros(2 * 100_000 + 1, cp.float16)[1:]
-                await c.all_gather(base[1:], out)
+            await c.all_gather(base[1:], out)
+            with cp.cuda.Device(c.device):
                 got = cp.asnumpy(out)
-                assert np.array_equal(got[:100_000], got[100_000:])
+            assert np.array_equal(got[:100_000], got[100_000:])
         await asyncio.gather(*(one(c) for c in comms))
     except BaseException:
         for c in comms:
