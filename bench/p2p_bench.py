@@ -84,6 +84,10 @@ async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
                 with cp.cuda.Device(c.device):
                     streams.append(cp.cuda.Stream(non_blocking=True))
             iters = _iters(nbytes, args.iters)
+            regs = []
+            if args.register:
+                for c, (s, r, _) in zip(comms, bufs, strict=True):
+                    regs.append((c, await c.register(s), await c.register(r)))
 
             async def once(pipe: bool, bufs: list[Any] = bufs,
                            streams: list[Any] = streams, coll: str = coll) -> None:
@@ -122,11 +126,15 @@ async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
                     ok = ok and bool(np.array_equal(got, want_arr))
                 else:
                     ok = ok and bool((got == want).all())
+            for c, rs, rr in regs:
+                await c.deregister(rs)
+                await c.deregister(rr)
             if comms[0].rank == 0:
                 emit({"lib": "acoll", "coll": coll, "bytes": nbytes, "pipe_s": pipe,
                       "await_s": awaited, "ok": ok, "n": n,
                       "mode": "direct" if comms[0]._p2p and comms[0]._p2p.direct else
-                      "copy" if comms[0]._p2p else "staged"})
+                      ("registered" if args.register else "copy") if comms[0]._p2p
+                      else "staged"})
 
 
 async def _acoll_inproc(args: argparse.Namespace, emit: Any) -> None:
@@ -332,6 +340,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--limit", type=float, default=280, help="seconds per library")
     ap.add_argument("--no-nccl", action="store_true")
+    ap.add_argument("--register", action="store_true",
+                    help="register the buffers (procs: peers read them in place)")
     ap.add_argument("--json")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")

@@ -177,3 +177,20 @@ def test_sources_compile_for_sm90(tmp_path: Path) -> None:
     for name, p in procs:
         out, _ = p.communicate(timeout=300)
         assert p.returncode == 0, f"{name}: {out}"
+
+
+async def test_register_on_a_host_communicator_is_a_no_op() -> None:
+    import acoll
+    from acoll.testing import run_ranks
+
+    async def fn(comm: acoll.Communicator) -> int:
+        x = np.ones(100, np.float32)
+        reg = await comm.register(x)
+        assert isinstance(reg, acoll.Registration)
+        await comm.all_reduce(x)
+        await comm.deregister(reg)
+        with pytest.raises(acoll.InvalidUsage, match="Registration"):
+            await comm.deregister("nope")  # type: ignore[arg-type]
+        return reg.index
+
+    assert await run_ranks(2, fn) == [-1, -1]

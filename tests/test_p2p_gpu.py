@@ -208,6 +208,14 @@ def test_matrix_across_processes_over_cuda_ipc() -> None:
     assert proc.stdout.count("checks passed") == 2, proc.stdout
 
 
+@two_gpus
+@pytest.mark.timeout(200)
+def test_registered_buffers_are_read_in_place_across_processes() -> None:
+    proc = _run_pair("mp_p2p.py", "registered", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("registered calls exact, 0 bytes copied") == 2, proc.stdout
+
+
 def test_ranks_sharing_a_gpu_across_processes_do_not_form_a_domain() -> None:
     env_gpu = "0"
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}

@@ -70,7 +70,7 @@ from .errors import (
     RemoteError,
 )
 
-__all__ = ["Communicator", "get_unique_id", "init_rank"]
+__all__ = ["Communicator", "Registration", "get_unique_id", "init_rank"]
 
 log = get_logger("INIT")
 
@@ -741,6 +741,39 @@ class Communicator:
             checker.recv_done(peer, index)
         return buf
 
+    # ------------------------------------------------------------------ registration
+    async def register(self, buf: Any) -> Registration:
+        """Prepare ``buf`` for repeated collectives (``ncclCommRegister``). Collective:
+        every rank calls it, in the same order, each with its own buffer.
+
+        On the intra-host GPU path between processes, a call whose send and receive
+        buffers lie in registered allocations is read by the peers in place instead of
+        going through the workspace: the whole CUDA allocation holding ``buf`` (for a
+        memory-pool array, the pool's block) is mapped into every peer process once,
+        here. It must stay allocated until :meth:`deregister` or ``close()``. Elsewhere
+        (host buffers, ranks in one process, no intra-host path) this is a no-op that
+        still returns a handle.
+        """
+        self.check_usable()
+        b = self.mem.adopt(buf, "buf")
+        if self._p2p is None or self._p2p.direct:
+            return Registration(self, -1)
+        async with self._exec.lock:
+            self.check_usable()
+            index = await self._p2p.register(b.ptr, self._boot)
+        return Registration(self, index)
+
+    async def deregister(self, reg: Registration) -> None:
+        """Undo :meth:`register` (collective, like it)."""
+        if not isinstance(reg, Registration) or reg.comm is not self:
+            raise InvalidUsage("deregister takes a Registration of this communicator")
+        self.check_usable()
+        if reg.index < 0 or self._p2p is None:
+            return
+        async with self._exec.lock:
+            await self._p2p.deregister(reg.index, self._boot)
+        reg.index = -1
+
     # ------------------------------------------------------------------ split
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
@@ -799,6 +832,19 @@ class Communicator:
         except BaseException:
             sock.close()  # harmless if the bootstrap server already owns and closed it
             raise
+
+
+class Registration:
+    """A buffer registered with :meth:`Communicator.register` (pass it to
+    :meth:`Communicator.deregister`); ``index`` is -1 where registering had no effect."""
+
+    __slots__ = ("comm", "index")
+
+    def __init__(self, comm: Communicator, index: int) -> None:
+        self.comm, self.index = comm, index
+
+    def __repr__(self) -> str:
+        return f"<acoll.Registration #{self.index}>"
 
 
 def _p2p_wanted(mem: MemorySpace | None) -> bool:

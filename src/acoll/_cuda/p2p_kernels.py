@@ -16,10 +16,12 @@ a block only waits for the same block of its peers. Flags hold the step's *epoch
 counter every rank advances identically, written with ``st.release.sys`` and read with
 ``ld.acquire.sys``; one thread per peer signals and waits, then the block syncs.
 
-Where each rank's data is (``own_ws``, chosen per rank and call and published in its
-descriptor): either the rank copied its input into its own data area at ``ws_off`` bytes
-(stream-ordered, before the launch) and peers read it there, or (ranks all in one process)
-it publishes its user pointers and peers read them in place. A rank whose call would let
+Where each rank's data is (``own_ws``/``reg``, chosen per rank and call and published in
+its descriptor): either the rank copied its input into its own data area at ``ws_off``
+bytes (stream-ordered, before the launch) and peers read it there; or its buffers lie in
+allocations registered with the communicator (every peer mapped them) and it publishes
+(registration, offset); or (ranks all in one process) it publishes its user pointers.
+Peers read the last two in place. A rank whose call would let
 peers read memory it overwrites (in-place one-shot all-reduce, in-place all-to-all) takes
 the workspace even then.
 
@@ -46,12 +48,13 @@ from .._dtypes import DTYPE_NAMES, ReduceOp, parse_dtype
 from .kernels import _CTYPES, _PRELUDE, _bits_code, _finish_code, _op_code
 
 __all__ = [
-    "ERR_ABORTED", "ERR_MISMATCH", "ERR_TIMEOUT", "ERR_WORDS", "MAXR", "MAX_BLOCKS", "Mode",
-    "P2PSource", "SIGNAL_BYTES", "THREADS", "copy_source", "reduce_source",
+    "ERR_ABORTED", "ERR_MISMATCH", "ERR_TIMEOUT", "ERR_WORDS", "MAXR", "MAX_BLOCKS",
+    "MAX_REGS", "Mode", "P2PSource", "SIGNAL_BYTES", "THREADS", "copy_source", "reduce_source",
 ]
 
-#: Most ranks in one domain, most blocks per launch, threads per block.
+#: Most ranks in one domain, most blocks per launch, threads per block, registrations.
 MAXR = 32
+MAX_REGS = 256
 MAX_BLOCKS = 128
 THREADS = 512
 #: Bytes of the signal area: start/mid/end flags [block][rank], then per-block descriptors
@@ -86,8 +89,11 @@ class P2PSource:
     Parameters: ``(const u64* tab, u64* err, const volatile unsigned* abort, int rank,
     int nranks, int root, int mode, int own_ws, u64 epoch, u64 timeout_ns, u64 sig,
     u64 sig2, const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride,
-    u64 user_stride)``; ``src_stride`` is the distance between rank blocks in a
-    workspace, ``user_stride`` in a user buffer;
+    u64 user_stride, const u64* regtab, u64 reg, u64 reg_in_off, u64 reg_out_off)``;
+    ``src_stride`` is the distance between rank blocks in a workspace, ``user_stride`` in
+    a user buffer; ``reg`` names the registrations holding ``in`` and ``out``
+    (``(in_index + 1) | (out_index + 1) << 16``, 0: none) at those byte offsets, and
+    ``regtab[index * MAXR + p]`` is rank ``p``'s registered allocation as mapped here;
     ``sig``/``sig2`` describe the step (every rank must pass the same); counts in
     elements of ``T`` (bytes for the copy kernel), ``ws_off`` in bytes.
     """
@@ -251,7 +257,7 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}(
     const u64* tab, u64* err, const volatile unsigned* abort_flag, int rank, int nranks,
     int root, int mode, int own_ws, u64 epoch, u64 timeout_ns, u64 sig, u64 sig2,
     const T* in, T* out, u64 n, u64 ws_off, u64 out_stride, u64 src_stride,
-    u64 user_stride) {{
+    u64 user_stride, const u64* regtab, u64 reg, u64 reg_in_off, u64 reg_out_off) {{
   __shared__ int s_ok;
   __shared__ const T* s_src[MAXR];  // each rank's input, as this rank addresses it
   __shared__ const T* s_res[MAXR];  // each rank's two-shot result half
@@ -269,6 +275,9 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}(
     d[2] = reinterpret_cast<u64>(out);
     d[3] = sig2;
     d[4] = (u64)own_ws;
+    d[5] = reg;
+    d[6] = reg_in_off;
+    d[7] = reg_out_off;
   }}
   if (!acoll_barrier(a, 0, &s_ok)) return;
   if (t < nranks) {{
@@ -284,9 +293,18 @@ extern "C" __global__ void __launch_bounds__({threads}) {name}(
       s_src[t] = ws;
       s_res[t] = ws;
       s_stride[t] = src_stride;
-    }} else {{
-      s_src[t] = t == rank ? in : reinterpret_cast<const T*>(d[1]);
-      s_res[t] = t == rank ? out : reinterpret_cast<const T*>(d[2]);
+    }} else if (t == rank) {{
+      s_src[t] = in;
+      s_res[t] = out;
+      s_stride[t] = user_stride;
+    }} else if (d[5] != 0) {{  // registered: the peer's allocations as mapped here
+      const u64 r = d[5];
+      s_src[t] = reinterpret_cast<const T*>(regtab[((r & 0xffff) - 1) * MAXR + t] + d[6]);
+      s_res[t] = reinterpret_cast<const T*>(regtab[((r >> 16) - 1) * MAXR + t] + d[7]);
+      s_stride[t] = user_stride;
+    }} else {{  // same process: the peer's own pointers
+      s_src[t] = reinterpret_cast<const T*>(d[1]);
+      s_res[t] = reinterpret_cast<const T*>(d[2]);
       s_stride[t] = user_stride;
     }}
   }}

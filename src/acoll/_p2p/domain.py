@@ -54,6 +54,7 @@ from .._cuda.p2p_kernels import (
     ERR_TIMEOUT,
     ERR_WORDS,
     MAX_BLOCKS,
+    MAX_REGS,
     MAXR,
     PHASES,
     SIGNAL_BYTES,
@@ -108,7 +109,9 @@ class _Args(ctypes.Structure):
                 ("sig", ctypes.c_uint64), ("sig2", ctypes.c_uint64),
                 ("inp", ctypes.c_uint64), ("out", ctypes.c_uint64), ("n", ctypes.c_uint64),
                 ("ws_off", ctypes.c_uint64), ("out_stride", ctypes.c_uint64),
-                ("src_stride", ctypes.c_uint64), ("user_stride", ctypes.c_uint64)]
+                ("src_stride", ctypes.c_uint64), ("user_stride", ctypes.c_uint64),
+                ("regtab", ctypes.c_uint64), ("reg", ctypes.c_uint64),
+                ("reg_in_off", ctypes.c_uint64), ("reg_out_off", ctypes.c_uint64)]
 
 
 def _cu_launch() -> Any:
@@ -175,6 +178,30 @@ class LocalLaunch:
 
 
 _local_groups: dict[tuple[Any, ...], LocalLaunch] = {}
+_range_fn: list[Any] = []
+
+
+def address_range(ptr: int) -> tuple[int, int]:
+    """``(base, size)`` of the CUDA allocation holding device pointer ``ptr``
+    (``cuMemGetAddressRange``: a memory pool's sub-allocation lies inside one)."""
+    if not _range_fn:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t),
+                       ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        _range_fn.append(fn)
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = _range_fn[0](ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise InvalidUsage(f"{ptr:#x} is not in a CUDA allocation (CUresult {rc})")
+    return int(base.value), int(size.value)
+
+
+class _Registration:
+    __slots__ = ("base", "index", "opened", "size")
+
+    def __init__(self, index: int, base: int, size: int, opened: list[bytes]) -> None:
+        self.index, self.base, self.size, self.opened = index, base, size, opened
 
 
 def _compile(src: P2PSource, device: int) -> Any:
@@ -263,6 +290,12 @@ class P2PDomain:
         self._local_key: tuple[Any, ...] = ()
         self._launches = 0
         self._waiting: tuple[int, asyncio.Future[None]] | None = None
+        #: Bytes this rank copied into its workspace so far (a registered or in-process
+        #: call copies none).
+        self.copied = 0
+        self._regs: list[_Registration] = []
+        self._next_reg = 0
+        self._regtab: Any = None  # device u64[MAX_REGS * MAXR]
 
     def _device_pointer(self, host_ptr: int) -> int:
         rt = self.cp.cuda.runtime
@@ -345,6 +378,7 @@ class P2PDomain:
         a = dom._args
         a.tab, a.err, a.abort = int(dom._table.data.ptr), dom._err_dev, dom._abort_dev
         a.rank, a.nranks, a.timeout = rank, nranks, dom.timeout_ns
+        a.regtab = int(dom._regtab.data.ptr)
         log.info("rank %d: intra-host GPU path on cuda:%d: %d ranks, %s mode, %d blocks, "
                  "%d MiB workspace", rank, space.device, nranks,
                  "direct" if direct else "copy", most, dom.capacity >> 20)
@@ -373,6 +407,7 @@ class P2PDomain:
                 table[p] = base + SIGNAL_BYTES
                 table[MAXR + p] = base
             self._table = cp.asarray(table)
+            self._regtab = cp.zeros(MAX_REGS * MAXR, cp.uint64)
             self.space.stream.synchronize()  # small, once: the table is in place
 
     # ------------------------------------------------------------------ running
@@ -481,7 +516,8 @@ class P2PDomain:
     mine: Callable[[], str] = staticmethod(lambda: "")
 
     def launch(self, kern: Any, src: P2PSource, step: Step, *, own_ws: bool, mode_sig: int,
-               total: int, root: int, in_ptr: int, out_ptr: int) -> None:
+               total: int, root: int, in_ptr: int, out_ptr: int, reg: int = 0,
+               reg_in_off: int = 0, reg_out_off: int = 0) -> None:
         """Enqueue one step on the communicator's stream (the caller copied its pieces;
         call under this device's context)."""
         self.epoch += 1
@@ -496,7 +532,8 @@ class P2PDomain:
                 i32(self.rank), i32(self.nranks), i32(root), i32(step.mode),
                 i32(own_ws), u64(self.epoch), u64(self.timeout_ns), u64(mode_sig),
                 u64(total), u64(in_ptr), u64(out_ptr), u64(step.n), u64(0),
-                u64(step.out_stride), u64(step.src_stride), u64(step.user_stride)),
+                u64(step.out_stride), u64(step.src_stride), u64(step.user_stride),
+                u64(self._regtab.data.ptr), u64(reg), u64(reg_in_off), u64(reg_out_off)),
                 stream=self.space.stream)
             return
         a = self._args
@@ -504,11 +541,76 @@ class P2PDomain:
         a.inp, a.out, a.n, a.own_ws = in_ptr, out_ptr, step.n, own_ws
         a.out_stride, a.src_stride, a.user_stride = (step.out_stride, step.src_stride,
                                                      step.user_stride)
+        a.reg, a.reg_in_off, a.reg_out_off = reg, reg_in_off, reg_out_off
         rc = cu(fn, step.blocks, 1, 1, THREADS, 1, 1, 0, self.space.stream.ptr,
                 self._params, None)
         if rc != 0:
             raise RemoteError(f"rank {self.rank}: launching a GPU peer-to-peer kernel "
                               f"failed (CUresult {rc})", None)
+
+    # ------------------------------------------------------------------ registration
+    async def register(self, ptr: int, boot: Any) -> int:
+        """Map the allocation holding device pointer ``ptr`` into every rank (collective:
+        every rank calls it, in the same order, with its own buffer). Returns the index
+        of the registration (the same on every rank)."""
+        cp, rt = self.cp, self.cp.cuda.runtime
+        if self._next_reg >= MAX_REGS:
+            raise InvalidUsage(f"at most {MAX_REGS} registrations per communicator")
+        record: dict[str, Any]
+        try:
+            with cp.cuda.Device(self.device):
+                base, size = address_range(ptr)
+                handle = bytes(rt.ipcGetMemHandle(base))
+            record = {"ok": True, "base": base, "size": size, "handle": handle,
+                      "pid": os.getpid()}
+        except Exception as exc:
+            record = {"ok": False, "why": f"rank {self.rank}: {exc}"}
+        records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(record))]
+        bad = next((r["why"] for r in records if not r["ok"]), "")
+        if bad:
+            raise InvalidUsage(f"cannot register the buffer for peer access: {bad}")
+        index = self._next_reg
+        self._next_reg += 1
+        row = np.zeros(MAXR, np.uint64)
+        opened: list[bytes] = []
+        me = records[self.rank]
+        try:
+            with cp.cuda.Device(self.device):
+                for p, r in enumerate(records):
+                    if p == self.rank or r["pid"] == me["pid"]:
+                        row[p] = r["base"]
+                    else:
+                        row[p] = _open_ipc(cp, r["handle"])
+                        opened.append(r["handle"])
+                rt.memcpyAsync(int(self._regtab.data.ptr) + index * MAXR * 8,
+                               row.ctypes.data, row.nbytes, 1, self.space.stream.ptr)
+        except BaseException:
+            for h in opened:
+                _close_ipc(cp, h)
+            raise
+        await self.space.settle(asyncio.get_running_loop().time() + self.timeout_ns / 1e9)
+        self._regs.append(_Registration(index, me["base"], me["size"], opened))
+        log.info("rank %d: registered %d bytes at %#x as #%d", self.rank, me["size"],
+                 me["base"], index)
+        return index
+
+    async def deregister(self, index: int, boot: Any) -> None:
+        """Forget registration ``index`` and unmap the peers' allocations (collective)."""
+        reg = next((r for r in self._regs if r.index == index), None)
+        if reg is None:
+            raise InvalidUsage(f"no registration #{index} on this communicator")
+        self._regs.remove(reg)
+        await self.space.settle(asyncio.get_running_loop().time() + self.timeout_ns / 1e9)
+        await boot.barrier()  # every rank's kernels that could read it are done
+        for h in reg.opened:
+            _close_ipc(self.cp, h)
+
+    def registered(self, ptr: int, nbytes: int) -> tuple[int, int] | None:
+        """``(index, byte offset)`` of a registration holding ``[ptr, ptr + nbytes)``."""
+        for reg in self._regs:
+            if reg.base <= ptr and ptr + nbytes <= reg.base + reg.size:
+                return reg.index, ptr - reg.base
+        return None
 
     @property
     def workspace(self) -> int:
@@ -553,6 +655,10 @@ class P2PDomain:
         for handle in self._handles:
             _close_ipc(cp, handle)
         self._handles.clear()
+        for reg in self._regs:
+            for handle in reg.opened:
+                _close_ipc(cp, handle)
+        self._regs.clear()
         _free(cp, self.device, self._block)
         try:
             cp.cuda.runtime.freeHost(self._host_ptr)

@@ -88,16 +88,26 @@ class P2POp:
                                                                       total, name)
         self.ticket = seq.ticket()
 
-    def own_ws(self) -> bool:
-        """Whether peers read this rank's input from its workspace: always across
-        processes; in one process only when they would otherwise read memory this rank
-        overwrites during the step (in-place one-shot all-reduce or all-to-all)."""
-        if not self.dom.direct:
-            return True
+    def placement(self) -> tuple[bool, tuple[int, int] | None, tuple[int, int] | None]:
+        """Where peers read this rank's data: ``(own_ws, in_reg, out_reg)``.
+
+        The workspace when peers would otherwise read memory this rank overwrites during
+        the step (in-place one-shot all-reduce or all-to-all), or when they cannot reach
+        its buffers (other processes, buffers not registered); else the buffers in place
+        (same process: by pointer; registered: by registration and offset).
+        """
         mode = self.steps[0].mode if self.steps else -1
-        return mode in (Mode.ALL_REDUCE_ONE_SHOT, Mode.ALL_TO_ALL) and \
-            self.send.ptr < self.recv.ptr + self.recv.nbytes and \
-            self.recv.ptr < self.send.ptr + self.send.nbytes
+        send, recv = self.send, self.recv
+        if mode in (Mode.ALL_REDUCE_ONE_SHOT, Mode.ALL_TO_ALL) and \
+                send.ptr < recv.ptr + recv.nbytes and recv.ptr < send.ptr + send.nbytes:
+            return True, None, None
+        if self.dom.direct:
+            return False, None, None
+        rin = self.dom.registered(send.ptr, send.nbytes)
+        rout = self.dom.registered(recv.ptr, recv.nbytes) if rin is not None else None
+        if rin is None or rout is None:
+            return True, None, None
+        return False, rin, rout
 
     def describe(self) -> str:
         return f"{self.name} of {self.total} x {self.send.dtype}"
@@ -125,12 +135,14 @@ class P2POp:
         isz = self.send.dtype.itemsize
         stream = dom.space.stream.ptr
         copy_kernel = self.src.dtype is None
-        own_ws = self.own_ws()
+        own_ws, rin, rout = self.placement()
+        reg = 0 if rin is None or rout is None else (rin[0] + 1) | (rout[0] + 1) << 16
         dom.mine = self.describe
         self.order.start()
         with cp.cuda.Device(dom.device):
             for step in self.steps:
                 for piece in step.pieces if own_ws else ():
+                    dom.copied += piece.count * isz
                     cp.cuda.runtime.memcpyAsync(
                         dom.workspace + piece.dst * isz, self.send.ptr + piece.src * isz,
                         piece.count * isz, _DEFAULT, stream)
@@ -138,7 +150,9 @@ class P2POp:
                 dom.launch(kern, self.src, _scaled(step, isz) if copy_kernel else step,
                            own_ws=own_ws, mode_sig=sig, total=self.total, root=self.root,
                            in_ptr=self.send.ptr + step.in_off * isz,
-                           out_ptr=self.recv.ptr + step.out_off * isz)
+                           out_ptr=self.recv.ptr + step.out_off * isz, reg=reg,
+                           reg_in_off=0 if rin is None else rin[1] + step.in_off * isz,
+                           reg_out_off=0 if rout is None else rout[1] + step.out_off * isz)
         self.order.finish()
 
 
