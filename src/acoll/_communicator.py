@@ -329,7 +329,8 @@ class Communicator:
                 await wait_until(asyncio.gather(*(comm.connection(p) for p in ring)),
                                  deadline_after(timeout), "ring connections")
             # Every rank sees the same records, so all of them try the P2P path or none.
-            if comm.size > 1 and len({i.host_hash for i in infos}) == 1 and all(
+            # (Short-circuits on this rank's own wish, which is in every rank's list.)
+            if p2p and comm.size > 1 and len({i.host_hash for i in infos}) == 1 and all(
                     msgpack.unpackb(r).get("p2p", False) for r in raw):
                 from ._p2p.domain import P2PDomain
                 comm._p2p = await P2PDomain.establish(comm.mem, comm.rank, comm.size, boot,
