@@ -267,7 +267,7 @@ class _FakeMPI:
 
 
 def _calls(coll: str, *, inplace: bool, rank: int = 1, size: int = 3,
-           dtype: str = "float32", op: ReduceOp = ReduceOp.SUM, root: int = 2,
+           dtype: Any = "float32", op: ReduceOp = ReduceOp.SUM, root: int = 2,
            ) -> list[tuple[str, tuple[Any, ...]]]:
     fake = _FakeMPI(rank, size)
     backend = mpi.MpiBackend(mpi=fake)
@@ -314,7 +314,7 @@ def test_calls(coll: str, inplace: bool, rank: int, expect: tuple[str, tuple[Any
 def test_bfloat16_moves_as_uint16() -> None:
     import ml_dtypes
 
-    got = _calls("all_gather", inplace=False, dtype=ml_dtypes.bfloat16)  # type: ignore[arg-type]
+    got = _calls("all_gather", inplace=False, dtype=ml_dtypes.bfloat16)
     assert got == [("Allgather", ("6 uint16 UINT16_T", "6 uint16 UINT16_T"))]
 
 
