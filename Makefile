@@ -66,7 +66,7 @@ bench: venv
 bench-netns: venv
 	$(BIN)/python -m pip install -q 'torch==2.13.0'
 	sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
-	  $$sudo $(BIN)/python bench/netns_shaped.py --rate 10gbit -b 1M -e 256M -n 10 -w 3 \
+	  $$sudo $(BIN)/python bench/netns_shaped.py --rate 10gbit -b 1M -e 256M -n 10 -w 3 --repeat 2 \
 	    --out bench/results/netns_shaped_10g.txt
 
 clean:

@@ -207,3 +207,17 @@ def test_perf_vs_mpi_under_mpirun(tmp_path: Path) -> None:
     assert doc["out_of_bounds"] == doc["peer"]["out_of_bounds"] == 0
     assert doc["peer"]["settings"]["dtype"] == "bfloat16"
     assert len(doc["comparison"]) == len(_PERF_SIZES)
+
+
+def test_perf_vs_mpi_with_a_foreign_mpirun(tmp_path: Path) -> None:
+    """An mpirun whose processes are not one job of mpi4py's MPI (each a singleton) is named."""
+    fake = tmp_path / "mpirun"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\nshift 2\n'
+                    '"$@" && "$@"\n')  # -np N, then the program twice: two singletons
+    fake.chmod(0o755)
+    env = _env(PATH=f"{tmp_path}:{os.environ['PATH']}")
+    res = subprocess.run([sys.executable, "-m", "acoll.perf", "all_reduce", "-N", "2",
+                          "-b", "64", "-n", "1", "-w", "0", "--vs", "mpi"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 1, res.stderr + res.stdout
+    assert "the mpi job ran as 1 ranks of one job, not 2" in res.stderr

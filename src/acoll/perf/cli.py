@@ -403,6 +403,11 @@ def _launch(o: _Opts) -> int:
             if res is None:
                 print(f"{PROG}: the {backend} ranks failed (exit code {rc})", file=sys.stderr)
                 return rc or 1
+            if res.settings.get("nranks") != o.nranks:  # e.g. mpi4py built for another MPI
+                print(f"{PROG}: the {backend} job ran as {res.settings.get('nranks')} ranks "
+                      f"of one job, not {o.nranks} (is mpi4py built for the MPI of this "
+                      "mpirun?)", file=sys.stderr)
+                return 1
             results.append(res)
     mine, peer = results[0], (results[1] if len(results) > 1 else None)
     report(mine, peer, argv=o.argv, json_path=o.json, plot_path=o.plot)
