@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-mpi test-gpu lint bench venv clean
+.PHONY: demo test test-mpi test-gpu lint bench bench-netns venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -59,6 +59,15 @@ lint: venv
 bench: venv
 	$(BIN)/python -m pip install -q 'torch==2.13.0'
 	$(BIN)/python bench/run_bench.py
+
+# Four "hosts" (network namespaces on one bridge, every link shaped by tc tbf to 10 Gbit/s):
+# acoll and Gloo all_reduce busbw against the line rate (bench/netns_shaped.py). Root (or
+# sudo) and iproute2 needed; everything it creates is removed when it ends.
+bench-netns: venv
+	$(BIN)/python -m pip install -q 'torch==2.13.0'
+	sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$sudo $(BIN)/python bench/netns_shaped.py --rate 10gbit -b 1M -e 256M -n 10 -w 3 --repeat 2 \
+	    --out bench/results/netns_shaped_10g.txt
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info

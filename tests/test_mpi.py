@@ -137,3 +137,87 @@ def test_init_from_env_with_the_documented_export_line() -> None:
         assert r["comm_id"] == f"127.0.0.1:{port}"
         assert r["secret"] == 64  # forwarded by -x, never on the command line
         assert r["sum"] == 3.0
+
+
+# --- acoll-perf --vs mpi ----------------------------------------------------------------------
+
+_PERF_SWEEP = ["-b", "8", "-e", "64K", "-f", "8", "-n", "2", "-w", "1"]
+_PERF_SIZES = [8, 64, 512, 4096, 32768]
+
+
+def _perf(args: Sequence[str], launcher: Sequence[str] = (),
+          ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*launcher, sys.executable, "-m", "acoll.perf", *args],
+                          capture_output=True, text=True, timeout=180, env=_env())
+
+
+def test_perf_vs_mpi(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    res = _perf(["all_reduce", "-N", "2", *_PERF_SWEEP, "--vs", "mpi", "--json", str(out)])
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert "# Open MPI v" in res.stdout  # the MPI table's header
+    assert "# acoll vs mpi" in res.stdout
+    assert "busbw ratio acoll/mpi" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["out_of_bounds"] == 0
+    peer = doc["peer"]
+    assert peer["backend"] == "mpi"
+    assert peer["settings"]["nranks"] == 2
+    assert peer["out_of_bounds"] == 0
+    assert {(r["size"], r["inplace"]) for r in peer["records"]} == {
+        (s, m) for s in _PERF_SIZES for m in (False, True)}
+    assert all(r["wrong"] == 0 and r["time_us"] > 0 for r in peer["records"])
+    assert [(c["size"], c["inplace"]) for c in doc["comparison"]] == [
+        (s, True) for s in _PERF_SIZES]
+
+
+@pytest.mark.parametrize("coll", ["all_reduce", "broadcast", "reduce", "all_gather",
+                                  "reduce_scatter", "all_to_all", "sendrecv", "barrier"])
+def test_perf_mpi_side_is_correct(coll: str, tmp_path: Path) -> None:
+    """The MPI side alone (as -N starts it): 3 ranks, root 2, both modes checked."""
+    out = tmp_path / "mpi.json"
+    res = _perf([coll, *_PERF_SWEEP, "-r", "2", "-o", "max", "--backend", "mpi",
+                 "--result-file", str(out)],
+                launcher=[*_mpirun_prefix(3)])
+    assert res.returncode == 0, res.stderr + res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["backend"] == "mpi"
+    assert doc["settings"]["nranks"] == 3
+    recs = doc["records"]
+    assert recs
+    for r in recs:
+        if coll == "reduce_scatter" and r["inplace"]:
+            assert r["time_us"] is None  # MPI's in-place layout differs: N/A
+            assert r["note"] == "not supported"
+            continue
+        assert r["time_us"] > 0, r
+        assert r["wrong"] == (None if coll == "barrier" else 0), r
+    assert any(r["inplace"] for r in recs) == (coll != "barrier")
+
+
+def test_perf_vs_mpi_under_mpirun(tmp_path: Path) -> None:
+    """Started by mpirun: the same processes sweep acoll, then MPI (bfloat16 moves as bits)."""
+    out = tmp_path / "r.json"
+    res = _perf(["all_gather", *_PERF_SWEEP, "-d", "bfloat16", "--vs", "mpi",
+                 "--json", str(out)], launcher=_mpirun_prefix(2))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert res.stdout.count("# acoll vs mpi") == 1  # rank 0 reports
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["nranks"] == doc["peer"]["settings"]["nranks"] == 2
+    assert doc["out_of_bounds"] == doc["peer"]["out_of_bounds"] == 0
+    assert doc["peer"]["settings"]["dtype"] == "bfloat16"
+    assert len(doc["comparison"]) == len(_PERF_SIZES)
+
+
+def test_perf_vs_mpi_with_a_foreign_mpirun(tmp_path: Path) -> None:
+    """An mpirun whose processes are not one job of mpi4py's MPI (each a singleton) is named."""
+    fake = tmp_path / "mpirun"
+    fake.write_text('#!/bin/sh\n[ "$1" = --version ] && exit 0\nshift 2\n'
+                    '"$@" && "$@"\n')  # -np N, then the program twice: two singletons
+    fake.chmod(0o755)
+    env = _env(PATH=f"{tmp_path}:{os.environ['PATH']}")
+    res = subprocess.run([sys.executable, "-m", "acoll.perf", "all_reduce", "-N", "2",
+                          "-b", "64", "-n", "1", "-w", "0", "--vs", "mpi"],
+                         capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 1, res.stderr + res.stdout
+    assert "the mpi job ran as 1 ranks of one job, not 2" in res.stderr

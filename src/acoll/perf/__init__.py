@@ -29,12 +29,14 @@ Ranks: ``-N n`` starts n local ranks through acoll-run's launcher; otherwise a l
 variables (acoll-run, torchrun, Slurm, MPI: :func:`acoll.init_from_env`), else one rank.
 ``--vs gloo|nccl`` repeats the sweep with ``torch.distributed`` in separate processes (with
 ``-N``) and prints a comparison; torch's out-of-place all_reduce/reduce is ``copy_`` plus
-the in-place op, so ratios use in-place results where both sides have them.
+the in-place op, so ratios use in-place results where both sides have them. ``--vs mpi``
+does the same with MPI through mpi4py (``-N``: ``mpirun -np n``; or in the processes of a
+job mpirun started); see :mod:`.backends.mpi`.
 
 Package layout: :mod:`.cli` (options, starting ranks), :mod:`.sweep` (sizes, timing, the
 result check), :mod:`.colls` (every per-collective rule, one table), :mod:`.report` (tables,
 comparison, JSON, plots), :mod:`.buffers` (where test memory lives) and :mod:`.backends`
-(acoll, raw TCP, torch.distributed).
+(acoll, raw TCP, torch.distributed, MPI).
 """
 
 from __future__ import annotations

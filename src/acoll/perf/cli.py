@@ -2,9 +2,10 @@
 
 With ``-N n`` this process is the driver: it starts ``n`` ranks with acoll-run's launcher
 (``python -m acoll.perf ... --result-file F``), reads rank 0's result from ``F`` and
-reports; ``--vs`` then starts ``n`` torch ranks the same way. Otherwise (under a launcher,
-or alone) each process is a rank: it joins acoll from the environment, sweeps, then
-(``--vs``) sweeps torch.distributed too; rank 0 reports.
+reports; ``--vs`` then starts ``n`` torch ranks the same way, or ``n`` MPI processes with
+``mpirun`` (``--vs mpi``). Otherwise (under a launcher, or alone) each process is a rank: it
+joins acoll from the environment, sweeps, then (``--vs``) sweeps torch.distributed or MPI
+too (MPI only in a job ``mpirun`` started); rank 0 reports.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import argparse
 import asyncio
 import importlib.util
 import os
+import shlex
 import socket
 import sys
 import tempfile
@@ -30,6 +32,7 @@ from .._dtypes import DTYPE_NAMES, ReduceOp, parse_dtype
 from .._env import LaunchInfo, init_from_env, ranks_from_env
 from .._uid import parse_host_port
 from ..errors import AcollError, InvalidUsage
+from .backends import mpi as mpi_backend
 from .backends.acoll import AcollBackend
 from .backends.tcp import TcpBackend
 from .backends.torch import TorchBackend
@@ -44,6 +47,8 @@ _T = TypeVar("_T")
 #: acoll's side of a job, by the first backend of a collective's table row.
 _ACOLL_SIDE: dict[str, Callable[[Communicator], AcollBackend]] = {
     "acoll": AcollBackend, "tcp": TcpBackend}
+#: Launchers under which the processes are MPI processes (``--vs mpi`` without ``-N``).
+_MPI_LAUNCHERS = ("openmpi", "pmi")
 
 
 @dataclass
@@ -65,7 +70,7 @@ class _Opts:
 
     @property
     def peer(self) -> str | None:
-        """The torch.distributed backend this process sweeps, if any."""
+        """The library this process sweeps besides acoll (gloo, nccl, mpi), if any."""
         return self.vs if self.backend == "acoll" else self.backend
 
 
@@ -112,8 +117,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="acoll's buffers: host NumPy (cpu, default) or CuPy on GPU "
                         "local_rank %% ngpus (cuda)")
-    p.add_argument("--vs", choices=("gloo", "nccl"),
-                   help="also run torch.distributed with this backend and compare")
+    p.add_argument("--vs", choices=("gloo", "nccl", "mpi"),
+                   help="also run torch.distributed with this backend (gloo, nccl), or MPI "
+                        "through mpi4py and mpirun (mpi), and compare")
     p.add_argument("--no-inplace", dest="inplace", action="store_false",
                    help="skip the in-place columns")
     p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
@@ -122,7 +128,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="progress line on stderr (default: when stderr is a terminal)")
     p.add_argument("--timeout", type=float, default=None, metavar="S",
                    help="with -N: stop the job after S seconds")
-    p.add_argument("--backend", default="acoll", choices=("acoll", "gloo", "nccl"),
+    p.add_argument("--backend", default="acoll", choices=("acoll", "gloo", "nccl", "mpi"),
                    help=argparse.SUPPRESS)
     p.add_argument("--result-file", default=None, help=argparse.SUPPRESS)
     p.add_argument("--peer-init", default=None, help=argparse.SUPPRESS)
@@ -183,6 +189,9 @@ def _preflight(o: _Opts) -> None:
     if backend not in coll.backends:
         raise Usage(f"--vs makes no sense with {coll.name}: only {coll.backends[0]} "
                     "measures it")
+    if backend == "mpi":
+        _preflight_mpi(o)
+        return
     if importlib.util.find_spec("torch") is None:
         raise Usage(f"--vs {backend} needs PyTorch: pip install 'acoll[bench]' "
                     "(or pip install torch)")
@@ -200,6 +209,39 @@ def _preflight(o: _Opts) -> None:
             raise Usage("--vs nccl: this torch build has no NCCL backend")
         if o.nranks is not None and o.nranks > torch.cuda.device_count():
             raise Usage(f"--vs nccl -N {o.nranks}: only {torch.cuda.device_count()} GPUs")
+
+
+def _preflight_mpi(o: _Opts) -> None:
+    """``--vs mpi``: the sweep is one MPI has, the ranks can be MPI processes (``-N`` and an
+    ``mpirun`` on PATH, or a job that mpirun started) and mpi4py loads its MPI library."""
+    s = o.spec
+    why = mpi_backend.refusal(COLLS[s.coll], s.dtype, ReduceOp.coerce(s.op))
+    if why is not None:
+        raise Usage(f"--vs mpi: {why}")
+    if importlib.util.find_spec("mpi4py") is None:
+        raise Usage(f"--vs mpi needs mpi4py, which is not installed: {mpi_backend.INSTALL_HINT}")
+    if o.nranks is not None:
+        try:
+            mpi_backend.find_mpirun()
+        except FileNotFoundError as exc:
+            raise Usage(str(exc)) from None
+    else:
+        try:
+            source: str | None = ranks_from_env().source
+        except InvalidUsage:
+            source = None  # one rank: MPI runs as a singleton
+        if source is not None and source not in _MPI_LAUNCHERS:
+            raise Usage(f"--vs mpi: these ranks were started by {source}, so they are not MPI "
+                        "processes; use -N (acoll-perf starts mpirun itself) or start "
+                        "acoll-perf with mpirun")
+    import mpi4py
+
+    mpi4py.rc.initialize = mpi4py.rc.finalize = False  # loading only; ranks initialise
+    try:
+        from mpi4py import MPI  # noqa: F401 - loads the MPI library
+    except ImportError as exc:
+        raise Usage(f"--vs mpi: mpi4py cannot load an MPI library ({exc}): "
+                    f"{mpi_backend.INSTALL_HINT}") from None
 
 
 # --------------------------------------------------------------------------- one rank
@@ -248,6 +290,12 @@ def _torch_sweep(o: _Opts, rank: int, size: int, local_rank: int, init: str) -> 
         return asyncio.run(sweep(backend, o.spec))
 
 
+def _mpi_sweep(o: _Opts) -> tuple[Result, int]:
+    """The sweep with MPI (mpi4py's COMM_WORLD); returns the result and this MPI rank."""
+    backend = mpi_backend.MpiBackend(deadline=_timeout_s())
+    return asyncio.run(sweep(backend, o.spec)), backend.rank
+
+
 async def _acoll_rank(o: _Opts) -> tuple[Result, LaunchInfo | None, str | None]:
     """Join (or make) the communicator and run the acoll/tcp sweep.
 
@@ -272,7 +320,7 @@ async def _acoll_rank(o: _Opts) -> tuple[Result, LaunchInfo | None, str | None]:
         else:
             backend = _ACOLL_SIDE[side](comm)
         res = await sweep(backend, o.spec)
-        if o.vs is not None and o.result_file is None:
+        if o.vs in ("gloo", "nccl") and o.result_file is None:
             host = parse_host_port(info.comm_id)[0] if info is not None else "127.0.0.1"
             port = await backend.broadcast_scalar(_free_port(host) if comm.rank == 0 else 0)
             peer_init = f"tcp://{host}:{int(port)}"
@@ -281,6 +329,11 @@ async def _acoll_rank(o: _Opts) -> tuple[Result, LaunchInfo | None, str | None]:
 
 def _rank_main(o: _Opts) -> int:
     """One rank of a job: sweep, then hand the result to the driver (or be the driver)."""
+    if o.backend == "mpi":  # an MPI process started by -N (through mpirun)
+        res, rank = _mpi_sweep(o)
+        if rank == 0 and o.result_file:
+            res.save(o.result_file)
+        return 0
     if o.backend != "acoll":  # a torch rank started by -N
         info = ranks_from_env()
         assert o.peer_init is not None
@@ -295,7 +348,9 @@ def _rank_main(o: _Opts) -> int:
             res.save(o.result_file)
         return 0
     peer = None
-    if o.vs is not None and peer_init is not None:
+    if o.vs == "mpi":  # these processes are MPI processes (see _preflight_mpi)
+        peer = _mpi_sweep(o)[0]
+    elif o.vs is not None and peer_init is not None:
         size = 1 if launch is None else launch.world_size
         local = 0 if launch is None else launch.local_rank
         peer = _torch_sweep(o, rank, size, local, peer_init)
@@ -306,11 +361,28 @@ def _rank_main(o: _Opts) -> int:
 
 # --------------------------------------------------------------------------- the driver (-N)
 
+def _mpi_job(o: _Opts, result_file: str) -> int:
+    """``-N n --vs mpi``: run the MPI side as ``mpirun -np n`` of this command; its exit code.
+
+    ``ACOLL_PERF_MPIRUN_ARGS`` adds mpirun options (shell words). The job is stopped when it
+    prints nothing for ``ACOLL_TIMEOUT`` (+30) seconds, or after ``--timeout``.
+    """
+    assert o.nranks is not None
+    mpirun, flavour = mpi_backend.find_mpirun()
+    as_root = os.geteuid() == 0
+    extra = shlex.split(os.environ.get("ACOLL_PERF_MPIRUN_ARGS", ""))
+    program = [sys.executable, "-m", "acoll.perf", *_rank_args(o, "mpi", result_file, None)]
+    cmd = mpi_backend.mpirun_command(mpirun, flavour, o.nranks, program, as_root=as_root,
+                                     extra=extra)
+    env = mpi_backend.mpirun_env(os.environ, as_root=as_root)
+    return mpi_backend.run_mpirun(cmd, env, idle=_timeout_s() + 30.0, total=o.timeout)
+
+
 def _launch(o: _Opts) -> int:
     """``-N``: run the ranks as local processes (acoll-run's launcher), then report.
 
-    acoll's ranks first, then (``--vs``) torch's; each job's rank 0 leaves its result in a
-    file for this process.
+    acoll's ranks first, then (``--vs``) torch's, or MPI's through mpirun; each job's rank 0
+    leaves its result in a file for this process.
     """
     from ..run import main as run_main
 
@@ -321,13 +393,21 @@ def _launch(o: _Opts) -> int:
     with tempfile.TemporaryDirectory(prefix="acoll-perf-") as tmp:
         for backend in ("acoll", o.vs) if o.vs is not None else ("acoll",):
             path = Path(tmp, f"{backend}.json")
-            init = None if backend == "acoll" else f"tcp://127.0.0.1:{_free_port()}"
-            rc = run_main([*launch, "--", sys.executable, "-m", "acoll.perf",
-                           *_rank_args(o, backend, str(path), init)])
+            if backend == "mpi":
+                rc = _mpi_job(o, str(path))
+            else:
+                init = None if backend == "acoll" else f"tcp://127.0.0.1:{_free_port()}"
+                rc = run_main([*launch, "--", sys.executable, "-m", "acoll.perf",
+                               *_rank_args(o, backend, str(path), init)])
             res = Result.load(path)
             if res is None:
                 print(f"{PROG}: the {backend} ranks failed (exit code {rc})", file=sys.stderr)
                 return rc or 1
+            if res.settings.get("nranks") != o.nranks:  # e.g. mpi4py built for another MPI
+                print(f"{PROG}: the {backend} job ran as {res.settings.get('nranks')} ranks "
+                      f"of one job, not {o.nranks} (is mpi4py built for the MPI of this "
+                      "mpirun?)", file=sys.stderr)
+                return 1
             results.append(res)
     mine, peer = results[0], (results[1] if len(results) > 1 else None)
     report(mine, peer, argv=o.argv, json_path=o.json, plot_path=o.plot)

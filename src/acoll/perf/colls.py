@@ -100,7 +100,7 @@ class Coll:
     root_only: bool = False
     one_buffer: bool = False
     dtype: str | None = None
-    backends: tuple[str, ...] = ("acoll", "gloo", "nccl")
+    backends: tuple[str, ...] = ("acoll", "gloo", "nccl", "mpi")
     na: frozenset[tuple[str, bool]] = frozenset()
 
     def counts(self, nbytes: int, itemsize: int, nranks: int) -> tuple[int, int, int]:
@@ -181,8 +181,9 @@ COLLS: dict[str, Coll] = {c.name: c for c in (
          reduces=True, rooted=True, source=_same, root_only=True),
     Coll("all_gather", _share, "block", "blocks", "block", InPlace.INPUT_AT_RANK,
          reduces=False, rooted=False, source=_gathered),
+    # MPI's in-place Reduce_scatter_block leaves the result at the buffer's start
     Coll("reduce_scatter", _share, "blocks", "block", "block", InPlace.OUTPUT_AT_RANK,
-         reduces=True, rooted=False, source=_own_block),
+         reduces=True, rooted=False, source=_own_block, na=frozenset({("mpi", True)})),
     # torch's all_to_all_single has no in-place form
     Coll("all_to_all", _share, "blocks", "blocks", "block", InPlace.SAME,
          reduces=False, rooted=False, source=_exchanged, na=_TORCH_OUT_OF_PLACE_ONLY),

@@ -1,0 +1,198 @@
+"""bench/netns_shaped.py: its hosts, links and shaping come up, and nothing is left behind
+(normal exit, a failed set-up, SIGINT/SIGTERM, a killed earlier run); its report arithmetic."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from netns import read_line, skip_reason
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "bench" / "netns_shaped.py"
+_SKIP = skip_reason()
+# shares the netns tests' xdist worker: namespaces and tc on one machine
+pytestmark = [pytest.mark.xdist_group("netns")]
+needs_root = pytest.mark.skipif(_SKIP is not None, reason=_SKIP or "")
+
+
+def _load() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("netns_shaped", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["netns_shaped"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+ns_shaped = _load()
+
+
+def _ours(tag: str) -> list[str]:
+    return [n for n in ns_shaped.namespaces() if n.startswith(tag)]
+
+
+@pytest.fixture
+def topo() -> Iterator[Any]:
+    t = ns_shaped.Topology(hosts=3, rate="1gbit", burst="256kb", limit="4mb")
+    try:
+        t.create()
+        yield t
+    finally:
+        t.destroy()
+    assert _ours(t.tag) == []
+
+
+@pytest.mark.netns
+@needs_root
+def test_hosts_links_and_shaping(topo: Any) -> None:
+    t = topo
+    assert sorted(_ours(t.tag)) == sorted([t.switch, *(t.host(i) for i in range(3))])
+    ports = ns_shaped.sh("bridge", "-n", t.switch, "link", "show")
+    assert [f"vh{i}" in ports for i in range(3)] == [True] * 3
+    for i in range(3):
+        addr = ns_shaped.sh("ip", "-n", t.host(i), "-4", "-o", "addr", "show", "dev", "eth0")
+        assert f"inet 10.78.0.{i + 1}/24" in addr
+        links = ns_shaped.sh("ip", "-n", t.host(i), "-o", "link", "show")
+        assert sorted(ln.split(":")[1].strip().split("@")[0] for ln in links.splitlines()) \
+            == ["eth0", "lo"]  # nothing else in a host
+        for ns, dev in ((t.host(i), "eth0"), (t.switch, f"vh{i}")):
+            q = ns_shaped.sh("tc", "-n", ns, "qdisc", "show", "dev", dev)
+            assert "qdisc tbf" in q, q
+            assert "rate 1Gbit" in q, q
+    # traffic flows, and no faster than the shaped rate (unshaped, this path carries ~6 Gbit/s)
+    gbit = ns_shaped.check_stream(t, seconds=0.5)
+    assert 0.05 < gbit < 1.1
+
+
+@pytest.mark.netns
+@needs_root
+def test_failed_setup_removes_what_it_built() -> None:
+    t = ns_shaped.Topology(hosts=2, rate="no-such-rate")
+    with pytest.raises(RuntimeError, match=r"tc -n .* tbf rate no-such-rate"):
+        t.create()
+    assert t.created == []
+    assert _ours(t.tag) == []
+
+
+@pytest.mark.netns
+@needs_root
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_signal_tears_everything_down(sig: int) -> None:
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--check", "--hold", "120",
+                             "--hosts", "2", "--rate", "1gbit"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    tag = f"{ns_shaped.PREFIX}{proc.pid}"
+    try:
+        line = read_line(proc, timeout=60)
+        assert line.startswith("ready: 2 hosts"), line
+        assert len(_ours(tag)) == 3
+        proc.send_signal(sig)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode != 0
+    assert _ours(tag) == []
+
+
+@pytest.mark.netns
+@needs_root
+def test_interrupted_sweep_leaves_no_rank_behind() -> None:
+    proc = subprocess.Popen([sys.executable, str(SCRIPT), "--libs", "acoll", "--hosts", "2",
+                             "--rate", "1gbit", "-b", "64K", "-e", "64K", "-n", "1000000",
+                             "-w", "0", "--timeout", "120"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    tag = f"{ns_shaped.PREFIX}{proc.pid}"
+    try:
+        assert read_line(proc, timeout=60).startswith("# ")  # set up, ranks starting
+        deadline = time.monotonic() + 60
+        pids: list[int] = []
+        while len(pids) < 2 and time.monotonic() < deadline:  # one rank in each host
+            time.sleep(0.2)
+            pids = [int(p) for h in (0, 1) for p in ns_shaped.sh(
+                "ip", "netns", "pids", f"{tag}h{h}", check=False).split()]
+        assert len(pids) >= 2, pids
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+    assert proc.returncode == 130
+    assert _ours(tag) == []
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+@pytest.mark.netns
+@needs_root
+def test_stale_namespaces_of_a_killed_run_are_removed() -> None:
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    name = f"{ns_shaped.PREFIX}{dead.pid}sw"
+    ns_shaped.sh("ip", "netns", "add", name)
+    try:
+        assert name in ns_shaped.cleanup_stale()
+        assert name not in ns_shaped.namespaces()
+    finally:
+        ns_shaped.sh("ip", "netns", "del", name, check=False)
+
+
+def test_needs_root_says_so() -> None:
+    if os.geteuid() == 0:
+        pytest.skip("running as root")
+    res = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True,
+                         text=True, timeout=60, check=False)
+    assert res.returncode == 2
+    assert "needs root" in res.stderr
+
+
+# --------------------------------------------------------------------------- report arithmetic
+
+def test_rate_parsing() -> None:
+    assert ns_shaped.rate_bits("10gbit") == 10e9
+    assert ns_shaped.rate_bits("2500Mbit") == 2.5e9
+    assert ns_shaped.rate_bits("1.25gbps") == 10e9  # tc's bps is bytes per second
+    with pytest.raises(ValueError, match="not a tc rate"):
+        ns_shaped.rate_bits("fast")
+
+
+def _run(lib: str, busbw: dict[int, float]) -> Any:
+    recs = [{"size": s, "inplace": ip, "busbw": bw if ip else bw / 2}
+            for s, bw in busbw.items() for ip in (False, True)]
+    return ns_shaped.Run(lib, {"records": recs}, "", [0] * 4, 10.0, 8.0, 4.0, 0.9,
+                         (10**9, 0, 5))
+
+
+def test_summary_against_line_rate() -> None:
+    mi = 1 << 20
+    text = ns_shaped.summary([_run("acoll", {mi: 0.5, 16 * mi: 1.2, 32 * mi: 1.0}),
+                              _run("gloo", {mi: 1.0, 16 * mi: 1.0, 32 * mi: 1.1})], 1.25)
+    lines = text.splitlines()
+    assert lines[0].startswith("# busbw (GB/s, in place) against the line rate 1.250 GB/s")
+    assert lines[2].split() == ["1048576", "0.500", "40.0%", "1.000", "80.0%", "0.50"]
+    assert lines[3].split() == ["16777216", "1.200", "96.0%", "1.000", "80.0%", "1.20"]
+    # 32M: 80% of the line rate and below gloo; 1M is below the target's sizes
+    assert "gloo at >= 16M): missed at 32M" in text
+    assert "# acoll: wall 10.0 s, ranks' CPU 12.0 s (user 8.0, sys 4.0) = 1.20 cores; " \
+           "all CPUs 90% busy; tbf: 1000 MB through, 0 packets dropped, 5 overlimits" in text
