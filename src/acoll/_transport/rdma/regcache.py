@@ -146,6 +146,11 @@ class RegCache(Generic[R]):
             entry.dead = True
             self._graveyard.append(entry)
 
+    def collect(self) -> None:
+        """Deregister now the entries whose owner died (otherwise done at the next
+        acquire or release)."""
+        self._bury()
+
     def _bury(self) -> None:
         while self._graveyard:
             entry = self._graveyard.pop()
