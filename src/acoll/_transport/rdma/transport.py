@@ -174,7 +174,7 @@ def rdma_ports(hca: str = "", lib: Any = None) -> tuple[list[tuple[PortInfo, Gid
         try:
             lib = get_lib()
         except ImportError as exc:
-            return [], f"pyverbs is not installed ({exc})"
+            return [], f"pyverbs cannot be imported ({exc})"
     ports, why = list_ports(lib)
     if not ports:
         return [], why
@@ -191,7 +191,7 @@ def make_rdma(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *, timeou
     try:
         lib = get_lib()
     except ImportError as exc:
-        return None, f"pyverbs is not installed ({exc})"
+        return None, f"pyverbs cannot be imported ({exc})"
     found, why = rdma_ports(hca, lib)
     if not found:
         return None, why

@@ -12,10 +12,11 @@ in CI exactly as it does on hardware.
 Nothing here blocks: pyverbs holds the GIL in every call, so a blocking call would stop
 the whole process. The completion channel's descriptor is made non-blocking and read only
 when the event loop says it is readable; the device's asynchronous-event descriptor too.
-pyverbs exposes the latter neither as ``async_fd`` nor otherwise, so it is found as the
-one ``[infinibandevent]`` descriptor that opening the device created
-(``/proc/self/fd``); without it, asynchronous events are not watched (failures still
-arrive as error completions and through the control connection).
+pyverbs does not expose the latter (nor, before rdma-core v45, the channel's ``fd``), so
+such a descriptor is found as the one ``[infinibandevent]`` descriptor that creating its
+object added to ``/proc/self/fd``. Without the async one, asynchronous events are not
+watched (failures still arrive as error completions and through the control connection);
+without the channel's, no connection can be made.
 
 pyverbs errors become :class:`VerbsError` (a :class:`~acoll.errors.TransportError`) here,
 with the failed call named.
@@ -27,6 +28,7 @@ import contextlib
 import errno
 import fcntl
 import ipaddress
+import logging
 import os
 import types
 from collections.abc import Callable, Iterator
@@ -71,12 +73,27 @@ class Completion(NamedTuple):
 def load_pyverbs() -> Any:
     """The real pyverbs as a lib namespace.
 
+    pyverbs calls ``logging.basicConfig(level=INFO)`` when imported, which would print
+    every library's INFO records; the root logger's handlers and level are put back.
+
     Raises:
         ImportError: pyverbs (or a part of it this transport needs) is not installed.
     """
-    from pyverbs import addr, cq, device, mr, pd, qp, wr
-    from pyverbs import libibverbs_enums as e
-    from pyverbs.pyverbs_error import PyverbsError
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        from pyverbs import addr, cq, device, mr, pd, qp, wr
+        from pyverbs.pyverbs_error import PyverbsError
+
+        try:
+            from pyverbs import libibverbs_enums as e
+        except ImportError:  # rdma-core before v45 called it pyverbs.enums
+            from pyverbs import enums as e
+    finally:
+        for handler in root.handlers[:]:
+            if handler not in handlers:
+                root.removeHandler(handler)
+        root.setLevel(level)
 
     return types.SimpleNamespace(
         get_device_list=device.get_device_list, Context=device.Context, PD=pd.PD, MR=mr.MR,
@@ -111,7 +128,7 @@ def get_lib() -> Any:
     """The lib in use: the provider's, else real pyverbs.
 
     Raises:
-        ImportError: no provider and pyverbs is not installed.
+        ImportError: no provider, and pyverbs is not installed or cannot load.
     """
     return _provider() if _provider is not None else load_pyverbs()
 
@@ -308,8 +325,16 @@ class Endpoint:
         self.qp: Any = None
         self._closed = False
         try:
+            before = _event_fds()
             self.channel = lib.CompChannel(device.ctx)
-            self.fd = int(self.channel.fd)
+            fd = getattr(self.channel, "fd", None)
+            if fd is None:
+                fresh = _event_fds() - before
+                if len(fresh) != 1:
+                    raise VerbsError("the completion channel's descriptor was not found "
+                                     "(pyverbs does not expose it)")
+                fd = fresh.pop()
+            self.fd = int(fd)
             _set_nonblocking(self.fd)
             self.cq = lib.CQ(device.ctx, send_depth + recv_depth, None, self.channel, 0)
             cap = lib.QPCap(max_send_wr=send_depth, max_recv_wr=recv_depth, max_send_sge=1,
@@ -319,8 +344,10 @@ class Endpoint:
             self.qp = lib.QP(device.pd, init)
             self.qpn = int(self.qp.qp_num)
             self.cq.req_notify()
-        except lib.PyverbsError as exc:
+        except (lib.PyverbsError, VerbsError) as exc:
             self.close()
+            if isinstance(exc, VerbsError):
+                raise
             raise _fail(f"creating a queue pair on {device.name}", exc) from exc
 
     def modify(self, step: Transition) -> None:
