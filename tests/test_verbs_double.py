@@ -86,7 +86,7 @@ def _ah(fab: Fabric, peer_dev: str, *, roce: bool, sgid_index: int = 0) -> Any:
 def ipaddr(raw: bytes) -> str:
     import ipaddress
 
-    return str(ipaddress.IPv6Address(raw))
+    return ipaddress.IPv6Address(raw).exploded
 
 
 def _connect(fab: Fabric, a: Side, adev: str, b: Side, bdev: str, *, roce: bool = False,
@@ -551,4 +551,6 @@ def test_device_queries(fab: Fabric) -> None:
         ctx.query_port(2)
     with pytest.raises(PyverbsRDMAError, match="Failed to find device"):
         fab.lib.Context(name="nope")
+    with pytest.raises(PyverbsUserError, match="Invalid GID"):
+        fab.lib.GID("fe80::1")  # pyverbs wants all 8 words
     ctx.close()

@@ -356,8 +356,15 @@ def _gid_text(raw: bytes) -> str:
 
 
 class GID:
+    """pyverbs' GID: set from, and shown as, 8 groups of 4 hex digits."""
+
     def __init__(self, val: str | None = None) -> None:
-        self.raw = ipaddress.IPv6Address(val).packed if val is not None else bytes(16)
+        self.raw = bytes(16)
+        if val is not None:
+            words = val.split(":")
+            if len(words) != 8 or any(len(w) != 4 for w in words):
+                raise PyverbsUserError(f"Invalid GID value ({words})")
+            self.raw = bytes.fromhex("".join(words))
 
     @property
     def gid(self) -> str:
