@@ -21,9 +21,9 @@ import pytest
 from acoll import Communicator
 from acoll._memory import host_buffer
 from acoll._transport.base import ConnectionLost, PeerInfo
-from acoll._transport.rdma import RdmaConnection, provided, wire
+from acoll._transport.rdma import RdmaConnection, RdmaTransport, provided, wire
 from acoll._transport.tcp import TcpTransport
-from acoll.errors import InvalidUsage, ProtocolError, TransportError
+from acoll.errors import ClosedError, InvalidUsage, ProtocolError, RemoteError, TransportError
 from acoll.testing import run_ranks
 from rdma_double import KEY, OTHER_KEY, Config, cleanup, fabric_for, make_transport
 from transport_conformance import (
@@ -516,3 +516,49 @@ async def test_all_reduce_over_the_double(nranks: int, monkeypatch: pytest.Monke
         assert (small == sum(range(nranks))).all()
     assert fab.stats["write"] > 0
     assert fab.stats["send"] > 0
+
+
+async def _ib_ranks(n: int, fab: Fabric) -> list[Communicator]:
+    import acoll
+
+    uid = acoll.get_unique_id(ifname="=lo")
+    with provided(fab.lib):
+        return list(await asyncio.gather(*(acoll.init_rank(n, uid, r, net="ib", ifname="=lo")
+                                           for r in range(n))))
+
+
+@pytest.mark.parametrize("fault", ["abort", "qp-fatal"])
+async def test_failure_during_all_reduce_is_remote_error_everywhere(
+        fault: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank aborts, or one queue pair dies under an all-reduce: every other rank's
+    all-reduce fails with RemoteError, as over TCP."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    loop = asyncio.get_running_loop()
+    fab = Fabric(schedule=lambda delay, fn: loop.call_later(delay, fn))
+    fab.add_device("ib0")
+    comms = await _ib_ranks(3, fab)
+    try:
+        bufs = [np.ones(1 << 20, np.float32) for _ in comms]
+        tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs,
+                                                                         strict=True)]
+        await asyncio.sleep(0.001)
+        if fault == "abort":
+            comms[2].abort()
+            survivors = tasks[:2]
+        else:
+            transport = comms[0]._links.transport_for(1)
+            assert isinstance(transport, RdmaTransport)
+            fab.fail_qp(next(iter(transport.conns)))  # one of rank 0's queue pairs
+            survivors = tasks
+        results = await within(asyncio.gather(*survivors, return_exceptions=True))
+        assert any(isinstance(r, RemoteError) for r in results)
+        for r in results:
+            assert isinstance(r, (RemoteError, np.ndarray)), r
+        for c in comms[:2]:
+            with pytest.raises((RemoteError, ClosedError)):
+                await within(c.all_reduce(np.ones(4, np.float32)))
+    finally:
+        for c in comms:
+            c.abort()
+        await asyncio.sleep(0)
+        fab.close()
