@@ -562,3 +562,23 @@ async def test_failure_during_all_reduce_is_remote_error_everywhere(
             c.abort()
         await asyncio.sleep(0)
         fab.close()
+
+
+async def test_both_close_with_uneven_flushes() -> None:
+    """Both ends close at once, one with a tiny message queued, the other with a large
+    one to push through a small window: the end that finishes first keeps returning
+    credits until the other's CLOSE arrives, so both flushes complete."""
+    p = await _pair(ROCE)
+    try:
+        a, b = _conns(p)
+        big = payload(300_000, 9)
+        sa = a.isend(host_buffer(b"x"), 1, meta_for(1))
+        sb = b.isend(host_buffer(big), 1, meta_for(1))
+        a.close(b"a")
+        b.close(b"b")
+        await within(asyncio.gather(sa, sb))
+        assert b.stats["pushed"] == 1
+        await within(a.wait_closed())
+        await within(b.wait_closed())
+    finally:
+        await p.aclose()

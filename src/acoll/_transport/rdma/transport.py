@@ -40,10 +40,14 @@ Failures
 Orderly close
     Queued sends are flushed; a rendezvous message still waiting for its CTS is sent as
     ``DATA`` parts instead (so it is delivered, as the contract wants, even if the receive
-    is posted only after the close); then a ``CLOSE`` frame with the notice. Once that
-    frame is acknowledged the connection is released and the control connection closed
-    (carrying the notice too). A receive whose buffer was advertised keeps its buffer
-    registered, and fails, only when its data has landed or the queue pair is gone.
+    is posted only after the close); then a ``CLOSE`` frame with the notice. The peer,
+    on that frame, fails what it has pending (orderly), releases its end and closes the
+    control connection, which releases this end; a peer closing at the same time sends
+    its own ``CLOSE`` (this end keeps returning credits until then, so the peer's flush
+    can finish), and each end is released once its ``CLOSE`` was acknowledged and the
+    other's arrived; nothing waits longer than 5 s. A receive whose buffer
+    was advertised keeps its buffer registered, and fails, only when its data has landed
+    or the queue pair is gone.
 
 Memory
     Host memory only (:attr:`RdmaTransport.memory`): device buffers are staged through
@@ -650,6 +654,9 @@ class RdmaConnection(Connection):
         self._closing = False
         self._notice = b""
         self._close_posted = False
+        self._close_slot = -1
+        self._close_acked = False  # the peer's HCA acknowledged our CLOSE frame
+        self._peer_close_seen = False  # the peer's CLOSE arrived while we were closing
         self._released = False
         self._released_fut: asyncio.Future[None] = self._loop.create_future()
         self._started = False
@@ -763,8 +770,9 @@ class RdmaConnection(Connection):
         self._ep.post_recv(_RECV_BIT | slot, self._base + slot * self._slot, self._slot,
                            self._lkey)
 
-    def _post_frame(self, kind: int, payload: memoryview = _EMPTY, **fields: Any) -> None:
-        """Copy a frame into a free send slot and SEND it (caller checked resources)."""
+    def _post_frame(self, kind: int, payload: memoryview = _EMPTY, **fields: Any) -> int:
+        """Copy a frame into a free send slot and SEND it (caller checked resources);
+        returns the slot."""
         slot = self._free_slots.pop()
         view = self._slot_view(slot)
         returned = self._credits.spend()
@@ -775,6 +783,7 @@ class RdmaConnection(Connection):
         self._sq_free -= 1
         self._ep.post_send(_FRAME_BIT | slot, SEND, self._base + slot * self._slot, size,
                            self._lkey)
+        return slot
 
     def _can_frame(self, *, credit_frame: bool = False) -> bool:
         return (self._sq_free > 0 and bool(self._free_slots)
@@ -786,7 +795,16 @@ class RdmaConnection(Connection):
         else carried them back."""
         if self._released or not self._started:
             return
-        if self._close_posted:  # nothing goes after our CLOSE frame
+        if self._close_posted:
+            # After our CLOSE only credits go out: a peer closing at the same time may
+            # still be flushing its messages to us, and needs them.
+            try:
+                if self._credits.should_return() and self._can_frame(credit_frame=True):
+                    self.stats["credit_frames"] += 1
+                    self._post_frame(wire.CREDIT)
+            except TransportError as exc:
+                self._lost(ConnectionLost(f"posting to {self.peer} failed: {exc}"))
+                return
             self._close_done_check()
             return
         try:
@@ -802,7 +820,7 @@ class RdmaConnection(Connection):
                     if self._writes or self._ctrl:
                         break
                     self._frames.popleft()
-                    self._post_frame(wire.CLOSE, memoryview(self._notice))
+                    self._close_slot = self._post_frame(wire.CLOSE, memoryview(self._notice))
                     self._close_posted = True
                     continue
                 if op.fut.done() and what != "push":  # failed meanwhile (drop_queued)
@@ -936,7 +954,10 @@ class RdmaConnection(Connection):
                 self._credits.reposted()
         elif wr_id & _FRAME_BIT:
             self._sq_free += 1
-            self._free_slots.append(wr_id & _LOW)
+            slot = wr_id & _LOW
+            self._free_slots.append(slot)
+            if self._close_posted and slot == self._close_slot:
+                self._close_acked = True
         elif wr_id & _WRITE_BIT:
             self._sq_free += 1
             w, last = self._wr_writes.pop(wr_id)
@@ -1144,10 +1165,9 @@ class RdmaConnection(Connection):
         self._pump()
 
     def _close_done_check(self) -> None:
-        """Our CLOSE frame (after everything else) was posted: release once every send
-        completed (the CLOSE frame's completion means the peer has it)."""
-        if (self._close_posted and self._sq_free == self._depth + _WRITE_DEPTH
-                and not self._released):
+        """Release once the peer has our CLOSE (its completion) and has closed too: its
+        CLOSE arrived, or (checked elsewhere) its control connection closed."""
+        if self._close_acked and self._peer_close_seen and not self._released:
             self._release()
 
     def _linger_expired(self) -> None:
@@ -1156,8 +1176,10 @@ class RdmaConnection(Connection):
             self._release()
 
     def _peer_closed(self, notice: bytes) -> None:
-        if self._closing:
-            return  # we are closing too; our own CLOSE decides when we are done
+        if self._closing:  # both close: done once our CLOSE is acknowledged too
+            self._peer_close_seen = True
+            self._close_done_check()
+            return
         self._lost(ConnectionLost(f"{self.peer} closed the connection", orderly=True,
                                   notice=notice))
 
