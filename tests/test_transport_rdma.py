@@ -582,3 +582,15 @@ async def test_both_close_with_uneven_flushes() -> None:
         await within(b.wait_closed())
     finally:
         await p.aclose()
+
+
+async def test_long_close_notice_in_several_parts(small: Pair) -> None:
+    """A notice longer than the eager size (256 bytes here) arrives whole."""
+    a, b = _conns(small)
+    rec = FailureRecorder()
+    b.set_failure_callback(rec)
+    notice = bytes(range(256)) * 10
+    a.close(notice)
+    await within(rec.event.wait())
+    assert rec.calls[0].orderly
+    assert rec.calls[0].notice == notice

@@ -40,14 +40,14 @@ Failures
 Orderly close
     Queued sends are flushed; a rendezvous message still waiting for its CTS is sent as
     ``DATA`` parts instead (so it is delivered, as the contract wants, even if the receive
-    is posted only after the close); then a ``CLOSE`` frame with the notice. The peer,
-    on that frame, fails what it has pending (orderly), releases its end and closes the
+    is posted only after the close); then ``CLOSE`` frames with the notice. The peer,
+    on them, fails what it has pending (orderly), releases its end and closes the
     control connection, which releases this end; a peer closing at the same time sends
     its own ``CLOSE`` (this end keeps returning credits until then, so the peer's flush
     can finish), and each end is released once its ``CLOSE`` was acknowledged and the
-    other's arrived; nothing waits longer than 5 s. A receive whose buffer
-    was advertised keeps its buffer registered, and fails, only when its data has landed
-    or the queue pair is gone.
+    other's arrived. A close that makes no progress for 5 s ends there. A receive whose
+    buffer was advertised keeps its buffer registered, and fails, only when its data has
+    landed or the queue pair is gone.
 
 Memory
     Host memory only (:attr:`RdmaTransport.memory`): device buffers are staged through
@@ -144,6 +144,7 @@ _POLL_BATCH = 16
 _IO_NS = 200_000  # a drain or poll starts no new batch after this (ns)
 _IO_SLICE = 256 << 10  # bytes per piece of a copy out of storage
 _LINGER = 5.0
+_MAX_NOTICE = (1 << 16) - 64  # as over TCP
 _TCP_GRACE = 0.5  # seconds to wait for the RDMA CLOSE after the control line closed
 _RECV_BIT = 1 << 62
 _FRAME_BIT = 1 << 61
@@ -654,6 +655,8 @@ class RdmaConnection(Connection):
         self._closing = False
         self._notice = b""
         self._close_posted = False
+        self._close_pos = 0  # bytes of the notice sent in CLOSE parts
+        self._peer_notice = bytearray()  # CLOSE parts received
         self._close_slot = -1
         self._close_acked = False  # the peer's HCA acknowledged our CLOSE frame
         self._peer_close_seen = False  # the peer's CLOSE arrived while we were closing
@@ -662,6 +665,7 @@ class RdmaConnection(Connection):
         self._started = False
         self._tcp_closed: ConnectionLost | None = None
         self._drain_scheduled = False
+        self._progress = 0.0  # loop time of the last completion while closing
         self.stats = {"eager": 0, "rendezvous": 0, "pushed": 0, "credit_frames": 0,
                       "chunks": 0, "busy_polls": 0}
         for slot in range(depth):
@@ -816,12 +820,18 @@ class RdmaConnection(Connection):
                     break
             while self._frames and self._can_frame():
                 what, op = self._frames[0]
-                if what == "close":
+                if what == "close":  # the notice, in as many CLOSE parts as it takes
                     if self._writes or self._ctrl:
                         break
-                    self._frames.popleft()
-                    self._close_slot = self._post_frame(wire.CLOSE, memoryview(self._notice))
-                    self._close_posted = True
+                    pos, notice = self._close_pos, self._notice
+                    part = notice[pos:pos + self._send_eager]
+                    slot = self._post_frame(wire.CLOSE, memoryview(part), total=len(notice),
+                                            offset=pos)
+                    self._close_pos = pos + len(part)
+                    if self._close_pos >= len(notice):
+                        self._frames.popleft()
+                        self._close_slot = slot
+                        self._close_posted = True
                     continue
                 if op.fut.done() and what != "push":  # failed meanwhile (drop_queued)
                     self._frames.popleft()
@@ -931,6 +941,8 @@ class RdmaConnection(Connection):
 
     def _completion(self, wr_id: int, status: int, opcode: int, nbytes: int, imm: int,
                     vendor_err: int) -> None:
+        if self._closing:
+            self._progress = self._loop.time()
         if status != WC_SUCCESS:
             if is_flush(status) and (self._failed is not None or self._closing):
                 return
@@ -992,8 +1004,13 @@ class RdmaConnection(Connection):
                 if not op.fut.done():
                     op.fut.set_result(None)
         elif kind == wire.CLOSE:
-            notice = bytes(self._slot_view(slot)[wire.HEADER.size:wire.HEADER.size + f.length])
-            self._peer_closed(notice)
+            if f.total > _MAX_NOTICE or f.offset != len(self._peer_notice):
+                raise ProtocolError(f"CLOSE part {f.offset}+{f.length} of {f.total} out of "
+                                    "order or too large")
+            self._peer_notice += self._slot_view(slot)[wire.HEADER.size:
+                                                       wire.HEADER.size + f.length]
+            if len(self._peer_notice) == f.total:
+                self._peer_closed(bytes(self._peer_notice))
         # CREDIT: nothing beyond the credits
 
     def _data(self, tag: int, total: int, offset: int, payload: memoryview,
@@ -1125,7 +1142,7 @@ class RdmaConnection(Connection):
         if self._closing or self._failed is not None or self._released:
             return
         self._closing = True
-        self._notice = notice[:self._send_eager]
+        self._notice = notice[:_MAX_NOTICE]
         lost = ConnectionLost("the connection was closed locally")
         for msg in self._match.fail(lost):
             self._deliver(msg)
@@ -1151,8 +1168,6 @@ class RdmaConnection(Connection):
                     if not op.fut.done():
                         op.fut.set_exception(lost)
                         op.fut.exception()
-            self._frames = deque(item for item in self._frames
-                                 if item[0] != "rts" or not item[1].fut.done())
         else:
             # rendezvous messages still waiting for a CTS are pushed as DATA parts, after
             # their RTS (queued or sent: the receiver knows the send id first)
@@ -1161,6 +1176,7 @@ class RdmaConnection(Connection):
                 op.next = 0
                 self._frames.append(("push", op))
         self._frames.append(("close", None))
+        self._progress = self._loop.time()
         self._loop.call_later(_LINGER, self._linger_expired)
         self._pump()
 
@@ -1171,9 +1187,16 @@ class RdmaConnection(Connection):
             self._release()
 
     def _linger_expired(self) -> None:
-        if not self._released:
-            log.info("NET/IB: %s: close did not complete in %.0f s", self.peer, _LINGER)
-            self._release()
+        """A close that made no progress (no completion) for ``_LINGER`` s ends here; one
+        still flushing a backlog gets more time."""
+        if self._released:
+            return
+        idle = self._loop.time() - self._progress
+        if idle < _LINGER:
+            self._loop.call_later(_LINGER - idle, self._linger_expired)
+            return
+        log.info("NET/IB: %s: close made no progress for %.0f s", self.peer, _LINGER)
+        self._release()
 
     def _peer_closed(self, notice: bytes) -> None:
         if self._closing:  # both close: done once our CLOSE is acknowledged too

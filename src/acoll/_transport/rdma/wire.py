@@ -23,7 +23,8 @@ CTS        "clear to send": write ``send id`` into ``addr``/``rkey`` (``total`` 
            the last write with immediate data ``receive id``.
 DROP       the receive for ``send id`` failed (wrong size): the message is dropped.
 CREDIT     nothing but ``credits``.
-CLOSE      the sender closes the connection in order; the payload is its notice.
+CLOSE      the sender closes the connection in order; the payload is ``length`` bytes at
+           ``offset`` of its notice (``total`` bytes; a long notice takes several).
 =========  ==========================================================================
 """
 
@@ -98,7 +99,8 @@ def parse(buf: memoryview, nbytes: int) -> Frame:
         raise ProtocolError(f"{KIND_NAMES[kind]} frame carries {body} unexpected bytes")
     if frame.flags & ~PUSH or (frame.flags and kind != DATA):
         raise ProtocolError(f"bad flags {frame.flags:#x} on a {KIND_NAMES[kind]} frame")
-    if kind == DATA and (frame.offset > frame.total or frame.length > frame.total - frame.offset):
-        raise ProtocolError(f"DATA part {frame.offset}+{frame.length} exceeds its message "
-                            f"of {frame.total} bytes")
+    if kind in (DATA, CLOSE) and (frame.offset > frame.total
+                                  or frame.length > frame.total - frame.offset):
+        raise ProtocolError(f"{KIND_NAMES[kind]} part {frame.offset}+{frame.length} exceeds "
+                            f"its message of {frame.total} bytes")
     return frame
