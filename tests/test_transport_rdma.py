@@ -21,7 +21,14 @@ import pytest
 from acoll import Communicator
 from acoll._memory import host_buffer
 from acoll._transport.base import ConnectionLost, PeerInfo
-from acoll._transport.rdma import RdmaConnection, RdmaTransport, provided, wire
+from acoll._transport.rdma import (
+    RdmaConnection,
+    RdmaTransport,
+    provided,
+    rdma_ports,
+    verbs,
+    wire,
+)
 from acoll._transport.tcp import TcpTransport
 from acoll.errors import ClosedError, InvalidUsage, ProtocolError, RemoteError, TransportError
 from acoll.testing import run_ranks
@@ -594,3 +601,28 @@ async def test_long_close_notice_in_several_parts(small: Pair) -> None:
     await within(rec.event.wait())
     assert rec.calls[0].orderly
     assert rec.calls[0].notice == notice
+
+
+async def test_channel_descriptor_found_when_pyverbs_hides_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """pyverbs before rdma-core v45 has no ``CompChannel.fd``: the adapter finds the
+    descriptor the channel added to /proc/self/fd (on hardware an ``[infinibandevent]``
+    one; the double's legacy channel is an eventfd, so the name looked for is changed)."""
+    monkeypatch.setattr(verbs, "_ANON_EVENT", "anon_inode:[eventfd]")
+    loop = asyncio.get_running_loop()
+    fab = Fabric(schedule=lambda delay, fn: loop.call_later(delay, fn), legacy_channel=True)
+    fab.add_device("ib0")
+    [(port, gid)], _why = rdma_ports("", fab.lib)
+
+    transport = RdmaTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, port=port,
+                              gid=gid, lib=fab.lib, timeout=5.0)
+    try:
+        p = await connect_pair(TransportHarness("legacy", lambda: transport))
+        a, b = _conns(p)
+        assert a._ep.fd == a._ep.channel._fd
+        await exchange(a, b, payload(100_000, 1), 1, meta_for(1), post_first=True)
+        await exchange(b, a, b"small", 2, meta_for(2), post_first=False)
+        await p.aclose()
+    finally:
+        transport.close()
+        fab.close()

@@ -200,11 +200,13 @@ class Fabric:
     Args:
         schedule: ``schedule(delay, fn)`` runs ``fn`` later (deferred mode); ``None``:
             immediate mode.
+        legacy_channel: completion channels without ``fd``, as pyverbs before v45.
     """
 
-    def __init__(self, schedule: Callable[[float, Callable[[], None]], Any] | None = None
-                 ) -> None:
+    def __init__(self, schedule: Callable[[float, Callable[[], None]], Any] | None = None,
+                 *, legacy_channel: bool = False) -> None:
         self.lock = threading.RLock()
+        self.legacy_channel = legacy_channel
         self._schedule = schedule
         self.devices: dict[str, _DeviceSpec] = {}
         self._lids = itertools.count(1)
@@ -558,22 +560,39 @@ class _MR:
 
 
 class _CompChannel:
+    """A completion channel: a non-blocking pipe; or, as pyverbs before rdma-core v45
+    (``Fabric(legacy_channel=True)``), an eventfd the object does not expose as ``fd``
+    (one event per write, read back one at a time: a semaphore eventfd)."""
+
     def __init__(self, ctx: _Context) -> None:
         ctx._check()
         self.ctx = ctx
-        self.fd, self._w = _pipe()
+        self._legacy = ctx.fabric.legacy_channel
+        if self._legacy:
+            self._fd = self._w = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_SEMAPHORE)
+        else:
+            self._fd, self._w = _pipe()
         self.closed = False
         ctx.channels.append(self)
 
+    @property
+    def fd(self) -> int:
+        if self._legacy:
+            raise AttributeError("fd")
+        return self._fd
+
     def notify(self) -> None:
         try:
-            os.write(self._w, b"c")
+            if self._legacy:
+                os.eventfd_write(self._w, 1)
+            else:
+                os.write(self._w, b"c")
         except OSError:
             pass
 
     def get_cq_event(self, expected_cq: _CQ) -> None:
         try:
-            data = os.read(self.fd, 1)
+            data = os.read(self._fd, 8 if self._legacy else 1)
         except BlockingIOError:
             raise PyverbsRDMAError("Failed to get CQ event", errno.EAGAIN) from None
         if not data:
@@ -583,8 +602,9 @@ class _CompChannel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            os.close(self.fd)
-            os.close(self._w)
+            os.close(self._fd)
+            if self._w != self._fd:
+                os.close(self._w)
             if self in self.ctx.channels:
                 self.ctx.channels.remove(self)
 
