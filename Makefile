@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-mpi test-gpu lint bench bench-netns venv clean
+.PHONY: demo test test-mpi test-gpu test-rdma lint bench bench-netns venv clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,30 @@ test-mpi: venv
 	@$(BIN)/python -c "import mpi4py" 2>/dev/null || \
 	  $(BIN)/python -m pip install -q -e '.[test,lint,plot,mpi]'
 	ACOLL_TEST_MPI=1 $(BIN)/python -m pytest -m mpi tests/test_mpi.py
+
+# RDMA on a real device (InfiniBand, RoCE, or soft-RoCE rxe): the transport conformance
+# battery and a 2-rank all_reduce over real pyverbs (tests/test_rdma_hw.py); without an
+# active port every test is skipped, with the reason shown. pyverbs must match the system's
+# libibverbs, so it comes from the distribution (Debian's python3-pyverbs, installed here as
+# test-mpi installs Open MPI) and is made visible to the venv; PyPI's pyverbs builds its own
+# rdma-core and loads only against that same version. The verbs test double runs the
+# transport in `make test`.
+PYVERBS_SYSTEM ?= /usr/lib/python3/dist-packages
+test-rdma: venv
+	@if ! $(BIN)/python -c "import pyverbs" 2>/dev/null; then \
+	  if [ ! -d $(PYVERBS_SYSTEM)/pyverbs ] && command -v apt-get >/dev/null 2>&1; then \
+	    sudo=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	    $$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-pyverbs \
+	      </dev/null || echo "test-rdma: python3-pyverbs could not be installed"; \
+	  fi; \
+	  if [ -d $(PYVERBS_SYSTEM)/pyverbs ]; then \
+	    mkdir -p $(VENV)/system-pyverbs && \
+	    ln -sfn $(PYVERBS_SYSTEM)/pyverbs $(VENV)/system-pyverbs/pyverbs && \
+	    echo "$(abspath $(VENV))/system-pyverbs" > "$$($(BIN)/python -c \
+	      'import sysconfig; print(sysconfig.get_paths()["purelib"])')/system-pyverbs.pth"; \
+	  fi; \
+	fi
+	$(BIN)/python -m pytest -rs tests/test_rdma_hw.py
 
 # On a GPU host (no package registry): the host's own python3 with its CuPy/NumPy/msgpack/
 # uvloop, plus pure-Python wheels carried in .whl/ (pytest, pytest-asyncio, ..., and an acoll

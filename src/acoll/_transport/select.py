@@ -10,11 +10,13 @@ one data network chosen as below. The network is chosen in NCCL's ``initNet`` or
    :class:`~.base.Transport`, or ``None`` when it cannot run here. ``key`` is the job's
    authentication key: the plugin must admit only connections that prove it (see
    :mod:`acoll._auth`).
-2. InfiniBand/RoCE through pyverbs (``ib``), unless ``ACOLL_IB_DISABLE=1``: used when
-   pyverbs imports and an active port matches ``ACOLL_IB_HCA``.
+2. InfiniBand/RoCE through pyverbs (``ib``, :mod:`.rdma`), unless ``ACOLL_IB_DISABLE=1``:
+   used when pyverbs imports and an active InfiniBand or RoCE port matches
+   ``ACOLL_IB_HCA``; otherwise one INFO line says why not.
 3. TCP sockets (``socket``), always available.
 
-``ACOLL_NET`` names one of them and makes its absence an error instead of a fallback.
+``ACOLL_NET`` names one of them and makes its absence an error instead of a fallback
+(:class:`~acoll.errors.TransportError` for ``ib``).
 """
 
 from __future__ import annotations
@@ -24,9 +26,10 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from .._config import Setting, get_logger, parse_bool
-from ..errors import InvalidUsage
+from ..errors import InvalidUsage, TransportError
 from .base import Transport
 from .inproc import make_inproc
+from .rdma import make_rdma, rdma_ports
 from .tcp import TcpTransport
 
 __all__ = ["NET", "ib_devices", "select_transport", "select_transports"]
@@ -45,34 +48,8 @@ def ib_devices(hca_spec: str = "") -> tuple[list[tuple[str, int]], str]:
 
     Uses pyverbs when it is installed; never raises for a missing stack.
     """
-    try:
-        import pyverbs.device as vdev
-        from pyverbs.device import Context
-    except ImportError:
-        return [], "pyverbs is not installed"
-    from .._net.interfaces import match_hca, parse_hca_spec
-
-    spec = parse_hca_spec(hca_spec) if hca_spec else None
-    found: list[tuple[str, int]] = []
-    try:
-        devices = vdev.get_device_list()
-    except Exception as exc:
-        return [], f"listing RDMA devices failed: {exc}"
-    for dev in devices:
-        name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
-        try:
-            with Context(name=name) as ctx:
-                nports = ctx.query_device().phys_port_cnt
-                for port in range(1, nports + 1):
-                    attr = ctx.query_port(port)
-                    if attr.state != 4:  # IBV_PORT_ACTIVE
-                        continue
-                    if spec is None or match_hca(name, port, spec):
-                        found.append((name, port))
-        except Exception as exc:
-            log.info("RDMA device %s skipped: %s", name, exc)
-    return found, "" if found else "no active RDMA port matches ACOLL_IB_HCA" if spec else (
-        "no RDMA device with an active port")
+    found, why = rdma_ports(hca_spec)
+    return [(port.device, port.port) for port, _gid in found], why
 
 
 def _plugins() -> list[tuple[str, Any]]:
@@ -100,18 +77,19 @@ def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
         raise InvalidUsage(f"ACOLL_NET={forced!r}: no such network (socket, ib, or an "
                            "installed acoll.net plugin)")
     if forced in ("", "ib"):
-        if IB_DISABLE.resolve() and forced != "ib":
-            log.info("NET/IB: disabled by ACOLL_IB_DISABLE")
-        else:
-            devs, why = ib_devices(IB_HCA.resolve())
+        if IB_DISABLE.resolve():
             if forced == "ib":
-                why = why or "the verbs transport is not part of this release"
-                raise InvalidUsage(f"ACOLL_NET=ib: {why}")
-            if devs:
-                log.info("NET/IB: found %s, but this release has no verbs transport yet; "
-                         "using sockets", devs)
-            else:
-                log.info("NET/IB: not used (%s)", why)
+                raise TransportError("ACOLL_NET=ib: InfiniBand/RoCE is disabled by "
+                                     "ACOLL_IB_DISABLE")
+            log.info("NET/IB: not used (disabled by ACOLL_IB_DISABLE); using sockets")
+        else:
+            rdma, why = make_rdma(sockaddr, family, timeout=timeout, key=key,
+                                  hca=IB_HCA.resolve())
+            if rdma is not None:
+                return rdma
+            if forced == "ib":
+                raise TransportError(f"ACOLL_NET=ib: RDMA is not possible here: {why}")
+            log.info("NET/IB: not used (%s); using sockets", why)
     transport = TcpTransport(sockaddr, family, timeout=timeout, key=key)
     log.info("NET/Socket: using TCP on %s with %d socket(s) per peer", sockaddr[0],
              transport.nsocks)
