@@ -4,7 +4,8 @@ A communicator serves several transports at once and picks one per peer (see
 :mod:`acoll._comm.peers`); :func:`select_transports` returns this rank's list in
 preference order: the in-process transport (unless ``ACOLL_INPROC_DISABLE=1``), shared
 memory for ranks in other processes of this host (unless ``ACOLL_SHM_DISABLE=1``), then the
-one data network chosen as below, which carries every other pair (ranks on other hosts). The network is chosen in NCCL's ``initNet`` order:
+one data network, which carries every other pair (ranks on other hosts). The network is
+chosen in NCCL's ``initNet`` order:
 
 1. A network plugin: any installed package exposing an ``acoll.net`` entry point, whose
    object is called as ``factory(sockaddr, family, timeout, key=key)`` and returns a

@@ -121,6 +121,7 @@ _ACCEPT_BUDGET = 64
 _LINGER = 5.0  # how long a closing connection waits for the peer's close or end of file
 _IO_NS = 200_000  # a callback or poll starts no new copy after this (ns)
 _IO_SLICE = 256 << 10  # bytes per piece when copying a stored message out
+_COPY_SLICE = 128 << 10  # bytes copied out of the ring between two looks at the clock
 _ALIGNED_MIN = 4096  # payloads from this size on are placed at their source's alignment
 _POOL_BYTES = 32 << 20  # storage kept for reuse, per connection
 _POOL_PER_SIZE = 8
@@ -226,6 +227,11 @@ class ShmConnection(Connection):
         self._copying: set[asyncio.Future[bytes]] = set()
         self._sendq: deque[_Send] = deque()
         self._parser = shmring.ControlParser()
+        # the record being copied out of the ring, where to, and how far
+        self._cur: shmring.Record | None = None
+        self._cur_msg: _Msg | None = None
+        self._cur_dest: memoryview | None = None
+        self._cur_pos = 0
         self._failed: ConnectionLost | None = None
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
@@ -348,6 +354,9 @@ class ShmConnection(Connection):
                     fut.set_exception(exc)
                     fut.exception()
             self._copying.clear()
+        # a record still being copied must not keep writing into a buffer whose receive
+        # failed (or into storage of a message that can no longer complete): drop the rest
+        self._cur_dest = None
         if sends:
             self._fail_sends(exc)
 
@@ -385,6 +394,7 @@ class ShmConnection(Connection):
             _discard_input(self._sock)
             self._sock.close()
             self._fd = -1
+            self._cur = self._cur_msg = None  # (holds a view of the ring)
             self._rx_ring.release()
             self._tx_ring.release()
             self._mem.release()
@@ -411,14 +421,17 @@ class ShmConnection(Connection):
 
     # ------------------------------------------------------------------ the loop side
     def _schedule(self) -> None:
-        """Run :meth:`_service` on the next loop step (once)."""
+        """Run :meth:`_service` on the next loop step (at most one call is queued)."""
         if not self._scheduled and self._fd >= 0:
             self._scheduled = True
-            self._loop.call_soon(self._service)
+            self._loop.call_soon(self._scheduled_service)
+
+    def _scheduled_service(self) -> None:
+        self._scheduled = False
+        self._service()
 
     def _service(self) -> None:
         """Consume and send within the step budget, then ask to be woken (or come back)."""
-        self._scheduled = False
         if self._fd < 0:
             return
         try:
@@ -476,8 +489,7 @@ class ShmConnection(Connection):
         if self._closing:
             self._release()
         elif self._parser.notice is None:
-            self._lost(ConnectionLost(f"{self.peer} closed the connection unexpectedly "
-                                      "(its process ended or aborted the connection)"))
+            self._lost(ConnectionLost(f"{self.peer} closed the connection unexpectedly"))
         # else: an orderly close; _service reports it once the ring is drained
 
     def _peer_closed(self) -> None:
@@ -570,21 +582,44 @@ class ShmConnection(Connection):
     # ------------------------------------------------------------------ reading
     def _read(self, until: int) -> bool:
         """Consume records until none is left (returns ``False``) or ``perf_counter_ns()``
-        passes ``until`` (returns whether more is pending)."""
+        passes ``until`` (returns whether more is pending). A record's payload is copied
+        in ``_COPY_SLICE`` pieces with the clock checked between them; a record left
+        half-copied is finished on the next call."""
         rx = self._rx
         match = self._match
         while True:
-            rec = rx.peek()
+            rec = self._cur
             if rec is None:
-                return False
+                rec = rx.peek()
+                if rec is None:
+                    return False
+                placed, dest = match.place(rec.tag, rec.total, rec.offset, rec.length,
+                                           rec.meta)
+                if match.arrivals:  # a message that came before its receive: tell the owner
+                    for early_tag, early_meta in match.arrivals:
+                        self._notify_arrival(self._loop, early_tag, early_meta)
+                    match.arrivals.clear()
+                self._cur, self._cur_msg, self._cur_dest, self._cur_pos = rec, placed, dest, 0
             length = rec.length
-            msg, dest = match.place(rec.tag, rec.total, rec.offset, length, rec.meta)
-            if match.arrivals:  # a message that came before its receive: tell the owner
-                for early_tag, early_meta in match.arrivals:
-                    self._notify_arrival(self._loop, early_tag, early_meta)
-                match.arrivals.clear()
-            if dest is not None and length:
-                dest[:] = rec.payload
+            pos = self._cur_pos
+            dest = self._cur_dest
+            if length <= _COPY_SLICE:
+                if dest is not None and length:
+                    dest[:] = rec.payload
+            else:
+                while True:
+                    end = min(pos + _COPY_SLICE, length)
+                    if dest is not None:
+                        dest[pos:end] = rec.payload[pos:end]
+                    pos = end
+                    if pos == length:
+                        break
+                    if time.perf_counter_ns() >= until:
+                        self._cur_pos = pos
+                        return True
+            msg = self._cur_msg
+            assert msg is not None
+            self._cur = self._cur_msg = self._cur_dest = None
             rx.release()
             if rx.producer_wants_wake():
                 self._wake()
