@@ -266,15 +266,27 @@ class ShmConnection(Connection):
         if not 0 <= tag < 1 << 64 or len(meta) != META_SIZE:
             raise ValueError(f"bad tag {tag!r} or meta of {len(meta)} bytes")
         view = buffer.view()
-        pad = buffer.ptr % shmring.ALIGN if view.nbytes >= _ALIGNED_MIN else 0
-        self._sendq.append(_Send(fut, view, tag, meta, pad))
-        if len(self._sendq) == 1:
-            try:
+        nbytes = view.nbytes
+        pad = buffer.ptr % shmring.ALIGN if nbytes >= _ALIGNED_MIN else 0
+        try:
+            if not self._sendq and nbytes <= self._part:
+                # fast path: a message of one part into a ring with room, nothing queued
+                tx = self._tx
+                if tx.write(tag, nbytes, 0, view, meta, pad):
+                    if tx.consumer_wants_wake():
+                        self._wake()
+                    fut.set_result(None)
+                    return fut
+            self._sendq.append(_Send(fut, view, tag, meta, pad))
+            if len(self._sendq) == 1:
                 self._flush()
-            except ProtocolError as exc:
-                self._lost(ConnectionLost(f"{self.peer} broke the protocol: {exc}"))
-            except Exception as exc:
-                self._internal_error("sending to", exc)
+        except ProtocolError as exc:
+            self._lost(ConnectionLost(f"{self.peer} broke the protocol: {exc}"))
+        except Exception as exc:
+            self._internal_error("sending to", exc)
+        if not fut.done() and self._failed is not None:  # (failed before it was queued)
+            fut.set_exception(self._failed)
+            fut.exception()
         return fut
 
     def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
