@@ -16,7 +16,8 @@ async def main() -> None:
     comm = await acoll.init_from_env(timeout=60)
     async with comm:
         n = await check_all(comm, [0, 1, 7, 1000, 100003], ALL_DTYPES, ALL_OPS)
-    print(f"rank {comm.rank}: {n} checks passed")
+        names = ",".join(str(comm.transport_name(p)) for p in range(comm.size))
+    print(f"rank {comm.rank} via {names}: {n} checks passed")
 
 
 if __name__ == "__main__":

@@ -136,14 +136,17 @@ async def test_ranks_of_one_loop_talk_in_process() -> None:
                      ["inproc", "inproc", None]]
 
 
-@pytest.mark.parametrize("inproc", [True, False], ids=["inproc+tcp", "tcp-only"])
-def test_full_matrix_mixed_communicator(inproc: bool) -> None:
+@pytest.mark.parametrize(("inproc", "shm"), [(True, True), (True, False), (False, False)],
+                         ids=["inproc+shm", "inproc+tcp", "tcp-only"])
+def test_full_matrix_mixed_communicator(inproc: bool, shm: bool) -> None:
     """Five ranks in two processes (3 + 2): one communicator mixing the in-process
-    transport (ranks of one process) and TCP (across the processes)."""
+    transport (ranks of one process) with shared memory or TCP (across the processes)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_SOCKET_IFNAME"] = "=lo"
     if not inproc:
         env["ACOLL_INPROC_DISABLE"] = "1"
+    if not shm:
+        env["ACOLL_SHM_DISABLE"] = "1"
     uid = acoll.get_unique_id(ifname="=lo")
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_mixed.py"), bytes(uid).hex(),
                                "5", ranks], env=env, stdout=subprocess.PIPE,
@@ -158,20 +161,30 @@ def test_full_matrix_mixed_communicator(inproc: bool) -> None:
     assert len(lines) == 5, lines
     assert len({line.rsplit(":", 1)[1] for line in lines}) == 1  # same number of checks
     same = "inproc" if inproc else "socket"
+    other = "shm" if shm else "socket"
     for line in lines:  # "rank R: via T0,T1,...: N checks passed"
         rank = int(line.split()[1].rstrip(":"))
         got = [None if v == "None" else v for v in line.split("via ")[1].split(":")[0].split(",")]
         # ranks of my parity live in my process
-        assert got == [None if p == rank else (same if p % 2 == rank % 2 else "socket")
+        assert got == [None if p == rank else (same if p % 2 == rank % 2 else other)
                        for p in range(5)], line
 
 
-def test_full_matrix_across_processes() -> None:
-    """The same checks with every rank in its own process (acoll-run)."""
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_full_matrix_across_processes(shm: bool) -> None:
+    """The same checks with every rank in its own process (acoll-run): over shared memory
+    by default, over TCP with ``ACOLL_SHM_DISABLE=1``."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    if not shm:
+        env["ACOLL_SHM_DISABLE"] = "1"
     proc = subprocess.run(
         [sys.executable, "-m", "acoll.run", "-n", "3", "--", sys.executable,
          str(HERE / "mp_collectives.py")],
         env=env, capture_output=True, text=True, timeout=100)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("checks passed") == 3, proc.stdout
+    expect = "shm" if shm else "socket"
+    for line in proc.stdout.splitlines():
+        if "checks passed" in line:  # "rank R via T0,T1,T2: N checks passed"
+            names = line.split(" via ")[1].split(":")[0].split(",")
+            assert sorted(names) == ["None", expect, expect], line

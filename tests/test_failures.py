@@ -75,10 +75,15 @@ async def test_idle_peer_death_fails_later_ops_immediately() -> None:
     await _settle(comms)
 
 
-def test_killed_process_is_remote_error_on_survivors() -> None:
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
+    """A rank that dies (its process exits) fails every survivor's op with RemoteError at
+    once, over shared memory (the control socket's end of file) and over TCP."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_TIMEOUT"] = "60"
+    if not shm:
+        env["ACOLL_SHM_DISABLE"] = "1"
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3", "2"],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               text=True) for r in range(3)]
@@ -90,6 +95,7 @@ def test_killed_process_is_remote_error_on_survivors() -> None:
         assert procs[r].returncode == 0, outs[r]
         assert "RemoteError" in outs[r], outs[r]
         assert "rank 2" in outs[r], outs[r]
+        assert ("shm peer" in outs[r]) == shm, outs[r]
     assert elapsed < 30
 
 

@@ -30,6 +30,7 @@ import numpy as np
 import pytest
 
 import acoll
+from acoll._transport import shm
 from acoll.testing import run_ranks
 
 STEP_LIMIT_MS = 5.0  # one callback (asyncio)
@@ -202,4 +203,28 @@ async def test_no_long_loop_step(case: str, monkeypatch: pytest.MonkeyPatch) -> 
     worst, limit, what = await _measure(fn, monkeypatch)
     print(f"{case}: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}")
     assert worst <= limit, (f"{case}: the loop was held for {worst:.1f} ms of CPU "
+                            f"(limit {limit} ms) by {what}")
+
+
+#: The same bound with the two ranks joined by shared memory (as ranks in two processes
+#: of a host are): copies into and out of the rings are paced by the transport's budget.
+SHM_CASES = ["ring-32M", "rd-32M", "gather-alltoall-scatter-32M", "late-recv-32M"]
+
+
+@pytest.mark.skipif(bool(shm.unsupported()), reason=shm.unsupported() or "-")
+@pytest.mark.parametrize("case", SHM_CASES)
+async def test_no_long_loop_step_over_shm(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    env, fn = CASES[case]
+    for name, value in {**env, "ACOLL_INPROC_DISABLE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(shm.ShmTransport, "can_connect",
+                        lambda self, mine, theirs: mine.same_host(theirs))
+
+    async def checked(comm: acoll.Communicator, meter: Meter) -> None:
+        assert comm.transport_name(1 - comm.rank) == "shm"
+        await fn(comm, meter)
+
+    worst, limit, what = await _measure(checked, monkeypatch)
+    print(f"{case} over shm: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}")
+    assert worst <= limit, (f"{case} over shm: the loop was held for {worst:.1f} ms of CPU "
                             f"(limit {limit} ms) by {what}")

@@ -20,6 +20,7 @@ from acoll import _communicator
 from acoll._dtypes import BFLOAT16
 from acoll._memory import Buffer, MemoryKind
 from acoll._transport.base import Connection, Listener, Transport
+from acoll._transport.shm import ShmConnection, ShmTransport
 from acoll._transport.staged import StagedConnection
 from acoll._transport.tcp import TcpConnection, TcpTransport
 from acoll.testing import run_ranks
@@ -97,6 +98,48 @@ async def test_full_matrix_on_fake_device_over_tcp(
         assert sum(len(v) for v in staging._free.values()) < staging.leased / 10
         assert space.settles > 0  # every op without stream= waited for its work
 
+
+async def test_fake_device_over_shm(fake_devices: list[FakeDeviceSpace],
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Device buffers are staged over shared memory too (a host-memory transport): here
+    the ranks of this process use it (in-process transport off, same-process pairs
+    allowed), with messages larger than the ring."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+    monkeypatch.setenv("ACOLL_SHM_RING_SIZE", "32K")
+    monkeypatch.setattr(ShmTransport, "can_connect",
+                        lambda self, mine, theirs: mine.same_host(theirs))
+    kinds: list[MemoryKind] = []
+    isend, irecv = ShmConnection.isend, ShmConnection.irecv
+
+    def spy_send(self: ShmConnection, buf: Buffer, tag: int, meta: bytes = bytes(16)) -> Any:
+        kinds.append(buf.kind)
+        return isend(self, buf, tag, meta)
+
+    def spy_recv(self: ShmConnection, buf: Buffer, tag: int) -> Any:
+        kinds.append(buf.kind)
+        return irecv(self, buf, tag)
+
+    monkeypatch.setattr(ShmConnection, "isend", spy_send)
+    monkeypatch.setattr(ShmConnection, "irecv", spy_recv)
+
+    async def fn(comm: acoll.Communicator) -> int:
+        assert {comm.transport_name(p) for p in range(2) if p != comm.rank} == {"shm"}
+        n = 300_001
+        x = FakeDevArray(np.arange(n, dtype=np.float64) + comm.rank)
+        await comm.all_reduce(x)
+        np.testing.assert_array_equal(x.arr, 2 * np.arange(n) + 1)
+        dtypes = [np.dtype(np.int8), BFLOAT16, np.dtype(np.float32)]
+        checks = await check_all(comm, COUNTS, dtypes, ALL_OPS, dev=to_dev(0), host=to_host)
+        conn = await comm.connection(1 - comm.rank)
+        assert isinstance(conn, StagedConnection)
+        assert conn.staged_sends > 0
+        assert conn.staged_recvs > 0
+        return checks
+
+    results = await run_ranks(2, fn, device=0)
+    assert len(set(results)) == 1
+    assert set(kinds) == {MemoryKind.HOST}
 
 async def test_large_messages_and_many_chunks(fake_devices: list[FakeDeviceSpace],
                                               monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,8 +2,10 @@
 
 A communicator serves several transports at once and picks one per peer (see
 :mod:`acoll._comm.peers`); :func:`select_transports` returns this rank's list in
-preference order: the in-process transport (unless ``ACOLL_INPROC_DISABLE=1``), then the
-one data network chosen as below. The network is chosen in NCCL's ``initNet`` order:
+preference order: the in-process transport (unless ``ACOLL_INPROC_DISABLE=1``), shared
+memory for ranks in other processes of this host (unless ``ACOLL_SHM_DISABLE=1``), then the
+one data network, which carries every other pair (ranks on other hosts). The network is
+chosen in NCCL's ``initNet`` order:
 
 1. A network plugin: any installed package exposing an ``acoll.net`` entry point, whose
    object is called as ``factory(sockaddr, family, timeout, key=key)`` and returns a
@@ -30,6 +32,7 @@ from ..errors import InvalidUsage, TransportError
 from .base import Transport
 from .inproc import make_inproc
 from .rdma import make_rdma, rdma_ports
+from .shm import make_shm
 from .tcp import TcpTransport
 
 __all__ = ["NET", "ib_devices", "select_transport", "select_transports"]
@@ -112,4 +115,4 @@ def select_transports(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *
 #: Transports for peers on this host or in this process, tried before the network, in
 #: order. Each is called as ``make(timeout=..., key=...)`` and returns ``None`` when it
 #: is turned off or cannot run here (and logs why at INFO).
-_LOCAL: list[Any] = [make_inproc]
+_LOCAL: list[Any] = [make_inproc, make_shm]
