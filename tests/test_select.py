@@ -14,6 +14,7 @@ import pytest
 from acoll._transport import select
 from acoll._transport.inproc import InprocTransport
 from acoll._transport.rdma import RdmaTransport, set_provider
+from acoll._transport.shm import ShmTransport
 from acoll._transport.tcp import TcpTransport
 from acoll.errors import InvalidUsage, TransportError
 from verbs_double import E, Fabric, PortSpec
@@ -149,7 +150,8 @@ def test_transport_list_order(fabric: Fabric) -> None:
     fabric.add_device("mlx5_0")
     transports = select.select_transports(ADDR, socket.AF_INET, timeout=5.0, key=KEY)
     try:
-        assert [type(t) for t in transports] == [InprocTransport, RdmaTransport]
+        assert [type(t) for t in transports] == [InprocTransport, ShmTransport,
+                                                 RdmaTransport]
     finally:
         for t in transports:
             t.close()
