@@ -34,7 +34,8 @@ def main() -> None:
     comm = MPI.COMM_WORLD
     rank, n = comm.Get_rank(), comm.Get_size()
     if rank == 0:
-        print(f"# mpi4py {MPI.Get_library_version().splitlines()[0]} | ranks {n} | "
+        library = MPI.Get_library_version().replace("\0", "").splitlines()[0]
+        print(f"# mpi4py {library} | ranks {n} | "
               "MPI_Allreduce in place, float32 sum | time: max over ranks")
         print(f"# {'size':>10} {'count':>12} {'type':>8} {'redop':>6} {'time':>10} "
               f"{'algbw':>7} {'busbw':>7} {'#wrong':>7}")

@@ -404,6 +404,48 @@ async def test_bug_in_data_path_fails_connection_not_loop(
         await within(blocker)
 
 
+async def test_listener_out_of_memory_is_a_clear_error(monkeypatch: pytest.MonkeyPatch,
+                                                       caplog: pytest.LogCaptureFixture
+                                                       ) -> None:
+    """A listener that cannot allocate a segment answers (authenticated) with no segment:
+    the connector gets a TransportError saying so at once, without retrying, and the
+    listener keeps working."""
+    calls: list[int] = []
+
+    def no_memory(layout: shmring.SegmentLayout) -> object:
+        calls.append(layout.size)
+        raise OSError(12, "Cannot allocate memory")
+
+    lis = await _transport().listen()
+    try:
+        monkeypatch.setattr(shm, "_new_segment", no_memory)
+        with pytest.raises(TransportError, match="could not allocate the shared segment"):
+            await within(_transport().connect(lis.handle, b"x",
+                                              asyncio.get_running_loop().time() + 10))
+        assert len(calls) == 1
+        assert "cannot make a shared segment" in caplog.text
+        monkeypatch.undo()
+        good = await connect_pair(_harness("after", 2 * MiB), b"ok", lis)
+        await exchange_small(good)
+        await good.aclose()
+    finally:
+        lis.close()
+
+
+async def test_send_on_a_ring_the_peer_corrupted_fails_at_once(pair: Pair) -> None:
+    """The consumer's position is checked before writing: a broken one fails the send
+    (and the connection) instead of leaving it pending."""
+    a, _b = _conns(pair)
+    rec = FailureRecorder()
+    a.set_failure_callback(rec)
+    a._tx_ring.ctl[shmring.TAIL] = a._tx.head + 4096  # the consumer claims to be ahead
+    sfut = a.isend(host_buffer(b"abc"), 1, meta_for(1))
+    assert sfut.done()
+    with pytest.raises(ConnectionLost, match="consumer position"):
+        sfut.result()
+    await within(rec.event.wait())
+
+
 # ------------------------------------------------------------------ handles and selection
 def _info(rank: int, *, host: int = 1, proc: bytes = b"p0", handles: dict[str, bytes]
           ) -> PeerInfo:

@@ -45,7 +45,7 @@ Handshake on the control socket (little endian), the exchange of :mod:`acoll._au
     connector -> listener   4s b"ACSH" | H version | 2x | 32s nonce_c | I hello length
                             | hello | 32s proof
     listener  -> connector  32s proof | Q ring capacity, with the segment's memfd attached
-                            (SCM_RIGHTS)
+                            (SCM_RIGHTS); capacity 0 and no memfd: no memory for a segment
 
 The listener creates and maps the segment only for a connector that proved the job's key;
 its own proof also covers the ring capacity. The connector maps the segment only after
@@ -282,16 +282,17 @@ class ShmConnection(Connection):
                 self._flush()
         except ProtocolError as exc:
             self._lost(ConnectionLost(f"{self.peer} broke the protocol: {exc}"))
+            self._fail_send(fut)
         except Exception as exc:
             self._internal_error("sending to", exc)
-        failed = self._failure()  # (a method: mypy keeps the narrowing from above)
-        if not fut.done() and failed is not None:  # (failed before it was queued)
-            fut.set_exception(failed)
-            fut.exception()
+            self._fail_send(fut)
         return fut
 
-    def _failure(self) -> ConnectionLost | None:
-        return self._failed
+    def _fail_send(self, fut: asyncio.Future[None]) -> None:
+        """Fail a send the connection broke under before it was queued (if not done)."""
+        if not fut.done():
+            fut.set_exception(self._failed or ConnectionLost("the connection failed"))
+            fut.exception()
 
     def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
         fut: asyncio.Future[bytes] = self._loop.create_future()
@@ -788,6 +789,9 @@ def _new_segment(layout: shmring.SegmentLayout) -> tuple[int, mmap.mmap]:
     fd = os.memfd_create("acoll-shm", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, layout.size)
+        # reserve the pages now: memory that cannot be had is an error here, not a SIGBUS
+        # in the middle of a copy later
+        os.posix_fallocate(fd, 0, layout.size)
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         mm = _map(fd, layout.size)
     except BaseException:
@@ -908,11 +912,20 @@ class ShmListener(QueuedListener):
                 with contextlib.suppress(OSError):
                     sock.send(_REFUSED)
                 raise ProtocolError("the connector does not hold this job's key")
-            layout = shmring.SegmentLayout(self._capacity)
-            fd, mm = _new_segment(layout)
+            try:
+                fd, mm = _new_segment(shmring.SegmentLayout(self._capacity))
+                capacity = self._capacity
+            except OSError as exc:  # out of memory (or memfd refused): say so, no segment
+                log.warning("cannot make a shared segment of %d bytes for %s: %s",
+                            shmring.SegmentLayout(self._capacity).size, peer, exc)
+                capacity = 0
             ack = _ACK.pack(_auth.prove(self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
-                                        _ack_claims(hello, self._capacity)), self._capacity)
-            await asyncio.wait_for(_send_all(loop, sock, ack, fd), self._timeout)
+                                        _ack_claims(hello, capacity)), capacity)
+            await asyncio.wait_for(_send_all(loop, sock, ack, fd if fd >= 0 else None),
+                                   self._timeout)
+            if mm is None:
+                sock.close()
+                return
         except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
             self._refusals.refused("refused shm connection from %s: %s", peer, exc)
             sock.close()
@@ -1051,6 +1064,9 @@ class ShmTransport(Transport):
             if not _auth.verify(proof, self.key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
                                 _ack_claims(hello, capacity)):
                 raise ProtocolError("the listener failed to prove it holds the job's key")
+            if capacity == 0:
+                raise TransportError("the shm listener could not allocate the shared segment "
+                                     "(out of memory?); ACOLL_SHM_RING_SIZE sets its size")
             if len(fds) != 1:
                 raise ProtocolError(f"the listener sent {len(fds)} descriptors, not one")
             return _map_peer_segment(fds[0], capacity)
