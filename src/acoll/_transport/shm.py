@@ -23,7 +23,7 @@ bytes and the close frame. No thread: everything runs on the event loop.
   step, so a peer answering within the busy-poll makes no system call at all.
 - Bounded work per loop step: every callback moves data for at most ``_IO_NS`` (0.2 ms),
   then comes back on the next loop iteration; a message kept in storage is copied out in
-  ``_IO_SLICE`` pieces, one per iteration.
+  slices, one per iteration (:mod:`.copyout`).
 - Failure: the peer's death closes its end of the control socket, so the loop sees end of
   file at once (SIGKILL included) and every pending operation fails with
   :class:`~.base.ConnectionLost`. An orderly close flushes queued sends into the ring, then
@@ -87,6 +87,7 @@ from .base import (
     QueuedListener,
     Transport,
 )
+from .copyout import PacedCopies
 from .matching import Matcher, Message
 
 __all__ = ["DISABLE", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
@@ -120,7 +121,6 @@ _EVICTED_RETRIES = 20
 _ACCEPT_BUDGET = 64
 _LINGER = 5.0  # how long a closing connection waits for the peer's close or end of file
 _IO_NS = 200_000  # a callback or poll starts no new copy after this (ns)
-_IO_SLICE = 256 << 10  # bytes per piece when copying a stored message out
 _COPY_SLICE = 128 << 10  # bytes copied out of the ring between two looks at the clock
 _ALIGNED_MIN = 4096  # payloads from this size on are placed at their source's alignment
 _POOL_BYTES = 32 << 20  # storage kept for reuse, per connection
@@ -224,7 +224,9 @@ class ShmConnection(Connection):
         self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
             self._pool.get, max_early=MAX_EARLY.resolve(max_early),
             limit_name="ACOLL_SHM_MAX_EARLY")
-        self._copying: set[asyncio.Future[bytes]] = set()
+        self._copies = PacedCopies(self._loop,
+                                   lambda exc: self._internal_error("receiving from", exc),
+                                   self._pool.put)
         self._sendq: deque[_Send] = deque()
         self._parser = shmring.ControlParser()
         # the record being copied out of the ring, where to, and how far
@@ -366,11 +368,7 @@ class ShmConnection(Connection):
         for msg in self._match.fail(exc):
             self._deliver(msg)
         if not self._match.keeping:
-            for fut in self._copying:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.exception()
-            self._copying.clear()
+            self._copies.fail(exc)
         # a record still being copied must not keep writing into a buffer whose receive
         # failed (or into storage of a message that can no longer complete): drop the rest
         self._cur_dest = None
@@ -656,28 +654,9 @@ class ShmConnection(Connection):
             fut.exception()  # awaiting it still raises; abandoned, it must not log
         elif msg.storage is not None:
             assert msg.dest is not None
-            self._copy_out(msg.dest, msg.storage, fut, msg.meta, 0)
+            self._copies.start(msg.dest, msg.storage, fut, msg.meta)
         else:
             fut.set_result(msg.meta)
-
-    def _copy_out(self, buf: memoryview, storage: memoryview, fut: asyncio.Future[bytes],
-                  meta: bytes, pos: int) -> None:
-        """Copy a message kept in storage into its receive buffer, ``_IO_SLICE`` bytes per
-        loop step (the first piece at once), then complete ``fut``."""
-        try:
-            if fut.done():  # failed meanwhile (connection lost)
-                return
-            self._copying.add(fut)  # failed by _fail_pending if the connection breaks
-            end = min(pos + _IO_SLICE, storage.nbytes)
-            buf[pos:end] = storage[pos:end]
-            if end < storage.nbytes:
-                self._loop.call_soon(self._copy_out, buf, storage, fut, meta, end)
-                return
-            self._copying.discard(fut)
-            fut.set_result(meta)
-            self._pool.put(storage)
-        except Exception as exc:
-            self._internal_error("receiving from", exc)
 
 
 def _discard_input(sock: socket.socket) -> None:

@@ -65,6 +65,7 @@ from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, QueuedListener, Transport
+from .copyout import PacedCopies
 from .matching import Matcher, Message
 
 __all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
@@ -176,7 +177,8 @@ class TcpConnection(Connection):
             _storage, max_early=MAX_EARLY.resolve(max_early),
             limit_name="ACOLL_SOCKET_MAX_EARLY")
         # receives completing from storage, copied out one piece per loop step
-        self._copying: set[asyncio.Future[bytes]] = set()
+        self._copies = PacedCopies(self._loop,
+                                   lambda exc: self._internal_error("receiving from", exc))
         self._socks = [_Sock(s) for s in socks]
         self.peer = peer
         self._stripe = max(stripe, 1 << 12)
@@ -300,11 +302,7 @@ class TcpConnection(Connection):
         if not self._match.keeping:
             # (after the peer's orderly close, a message that had fully arrived is still
             # delivered: its copy into the posted receive goes on)
-            for fut in self._copying:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.exception()
-            self._copying.clear()
+            self._copies.fail(exc)
         for s in self._socks:
             # a part still arriving must not keep writing into a buffer whose receive failed:
             # the rest of it is read and dropped
@@ -589,27 +587,9 @@ class TcpConnection(Connection):
             fut.exception()  # awaiting it still raises; abandoned, it must not log
         elif msg.storage is not None:
             assert msg.dest is not None
-            self._copy_out(msg.dest, msg.storage, fut, msg.meta, 0)
+            self._copies.start(msg.dest, msg.storage, fut, msg.meta)
         else:
             fut.set_result(msg.meta)
-
-    def _copy_out(self, buf: memoryview, storage: memoryview, fut: asyncio.Future[bytes],
-                  meta: bytes, pos: int) -> None:
-        """Copy a message kept in storage into its receive buffer, ``_IO_SLICE`` bytes per
-        loop step (the first piece at once), then complete ``fut``."""
-        try:
-            if fut.done():  # failed meanwhile (connection lost)
-                return
-            self._copying.add(fut)  # failed by _fail_pending if the connection breaks
-            end = min(pos + _IO_SLICE, storage.nbytes)
-            buf[pos:end] = storage[pos:end]
-            if end < storage.nbytes:
-                self._loop.call_soon(self._copy_out, buf, storage, fut, meta, end)
-                return
-            self._copying.discard(fut)
-            fut.set_result(meta)
-        except Exception as exc:
-            self._internal_error("receiving from", exc)
 
 
 class TcpListener(QueuedListener):

@@ -85,6 +85,7 @@ from ..base import (
     QueuedListener,
     Transport,
 )
+from ..copyout import PacedCopies
 from ..matching import Matcher, Message
 from ..tcp import MAX_EARLY, TcpConnection, TcpListener, TcpTransport
 from . import wire
@@ -142,7 +143,6 @@ _INFO_SIZE = 256  # QP info record, length-prefixed and padded
 _WRITE_DEPTH = 32  # send queue entries for RDMA writes beyond the send slots
 _POLL_BATCH = 16
 _IO_NS = 200_000  # a drain or poll starts no new batch after this (ns)
-_IO_SLICE = 256 << 10  # bytes per piece of a copy out of storage
 _LINGER = 5.0
 _MAX_NOTICE = (1 << 16) - 64  # as over TCP
 _TCP_GRACE = 0.5  # seconds to wait for the RDMA CLOSE after the control line closed
@@ -649,7 +649,8 @@ class RdmaConnection(Connection):
         self._writes: deque[_Write] = deque()
         self._wr_writes: dict[int, tuple[_Write, bool]] = {}
         self._wr_next = 0
-        self._copying: set[asyncio.Future[bytes]] = set()
+        self._copies = PacedCopies(self._loop,
+                                   lambda exc: self._internal_error("receiving from", exc))
         self._failed: ConnectionLost | None = None
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
@@ -1108,7 +1109,7 @@ class RdmaConnection(Connection):
             return
         if msg.storage is not None:
             assert msg.dest is not None
-            self._copy_out(msg.dest, msg.storage, op.fut, msg.meta, 0)
+            self._copies.start(msg.dest, msg.storage, op.fut, msg.meta)
         elif inc is not None:  # a rendezvous message met its receive: ask for the data
             inc.op = op
             inc.entry = self._t.acquire(op.buf, writable=True)
@@ -1121,22 +1122,6 @@ class RdmaConnection(Connection):
         else:
             op.fut.set_result(msg.meta)
 
-    def _copy_out(self, buf: memoryview, storage: memoryview, fut: asyncio.Future[bytes],
-                  meta: bytes, pos: int) -> None:
-        try:
-            if fut.done():
-                return
-            self._copying.add(fut)
-            end = min(pos + _IO_SLICE, storage.nbytes)
-            buf[pos:end] = storage[pos:end]
-            if end < storage.nbytes:
-                self._loop.call_soon(self._copy_out, buf, storage, fut, meta, end)
-                return
-            self._copying.discard(fut)
-            fut.set_result(meta)
-        except Exception as exc:
-            self._internal_error("receiving from", exc)
-
     # ------------------------------------------------------------------ closing
     def close(self, notice: bytes = b"", *, drop_queued: bool = False) -> None:
         if self._closing or self._failed is not None or self._released:
@@ -1146,11 +1131,7 @@ class RdmaConnection(Connection):
         lost = ConnectionLost("the connection was closed locally")
         for msg in self._match.fail(lost):
             self._deliver(msg)
-        for fut in self._copying:
-            if not fut.done():
-                fut.set_exception(lost)
-                fut.exception()
-        self._copying.clear()
+        self._copies.fail(lost)
         # receives whose buffer was advertised fail once their data landed (or at release)
         if drop_queued:
             keep: deque[tuple[str, Any]] = deque()
@@ -1283,11 +1264,7 @@ class RdmaConnection(Connection):
         for msg in self._match.fail(exc):
             self._deliver(msg)
         if not self._match.keeping:
-            for fut in self._copying:
-                if not fut.done():
-                    fut.set_exception(exc)
-                    fut.exception()
-            self._copying.clear()
+            self._copies.fail(exc)
         for inc in self._recvs.clear():
             self._release_entry(inc)
             if inc.op is not None and not inc.op.fut.done():
