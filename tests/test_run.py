@@ -131,7 +131,10 @@ def test_comm_id_option_and_environment() -> None:
 
 
 def test_no_prefix() -> None:
-    res = launch("-n", "2", "--no-prefix", "--", PY, "-c", "print('plain')")
+    # Ranks write straight to the launcher's stdout: one write per line (print() makes two
+    # when Python's output is unbuffered, and two ranks' writes may then interleave).
+    res = launch("-n", "2", "--no-prefix", "--", PY, "-c",
+                 "import sys; sys.stdout.write('plain\\n')")
     assert res.returncode == 0
     assert res.stdout.splitlines() == ["plain", "plain"]
 
