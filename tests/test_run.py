@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -390,6 +392,55 @@ _REAL = (
     "            await comm.all_reduce(x)\n"
     "asyncio.run(main())\n"
 )
+
+
+class _FakeTransport:
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def get_pid(self) -> int:
+        return self.pid
+
+
+def test_exits_reaped_together_are_judged_before_blame() -> None:
+    # Found under load: rank 2 (the cause) and rank 1 (which lost it) were reaped in one loop
+    # pass; rank 1's watcher ran first, saw no live rank and blamed itself. Blame must wait
+    # until every reaped rank's exit has been judged.
+    async def scenario() -> tuple[int, list[str]]:
+        opts = acoll_run._Options(nranks=3, command=["x"], comm_id="127.0.0.1:1", prefix=False,
+                                  timeout=None, grace=1.0, secret=None)
+        job = acoll_run._Job(opts)
+        said: list[str] = []
+        job.err.say = said.append  # type: ignore[method-assign]
+        job.stop = lambda sig=signal.SIGTERM: None  # type: ignore[method-assign]
+        ranks = []
+        for r in range(3):
+            rank = acoll_run._Rank.__new__(acoll_run._Rank)
+            rank.rank = r
+            rank.exited = asyncio.get_running_loop().create_future()
+            job.ranks.append((rank, _FakeTransport(2**22 + r)))  # type: ignore[arg-type]
+            ranks.append(rank)
+        for r in (0, 1):
+            Path(job._report_path(r)).write_text(  # noqa: ASYNC240
+                json.dumps({"peer": 2, "error": "RemoteError: rank 2 is gone"}))
+        watchers = [asyncio.ensure_future(job._watch(rank, 2**22 + rank.rank))
+                    for rank in ranks]
+        await asyncio.sleep(0)
+        ranks[0].exited.set_result(1)
+        await asyncio.sleep(0)
+        ranks[1].exited.set_result(1)  # same pass: rank 1's watcher is scheduled first
+        ranks[2].exited.set_result(7)
+        await asyncio.wait_for(asyncio.gather(*watchers), 5)
+        job._blame_consequential()
+        if job.blame_timer is not None:
+            job.blame_timer.cancel()
+        shutil.rmtree(job.report_dir)
+        return job.result or 0, said
+
+    code, said = asyncio.run(scenario())
+    assert code == 7, said
+    assert len(said) == 1, said
+    assert said[0].startswith("rank 2 (pid "), said
 
 
 def test_real_job_blames_the_rank_that_left() -> None:

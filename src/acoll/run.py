@@ -327,6 +327,9 @@ class _Job:
         # Ranks that failed because a peer was lost: (rank, pid, code, peer), in exit order.
         self.consequential: list[tuple[int, int, int, int | None]] = []
         self.blame_timer: asyncio.TimerHandle | None = None
+        # Ranks whose exit a watcher has judged. A rank can be reaped (``exited`` done) while
+        # its watcher has not run yet; blame must wait for the judgement, not the reaping.
+        self.judged: set[int] = set()
 
     # signals ---------------------------------------------------------------------------
 
@@ -404,11 +407,19 @@ class _Job:
         lost = "a peer" if peer is None else f"rank {peer}"
         self._fail(rank, pid, code, f" after losing {lost}")
 
+    def _all_judged(self) -> bool:
+        return len(self.judged) == len(self.ranks)
+
     async def _watch(self, rank: _Rank, pid: int) -> None:
-        code = await rank.exited
+        try:
+            code = await rank.exited
+        finally:
+            self.judged.add(rank.rank)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pid, signal.SIGKILL)  # leftovers of the rank's group
         if code == 0 or self.stopping:
+            if self._all_judged():
+                self._blame_consequential()
             return
         report = read_report(self._report_path(rank.rank)) if code > 0 else None
         if report is None:  # failed for its own reason: it is the one to blame
@@ -421,14 +432,14 @@ class _Job:
             return
         # Its peer was lost: the rank that caused that may still be exiting. Wait for it.
         self.consequential.append((rank.rank, pid, code, report[0]))
-        if self._live() == 0:
+        if self._all_judged():
             self._blame_consequential()
         elif self.blame_timer is None:
             # A rank named as the lost peer is still exiting (interpreter shutdown can take
             # seconds on a loaded machine): wait longer for that one.
             peer = report[0]
             named_alive = (peer is not None and 0 <= peer < len(self.ranks)
-                           and not self.ranks[peer][0].exited.done())
+                           and peer not in self.judged)
             self.blame_timer = asyncio.get_running_loop().call_later(
                 _BLAME_WAIT_NAMED_S if named_alive else _BLAME_WAIT_S,
                 self._blame_consequential)
