@@ -629,6 +629,8 @@ class TransportConformance:
         sfut = pair.b.isend(host_buffer(data), 1, meta_for(1))
         pair.b.abort()
         await asyncio.sleep(0)
+        if not sfut.done():  # a send thread was writing it: it settles when that returns
+            await within(asyncio.wait([sfut]), 1.0)
         assert sfut.done()
         send_failed = sfut.exception() is not None
         if send_failed:

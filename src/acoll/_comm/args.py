@@ -50,14 +50,13 @@ def buffer_pair(mem: MemorySpace, rank: int, size: int, send: Any, recv: Any, wh
     reduce_scatter). Overlap is refused unless the buffers are the same, or (all_gather,
     reduce_scatter) the smaller is this rank's block of the larger.
     """
-    s = mem.adopt(send, "send")
     if recv is None:
         if ratio_send != ratio_recv:
             raise InvalidUsage(f"{what} needs a recv buffer")
-        r = mem.adopt(send, "send", writable=True)
-        recv = send
-    else:
-        r = mem.adopt(recv, "recv", writable=True)
+        s = r = mem.adopt(send, "send", writable=True)
+        return s, r, send
+    s = mem.adopt(send, "send")
+    r = mem.adopt(recv, "recv", writable=True)
     if s.dtype != r.dtype:
         raise InvalidUsage(f"{what}: send has dtype {s.dtype}, recv has {r.dtype}")
     if s.count * ratio_recv != r.count * ratio_send:

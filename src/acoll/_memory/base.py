@@ -62,11 +62,13 @@ class Buffer:
     space's own code looks inside it.
     """
 
-    __slots__ = ("array", "space")
+    __slots__ = ("_ptr", "_view", "array", "space")
 
     def __init__(self, array: Any, space: MemorySpace) -> None:
         self.array = array
         self.space = space
+        self._ptr = -1  # cached: an array's address and bytes do not move under it
+        self._view: memoryview | None = None
 
     def __getitem__(self, items: slice) -> Buffer:
         return Buffer(self.array[items], self.space)
@@ -89,7 +91,10 @@ class Buffer:
 
     @property
     def ptr(self) -> int:
-        return self.space.pointer(self)
+        ptr = self._ptr
+        if ptr < 0:
+            ptr = self._ptr = self.space.pointer(self)
+        return ptr
 
     @property
     def kind(self) -> MemoryKind:
@@ -97,7 +102,10 @@ class Buffer:
 
     def view(self) -> memoryview:
         """The bytes as a flat writable-if-possible memoryview (host memory only)."""
-        return self.space.byte_view(self)
+        view = self._view
+        if view is None:
+            view = self._view = self.space.byte_view(self)
+        return view
 
     def __repr__(self) -> str:
         return f"<Buffer {self.count} x {self.dtype} in {self.space}>"

@@ -121,7 +121,7 @@ class HostSpace(MemorySpace):
         await _paced(pace, ("copy", d.itemsize), d.size, d.itemsize, work)
 
     def pointer(self, buf: Buffer) -> int:
-        return int(buf.array.__array_interface__["data"][0])
+        return int(buf.array.ctypes.data)
 
     def byte_view(self, buf: Buffer) -> memoryview:
         return byte_view(buf.array)

@@ -182,7 +182,12 @@ class Connection(ABC):
 
     @abstractmethod
     def abort(self) -> None:
-        """Release everything now; queued sends are dropped. Idempotent."""
+        """Release everything now; queued sends are dropped. Idempotent.
+
+        A send whose bytes a transport thread is writing at that moment settles when that
+        write returns (within milliseconds: it is cut short): done if every byte went
+        out, else failed with :class:`ConnectionLost`, and then the peer's receive fails.
+        """
 
     @abstractmethod
     async def wait_closed(self) -> None:

@@ -22,6 +22,15 @@ data in calls of at most ``_IO_SLICE`` bytes (256 KiB) for receives and ``_SEND_
 ready. A message that waited in memory for its
 receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
+Copying large sends into the kernel can run on a send thread (``ACOLL_SOCKET_SEND_THREADS``,
+by default one per process when it has at least 4 CPUs): a socket whose next queued payload
+is at least ``_OFFLOAD_MIN`` bytes hands its queued frames to the thread, which makes the
+non-blocking ``sendmsg`` calls (they copy without the GIL) until the batch is written or the
+socket is full, and reports back to the loop. Meanwhile the loop thread keeps receiving
+and reducing, so a rank's sends and receives proceed on two cores, as Gloo's do. One batch
+per socket is in flight at a time (frames stay in order); its socket is not closed under
+it (a close waits for the batch to come back).
+
 Which receive a part belongs to, and where its payload goes (the posted buffer, storage
 for a message that came early, or nowhere), is decided by :class:`~.matching.Matcher`;
 this module only moves the bytes. Sizes from the wire are checked there before anything is
@@ -49,8 +58,10 @@ import asyncio
 import contextlib
 import functools
 import os
+import queue
 import socket
 import struct
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -78,6 +89,10 @@ STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
                  "NET")
 BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
                   "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
+SEND_THREADS = Setting("SOCKET_SEND_THREADS", int, -1,
+                        "Threads per process that copy large sends into the kernel (0: the "
+                        "loop thread does it; -1: one when the process may use 4 CPUs or "
+                        "more).", "NET")
 MAX_EARLY = Setting("SOCKET_MAX_EARLY", parse_size, 4 << 30,
                     "Largest message kept in memory when it arrives before its receive is "
                     "posted (or drained when its size is wrong); a larger one fails the "
@@ -103,6 +118,8 @@ _IO_NS = 200_000  # a reader/writer callback or poll starts no new call after th
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
+_OFFLOAD_MIN = 256 << 10  # a payload this large is sent by a send thread (when there is one)
+_OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
 
 
 _Msg = Message[asyncio.Future[bytes], None]
@@ -124,8 +141,9 @@ class _SendOp:
 class _Sock:
     """One socket of a connection, with its reader and writer state."""
 
-    __slots__ = ("direct_entry", "direct_left", "direct_view", "fd", "peer_done", "queue",
-                 "sent_close", "sock", "stage", "stage_len", "stage_view", "writing")
+    __slots__ = ("close_deferred", "direct_entry", "direct_left", "direct_view", "fd",
+                 "flight", "peer_done", "queue", "sent_close", "sock", "stage", "stage_len",
+                 "stage_view", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -141,6 +159,9 @@ class _Sock:
         self.direct_entry: _Msg | None = None
         self.peer_done = False  # the peer's close frame (or, once we are closing, EOF) came
         self.sent_close = False  # our close frame went out (and SHUT_WR)
+        # items taken off the queue by a send thread's batch (empty: no batch in flight)
+        self.flight: deque[list[Any]] = deque()
+        self.close_deferred = False  # released while a batch was in flight: close on return
 
 
 def _discard_input(sock: socket.socket) -> None:
@@ -167,12 +188,86 @@ def _tune(sock: socket.socket, bufsize: int) -> None:
     sock.setblocking(False)
 
 
+class _SendThreads:
+    """Daemon threads running send batches (callables) in submission order.
+
+    A batch never blocks: it writes until done or until the socket is full, so one slow
+    peer cannot hold the threads. The threads live as long as the process (none in a
+    forked child until a batch is submitted there).
+    """
+
+    def __init__(self, count: int) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        for i in range(count):
+            threading.Thread(target=self._run, name=f"acoll-send-{i}", daemon=True).start()
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            self._jobs.get()()
+
+
+_threads: _SendThreads | None = None
+_threads_lock = threading.Lock()
+
+
+def _forget_threads() -> None:
+    global _threads
+    _threads = None
+
+
+os.register_at_fork(after_in_child=_forget_threads)
+
+
+def _threads_for(count: int | None = None) -> _SendThreads | None:
+    """The process's send threads per ``ACOLL_SOCKET_SEND_THREADS``, or ``None`` for none."""
+    global _threads
+    n = SEND_THREADS.resolve(count)
+    if n < 0:
+        n = 1 if len(os.sched_getaffinity(0)) >= 4 else 0
+    if n == 0:
+        return None
+    with _threads_lock:
+        if _threads is None:
+            _threads = _SendThreads(min(n, 16))
+        return _threads
+
+
+def _write_batch(sock: socket.socket, bufs: list[Any], total: int) -> tuple[int, OSError | None]:
+    """Write ``bufs`` (``total`` bytes) with non-blocking ``sendmsg`` calls until all is
+    written or the socket is full: ``(bytes written, error or None)``. Runs on a send
+    thread; touches nothing but its arguments."""
+    written = 0
+    start = 0
+    try:
+        while written < total:
+            n = sock.sendmsg(bufs[start:start + _IOV])
+            written += n
+            while n and start < len(bufs):  # drop what went out
+                first = bufs[start]
+                size = len(first) if isinstance(first, bytes) else first.nbytes
+                if n >= size:
+                    n -= size
+                    start += 1
+                else:
+                    bufs[start] = first[n:]
+                    n = 0
+    except (BlockingIOError, InterruptedError):
+        pass
+    except OSError as exc:
+        return written, exc
+    return written, None
+
+
 class TcpConnection(Connection):
     """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
 
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
-                 max_early: int | None = None) -> None:
+                 max_early: int | None = None, threads: _SendThreads | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        self._threads = threads
         self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
             _storage, max_early=MAX_EARLY.resolve(max_early),
             limit_name="ACOLL_SOCKET_MAX_EARLY")
@@ -314,7 +409,7 @@ class TcpConnection(Connection):
                     if op is not None and not op.fut.done():
                         op.fut.set_exception(exc)
                         op.fut.exception()
-                s.queue.clear()
+                s.queue.clear()  # (a batch in flight settles its own sends on return)
 
     def _lost(self, exc: ConnectionLost) -> None:
         if self._failed is not None:
@@ -343,16 +438,30 @@ class TcpConnection(Connection):
         for s in self._socks:
             if s.fd < 0:
                 continue
-            self._loop.remove_reader(s.fd)
-            if s.writing:
-                self._loop.remove_writer(s.fd)
-                s.writing = False
-            _discard_input(s.sock)
-            s.sock.close()
-            s.fd = -1
+            if s.flight:  # a send thread is writing to it: close when the batch is back
+                self._loop.remove_reader(s.fd)
+                self._want_writable(s, False)
+                with contextlib.suppress(OSError):
+                    s.sock.shutdown(socket.SHUT_RDWR)  # cuts the batch short (EPIPE)
+                s.close_deferred = True
+                continue
+            self._close_sock(s)
         if self._failed is None:
             self._failed = ConnectionLost("the connection was closed locally", orderly=True)
-        if not self._released.done():
+        self._check_released()
+
+    def _close_sock(self, s: _Sock) -> None:
+        if s.fd < 0:
+            return
+        self._loop.remove_reader(s.fd)
+        self._want_writable(s, False)
+        _discard_input(s.sock)
+        s.sock.close()
+        s.fd = -1
+        s.close_deferred = False
+
+    def _check_released(self) -> None:
+        if not self._released.done() and all(x.fd < 0 for x in self._socks):
             self._released.set_result(None)
 
     def _release_guarded(self) -> None:
@@ -383,9 +492,17 @@ class TcpConnection(Connection):
         """Write queued frames for ``_IO_NS`` at most, in calls of ``_SEND_SLICE`` payload
         bytes (headers ride along, so a chunk of exactly that size is not left with a
         48-byte tail for a later call); the writer callback does the rest in later loop
-        steps (registered while anything is queued)."""
+        steps (registered while anything is queued). A large payload at the head of the
+        queue goes to a send thread instead (see the module doc)."""
+        if s.flight:
+            return  # a send thread has the head of the stream; it reports back
         queue = s.queue
         sock = s.sock
+        if self._threads is not None and queue:
+            hdr, view, sent = queue[0][0], queue[0][1], queue[0][2]
+            if len(hdr) + view.nbytes - sent >= _OFFLOAD_MIN:
+                self._offload(s)
+                return
         until = time.perf_counter_ns() + _IO_NS
         while queue:
             bufs: list[Any] = []
@@ -413,40 +530,115 @@ class TcpConnection(Connection):
             except OSError as exc:
                 self._lost(ConnectionLost(f"send to {self.peer} failed: {exc}"))
                 return
-            written = n
-            while n and queue:
-                item = queue[0]
-                size_item = len(item[0]) + item[1].nbytes
-                take = min(n, size_item - item[2])
-                item[2] += take
-                n -= take
-                if item[2] < size_item:
-                    break
-                queue.popleft()
-                op = item[3]
-                if op is None:  # the close frame went out: half-close, wait for the EOF
-                    with contextlib.suppress(OSError):
-                        sock.shutdown(socket.SHUT_WR)
-                    s.sent_close = True
-                    self._closed_socket(s)
-                    if s.fd < 0:
-                        return
-                    continue
-                op.parts_left -= 1
-                if op.parts_left == 0 and not op.fut.done():
-                    op.fut.set_result(None)
-            if written < size:
+            if not self._account(s, n):
+                return
+            if n < size:
                 break  # partial write: the kernel buffer is full
             if time.perf_counter_ns() >= until:
                 break
+        self._want_writable(s, bool(queue))
+
+    def _want_writable(self, s: _Sock, want: bool) -> None:
         if s.fd < 0:
             return
-        if queue and not s.writing:
+        if want and not s.writing:
             self._loop.add_writer(s.fd, self._on_writable, s)
             s.writing = True
-        elif not queue and s.writing:
+        elif not want and s.writing:
             self._loop.remove_writer(s.fd)
             s.writing = False
+
+    def _account(self, s: _Sock, n: int, queue: deque[list[Any]] | None = None) -> bool:
+        """Record ``n`` more bytes of ``queue`` (``s``'s queue by default) as sent: complete
+        the sends they finish. False when that closed the socket (our close frame went out
+        last)."""
+        if queue is None:
+            queue = s.queue
+        while n and queue:
+            item = queue[0]
+            size_item = len(item[0]) + item[1].nbytes
+            take = min(n, size_item - item[2])
+            item[2] += take
+            n -= take
+            if item[2] < size_item:
+                break
+            queue.popleft()
+            op = item[3]
+            if op is None:  # the close frame went out: half-close, wait for the EOF
+                with contextlib.suppress(OSError):
+                    s.sock.shutdown(socket.SHUT_WR)
+                s.sent_close = True
+                self._closed_socket(s)
+                if s.fd < 0:
+                    return False
+                continue
+            op.parts_left -= 1
+            if op.parts_left == 0 and not op.fut.done():
+                op.fut.set_result(None)
+        return True
+
+    def _offload(self, s: _Sock) -> None:
+        """Hand the frames at the head of ``s``'s queue to a send thread."""
+        assert self._threads is not None
+        bufs: list[Any] = []
+        total = payload = 0
+        queue, flight = s.queue, s.flight
+        while queue and payload < _OFFLOAD_BATCH and len(flight) < _IOV:
+            item = queue.popleft()
+            flight.append(item)
+            hdr, view, sent = item[0], item[1], item[2]
+            if sent < len(hdr):
+                bufs.append(hdr[sent:] if sent else hdr)
+                total += len(hdr) - sent
+            else:
+                view = view[sent - len(hdr):]
+            bufs.append(view)
+            total += view.nbytes
+            payload += view.nbytes
+        self._want_writable(s, False)
+        loop, sock = self._loop, s.sock
+
+        def batch() -> None:
+            written, err = _write_batch(sock, bufs, total)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._offloaded, s, written, total, err)
+
+        self._threads.submit(batch)
+
+    def _offloaded(self, s: _Sock, written: int, total: int, err: OSError | None) -> None:
+        """A send thread's batch came back (on the loop thread): the sends it finished
+        complete; the rest go back to the head of the queue, or fail if the connection
+        ended meanwhile."""
+        flight, s.flight = s.flight, deque()
+        try:
+            open_ = s.fd >= 0 and self._account(s, written, flight) and not s.close_deferred
+            if flight and (self._failed is not None or not open_):
+                self._fail_items(flight)
+            s.queue.extendleft(reversed(flight))
+            if s.close_deferred:
+                self._close_sock(s)
+                self._check_released()
+                return
+            if not open_ or self._failed is not None:
+                return
+            if err is not None:
+                self._lost(ConnectionLost(f"send to {self.peer} failed: {err}"))
+            elif written < total:
+                self._want_writable(s, bool(s.queue))  # the socket is full: wait for room
+            else:
+                self._flush(s)
+        except Exception as exc:
+            self._internal_error("sending to", exc)
+            self._fail_items(flight)
+
+    def _fail_items(self, items: deque[list[Any]]) -> None:
+        exc = self._failed or ConnectionLost("the connection was closed locally")
+        for item in items:
+            op = item[3]
+            if op is not None and not op.fut.done():
+                op.fut.set_exception(exc)
+                op.fut.exception()
+        items.clear()
 
     # ------------------------------------------------------------------ reading
     def _on_readable(self, s: _Sock) -> None:
@@ -603,10 +795,12 @@ class TcpListener(QueuedListener):
     """
 
     def __init__(self, sock: socket.socket, handle: bytes, stripe: int, bufsize: int,
-                 handshake_timeout: float, key: bytes) -> None:
+                 handshake_timeout: float, key: bytes, threads: _SendThreads | None = None
+                 ) -> None:
         self._sock = sock
         self.handle = handle
         self._stripe = stripe
+        self._threads = threads
         self._bufsize = bufsize
         self._key = key
         self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
@@ -702,7 +896,8 @@ class TcpListener(QueuedListener):
             del self._partial[conn_id]
             timer.cancel()
             socks = [group[i] for i in range(nsocks)]
-            conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe)
+            conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe,
+                                 threads=self._threads)
             self._offer(hello, conn)
 
     def _expire(self, conn_id: int) -> None:
@@ -761,7 +956,8 @@ class TcpTransport(Transport):
 
     def __init__(self, sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
                  key: bytes, nsocks: int | None = None, stripe: int | None = None,
-                 bufsize: int | None = None, timeout: float = 30.0) -> None:
+                 bufsize: int | None = None, timeout: float = 30.0,
+                 send_threads: int | None = None) -> None:
         if len(key) < 16:
             raise ValueError("TcpTransport needs the job's authentication key")
         self.key = key
@@ -775,6 +971,7 @@ class TcpTransport(Transport):
         self.stripe = STRIPE.resolve(stripe)
         self.bufsize = BUFSIZE.resolve(bufsize)
         self.timeout = timeout
+        self.threads = _threads_for(send_threads)
 
     async def listen(self) -> TcpListener:
         sock = socket.socket(self.family, socket.SOCK_STREAM)
@@ -787,7 +984,8 @@ class TcpTransport(Transport):
             raise TransportError(f"cannot listen on {self.sockaddr[0]}: {exc}") from exc
         name = sock.getsockname()
         handle = msgpack.packb([name[0], name[1], name[3] if len(name) == 4 else 0])
-        return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout, self.key)
+        return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout, self.key,
+                           self.threads)
 
     async def connect(self, handle: bytes, hello: bytes, deadline: float) -> TcpConnection:
         try:
@@ -827,7 +1025,7 @@ class TcpTransport(Transport):
             if isinstance(exc, OSError) and not isinstance(exc, AcollError):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
-        return TcpConnection(socks, f"{host}:{port}", self.stripe)
+        return TcpConnection(socks, f"{host}:{port}", self.stripe, threads=self.threads)
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                             index: int, conn_id: int, hello: bytes) -> None:
