@@ -165,6 +165,11 @@ class Matcher(Generic[T, R]):
         """The messages kept for receives not posted yet (for inspection)."""
         return list(self._early.values())
 
+    @property
+    def receiving(self) -> bool:
+        """A posted receive is waiting for (or taking in) its message."""
+        return bool(self._posted)
+
     def __len__(self) -> int:
         """Messages and receives the matcher holds (posted, early, draining)."""
         return len(self._posted) + len(self._early) + len(self._draining)

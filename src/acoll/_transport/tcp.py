@@ -23,13 +23,14 @@ ready. A message that waited in memory for its
 receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
 Copying large sends into the kernel can run on a send thread (``ACOLL_SOCKET_SEND_THREADS``,
-by default one per process when it has at least 4 CPUs): a socket whose next queued payload
-is at least ``_OFFLOAD_MIN`` bytes hands its queued frames to the thread, which makes the
-non-blocking ``sendmsg`` calls (they copy without the GIL) until the batch is written or the
-socket is full, and reports back to the loop. Meanwhile the loop thread keeps receiving
-and reducing, so a rank's sends and receives proceed on two cores, as Gloo's do. One batch
-per socket is in flight at a time (frames stay in order); its socket is not closed under
-it (a close waits for the batch to come back).
+by default one per process when it has at least 4 CPUs). A socket whose next queued payload
+is at least ``_OFFLOAD_MIN`` bytes, on a connection with no receive in progress (a receive
+would contend with the thread for the socket), hands its queued frames to the thread. The
+thread makes the non-blocking ``sendmsg`` calls (they copy without the GIL) until the batch
+is written or the socket is full, and reports back to the loop. Meanwhile the loop thread
+keeps receiving and reducing, so a ring rank sends and receives on two cores, as Gloo's do.
+One batch per socket is in flight at a time (frames stay in order); its socket is not
+closed under it (a close waits for the batch to come back).
 
 Which receive a part belongs to, and where its payload goes (the posted buffer, storage
 for a message that came early, or nowhere), is decided by :class:`~.matching.Matcher`;
@@ -118,7 +119,7 @@ _IO_NS = 200_000  # a reader/writer callback or poll starts no new call after th
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
-_OFFLOAD_MIN = 256 << 10  # a payload this large is sent by a send thread (when there is one)
+_OFFLOAD_MIN = 512 << 10  # a payload this large is sent by a send thread (when there is one)
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
 
 
@@ -498,7 +499,9 @@ class TcpConnection(Connection):
             return  # a send thread has the head of the stream; it reports back
         queue = s.queue
         sock = s.sock
-        if self._threads is not None and queue:
+        if self._threads is not None and queue and not self._match.receiving:
+            # (a receive on this connection would contend with the send thread for the
+            # socket: with a peer that is both source and destination, sends stay here)
             hdr, view, sent = queue[0][0], queue[0][1], queue[0][2]
             if len(hdr) + view.nbytes - sent >= _OFFLOAD_MIN:
                 self._offload(s)
