@@ -742,12 +742,12 @@ class _Flusher:
             while True:
                 batch = self._ep.poll(_POLL_BATCH)
                 for c in batch:
-                    done = self._pending.pop(c.wr_id, None)
-                    if c.status != WC_SUCCESS:
+                    if c.status != WC_SUCCESS:  # fails it and every other one
                         self._fail(TransportError(completion_failure(
                             c.status, "flushing a GPUDirect receive on", self._device,
                             c.vendor_err)))
                         return
+                    done = self._pending.pop(c.wr_id, None)
                     if done is not None:
                         done(None)
                 if len(batch) < _POLL_BATCH:
@@ -1557,8 +1557,9 @@ class RdmaConnection(Connection):
             assert msg.dest is not None
             if op.device:  # up to the device from the storage, kept until it is read
                 self._drop_bounce(op)
-                fence = self._upload(op.buf, host_buffer(msg.storage))
-                _keep_until(fence, msg.storage)
+                if msg.total:
+                    fence = self._upload(op.buf, host_buffer(msg.storage))
+                    _keep_until(fence, msg.storage)
                 op.fut.set_result(msg.meta)
             else:
                 self._copies.start(msg.dest, msg.storage, op.fut, msg.meta)
