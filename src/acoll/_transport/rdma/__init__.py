@@ -5,8 +5,8 @@ choice), :mod:`.qp` (queue-pair info record and state transitions), :mod:`.wire`
 :mod:`.flow` (receive credits, rendezvous tables), :mod:`.regcache` (registration cache),
 :mod:`.failures` (what verbs errors mean), and the GPUDirect RDMA rules of :mod:`.gdr`
 (topology, support, flush; its CUDA driver calls behind one seam). :mod:`.verbs` is the
-thin adapter over pyverbs
-(imported lazily: acoll imports without it), and :mod:`.transport` the transport itself.
+thin adapter over pyverbs (imported lazily: acoll imports without it), and
+:mod:`.transport` the transport itself.
 """
 
 from __future__ import annotations
