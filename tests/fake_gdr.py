@@ -105,7 +105,7 @@ class FakeCudaDriver:
         self._check("cuMemGetAddressRange")
         found = self._find(ptr)
         if found is None:
-            raise gdr.GdrError("cuMemGetAddressRange failed: CUDA_ERROR_INVALID_VALUE (1)")
+            raise gdr.GdrError("cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND (500)")
         return found
 
     def dmabuf_fd(self, start: int, length: int, ordinal: int) -> int:

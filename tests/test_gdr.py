@@ -449,7 +449,7 @@ async def test_cuda_errors_fail_the_operation_not_the_connection(env: Env,
     foreign = np.zeros(100_000, np.uint8)  # not an allocation of the fake GPU
     from acoll._memory import Buffer
 
-    with pytest.raises(gdr.GdrError, match="cuMemGetAddressRange failed: CUDA_ERROR_INVALID"):
+    with pytest.raises(gdr.GdrError, match="cuMemGetAddressRange failed: CUDA_ERROR_NOT_FOUND"):
         await within(a.isend(Buffer(foreign, env.space), 2, meta_for(2)))
     del env.driver.fail["cuMemGetHandleForAddressRange"]
     assert a.failed is None
