@@ -7,6 +7,11 @@ for CUDA), so a transport that moves host memory can carry them only through the
 copies. Downloads complete *later* (their fence passes on a later loop iteration, and the
 bytes are copied only then, as a real asynchronous copy would land), so a send posted
 before its copy finished would carry stale bytes and fail the exact result checks.
+
+For transports that touch device memory themselves (GPUDirect RDMA), :meth:`FakeDeviceSpace.
+enqueue` queues "stream work" (a callable) that runs only when a later fence of the space
+passes (:meth:`~FakeDeviceSpace.fence`, a copy's fence): a NIC that read or wrote the
+buffer before waiting for the fence would see or clobber the wrong bytes.
 """
 
 from __future__ import annotations
@@ -75,9 +80,12 @@ class _Later(Fence):
 
 
 class FakeStaging(Staging):
-    def __init__(self, delay: int) -> None:
+    def __init__(self, delay: int, device: int | None = None,
+                 before: Any = None) -> None:
         super().__init__()
         self.delay = delay
+        self.device = device
+        self._before = before if before is not None else (lambda: None)
         self._host = HostSpace()
         self.downloads = self.uploads = 0
 
@@ -95,6 +103,7 @@ class FakeStaging(Staging):
         d, s = self._bytes(dst), self._bytes(src)
 
         def copy() -> None:
+            self._before()  # stream work queued before the copy runs first
             d[...] = s
 
         if not self.delay:
@@ -106,6 +115,7 @@ class FakeStaging(Staging):
         assert dst.kind is MemoryKind.CUDA
         assert src.kind is MemoryKind.HOST
         self.uploads += 1
+        self._before()
         self._bytes(dst)[...] = self._bytes(src)  # later "stream" work runs after it
         return _Done()
 
@@ -131,9 +141,34 @@ class FakeDeviceSpace(MemorySpace):
     def __init__(self, device: int) -> None:
         self.device = device
         self._host = HostSpace()
-        self._staging = FakeStaging(self.delay)
+        self._staging = FakeStaging(self.delay, device, self._run_pending)
         self.events: list[tuple[str, Any]] = []
         self.settles = 0
+        self.pending: list[Any] = []  # "stream work" queued by enqueue()
+        self.fences = 0
+
+    def enqueue(self, work: Any) -> None:
+        """Queue ``work()`` on the fake stream: it runs when a later fence passes."""
+        self.pending.append(work)
+
+    def _run_pending(self) -> None:
+        work, self.pending = self.pending, []
+        for fn in work:
+            fn()
+
+    def fence(self) -> Fence:
+        """Passes ``delay`` loop iterations from now, after the work queued so far."""
+        self.fences += 1
+        queued, self.pending = self.pending, []
+
+        def run() -> None:
+            for fn in queued:
+                fn()
+
+        if not self.delay:
+            run()
+            return _Done()
+        return _Later(run, self.delay)
 
     def __repr__(self) -> str:
         return f"fake device {self.device}"

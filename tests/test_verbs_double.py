@@ -554,3 +554,140 @@ def test_device_queries(fab: Fabric) -> None:
     with pytest.raises(PyverbsUserError, match="Invalid GID"):
         fab.lib.GID("fe80::1")  # pyverbs wants all 8 words
     ctx.close()
+
+
+# ------------------------------------------------------------------ dma-buf and RDMA READ
+RWR = RW | E.IBV_ACCESS_REMOTE_READ
+
+
+def test_dmabuf_mr_rules() -> None:
+    """pyverbs' DmaBufMR(pd, length, access, dmabuf=fd, offset): the descriptor must be an
+    open dma-buf and the range inside it; the region's addresses are offsets (iova)."""
+    from verbs_double import export_dmabuf
+
+    fab = _fabric()
+    fab.add_device("nodma")
+    fab.devices["nodma"].dmabuf = False
+    try:
+        lib = fab.lib
+        pd = lib.PD(lib.Context(name="a"))
+        mem = ctypes.create_string_buffer(8192)
+        fd = export_dmabuf(ctypes.addressof(mem), 8192)
+        try:
+            mr = lib.DmaBufMR(pd, 4096, RWR, dmabuf=fd, offset=4096)
+            assert (mr.addr, mr.length) == (4096, 4096)  # iova = offset
+            assert mr.translate(4096 + 5) == ctypes.addressof(mem) + 4096 + 5
+            with pytest.raises(PyverbsRDMAError) as info:
+                lib.DmaBufMR(pd, 4096, RWR, dmabuf=fd, offset=8192)
+            assert info.value.error_code == errno.EINVAL
+            other = os.memfd_create("not-a-dmabuf")
+            with pytest.raises(PyverbsRDMAError) as info:
+                lib.DmaBufMR(pd, 16, RWR, dmabuf=other, offset=0)
+            assert info.value.error_code == errno.EINVAL
+            os.close(other)
+            with pytest.raises(PyverbsRDMAError) as info:
+                lib.DmaBufMR(pd, 16, RWR, dmabuf=-1, offset=0)
+            assert info.value.error_code == errno.EBADF
+            with pytest.raises(PyverbsRDMAError) as info:
+                lib.DmaBufMR(pd, 16, E.IBV_ACCESS_REMOTE_WRITE, dmabuf=fd)
+            assert info.value.error_code == errno.EINVAL  # remote write needs local write
+            nopd = lib.PD(lib.Context(name="nodma"))
+            with pytest.raises(PyverbsRDMAError) as info:
+                lib.DmaBufMR(nopd, 16, RWR, dmabuf=fd)
+            assert info.value.error_code == errno.EOPNOTSUPP
+        finally:
+            os.close(fd)
+        # registered regions outlive the descriptor, as the kernel's do
+        assert pd.mrs[mr.lkey] is mr
+    finally:
+        fab.close()
+
+
+def test_dmabuf_mr_of_older_pyverbs() -> None:
+    old = Fabric(dmabuf_api="object")
+    none = Fabric(dmabuf_api=None)
+    old.add_device("a")
+    try:
+        pd = old.lib.PD(old.lib.Context(name="a"))
+        with pytest.raises(TypeError, match="DmaBuf"):
+            old.lib.DmaBufMR(pd, 16, RWR, dmabuf=3)
+        assert none.lib.DmaBufMR is None
+    finally:
+        old.close()
+
+
+def test_writes_and_reads_through_a_dmabuf_region(fab: Fabric, pair: tuple[Side, Side]
+                                                  ) -> None:
+    """A write lands at the dma-buf's memory through its iova; a region without remote
+    write access refuses it (REM_ACCESS_ERR), as for ordinary regions."""
+    from verbs_double import export_dmabuf
+
+    a, b = pair
+    mem = ctypes.create_string_buffer(8192)
+    fd = export_dmabuf(ctypes.addressof(mem), 8192)
+    try:
+        mr = fab.lib.DmaBufMR(b.pd, 8192, RWR, dmabuf=fd, offset=0)
+        ro = fab.lib.DmaBufMR(b.pd, 8192, E.IBV_ACCESS_LOCAL_WRITE, dmabuf=fd, offset=0)
+    finally:
+        os.close(fd)
+    ctypes.memmove(a.addr, b"gpu!", 4)
+    _send(fab, a, 1, 0, 4, opcode=E.IBV_WR_RDMA_WRITE, rkey=mr.rkey, remote=100)
+    assert _poll(a) == [(1, E.IBV_WC_SUCCESS, E.IBV_WC_RDMA_WRITE)]
+    assert mem.raw[100:104] == b"gpu!"
+    _send(fab, a, 2, 0, 4, opcode=E.IBV_WR_RDMA_WRITE, rkey=ro.rkey, remote=100)
+    assert _poll(a) == [(2, E.IBV_WC_REM_ACCESS_ERR, E.IBV_WC_RDMA_WRITE)]
+
+
+def test_rdma_read_rules(fab: Fabric) -> None:
+    """READ: the remote region needs remote read access and the responder queue pair
+    must allow remote reads; the local region needs local write access."""
+    for remote_access, qp_access, local_access, want in (
+            (RWR, RWR, RW, E.IBV_WC_SUCCESS),
+            (RW, RWR, RW, E.IBV_WC_REM_ACCESS_ERR),
+            (RWR, RW, RW, E.IBV_WC_REM_ACCESS_ERR),
+            (RWR, RWR, 0, E.IBV_WC_LOC_PROT_ERR)):
+        a = _side(fab, "a", access=local_access)
+        b = _side(fab, "b", access=remote_access)
+        _connect(fab, a, "a", b, "b", access=qp_access)
+        ctypes.memmove(b.addr, b"remote", 6)
+        _send(fab, a, 7, 0, 6, opcode=E.IBV_WR_RDMA_READ, rkey=b.mr.rkey, remote=b.addr)
+        assert _poll(a) == [(7, want, E.IBV_WC_RDMA_READ)]
+        if want == E.IBV_WC_SUCCESS:
+            assert a.buf.raw[:6] == b"remote"
+            assert fab.stats["read"] >= 1
+
+
+def test_loopback_queue_pair_reads_its_own_memory(fab: Fabric) -> None:
+    a = _side(fab, "a", access=RWR)
+    port = fab.devices["a"].ports[0]
+    a.qp.modify(_attr(fab, qp_state=E.IBV_QPS_INIT, port_num=1, pkey_index=0,
+                      qp_access_flags=RWR), INIT_MASK)
+    a.qp.modify(_attr(fab, qp_state=E.IBV_QPS_RTR, path_mtu=E.IBV_MTU_1024,
+                      dest_qp_num=a.qp.qp_num, rq_psn=5, max_dest_rd_atomic=1,
+                      min_rnr_timer=1, ah_attr=fab.lib.AHAttr(dlid=port.lid, port_num=1)),
+                RTR_MASK)
+    a.qp.modify(_attr(fab, qp_state=E.IBV_QPS_RTS, sq_psn=5, timeout=10, retry_cnt=2,
+                      rnr_retry=7, max_rd_atomic=1), RTS_MASK)
+    ctypes.memmove(a.addr + 100, b"x", 1)
+    _send(fab, a, 1, 0, 1, opcode=E.IBV_WR_RDMA_READ, rkey=a.mr.rkey, remote=a.addr + 100)
+    assert _poll(a) == [(1, E.IBV_WC_SUCCESS, E.IBV_WC_RDMA_READ)]
+    assert a.buf.raw[:1] == b"x"
+
+
+def test_device_memory_needs_a_peer_memory_module() -> None:
+    mem = ctypes.create_string_buffer(4096)
+    base = ctypes.addressof(mem)
+    for peermem in (False, True):
+        fab = _fabric()
+        fab.peermem = peermem
+        fab.device_memory = lambda addr, n: addr < base + 4096 and base < addr + n
+        try:
+            pd = fab.lib.PD(fab.lib.Context(name="a"))
+            if peermem:
+                assert fab.lib.MR(pd, 4096, RW, address=base).length == 4096
+            else:
+                with pytest.raises(PyverbsRDMAError) as info:
+                    fab.lib.MR(pd, 4096, RW, address=base)
+                assert info.value.error_code == errno.EFAULT
+        finally:
+            fab.close()

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 import numpy as np
 import pytest
 
-from acoll._memory import host_buffer
+from acoll._memory import Buffer, host_buffer
 from acoll._transport.base import (
     META_SIZE,
     Connection,
@@ -91,6 +91,9 @@ class TransportHarness:
             the matching receive (the message is handed over, not buffered); ``None``:
             every send completes without one. The battery never waits for such a send
             before posting its receive.
+        buffer: how the battery makes a :class:`~acoll._memory.Buffer` of its bytes
+            (bytearrays, NumPy arrays): host memory by default; a transport that moves
+            device memory runs the battery with device buffers over the same bytes.
     """
 
     id: str
@@ -99,6 +102,7 @@ class TransportHarness:
     large: int = 16 * MiB
     stranger: Callable[[], Transport] | None = None
     rendezvous: int | None = None
+    buffer: Callable[[Any], Buffer] = host_buffer
 
     def __str__(self) -> str:
         return self.id
@@ -154,15 +158,16 @@ async def exchange(src: Connection, dst: Connection, data: bytes | bytearray, ta
     says it completes on its own) and the message had time to arrive.
     """
     out = bytearray(len(data))
+    wrap = harness.buffer if harness is not None else host_buffer
     if post_first:
-        rfut = dst.irecv(host_buffer(out), tag)
-        sfut = src.isend(host_buffer(data), tag, meta)
+        rfut = dst.irecv(wrap(out), tag)
+        sfut = src.isend(wrap(data), tag, meta)
     else:
-        sfut = src.isend(host_buffer(data), tag, meta)
+        sfut = src.isend(wrap(data), tag, meta)
         if harness is None or harness.buffered(len(data)):
             await within(sfut)
         await asyncio.sleep(0.01)  # let it arrive before the receive is posted
-        rfut = dst.irecv(host_buffer(out), tag)
+        rfut = dst.irecv(wrap(out), tag)
     got_meta = await within(rfut)
     await within(sfut)
     assert out == data
@@ -209,10 +214,10 @@ class TransportConformance:
             assert p.hello == hello
             assert p.a.failed is None
             assert p.b.failed is None
-            assert await exchange(p.a, p.b, b"ping", 1, meta_for(1), post_first=True) \
-                == meta_for(1)
-            assert await exchange(p.b, p.a, b"pong", 1, meta_for(2), post_first=True) \
-                == meta_for(2)
+            assert await exchange(p.a, p.b, b"ping", 1, meta_for(1), post_first=True,
+                                  harness=harness) == meta_for(1)
+            assert await exchange(p.b, p.a, b"pong", 1, meta_for(2), post_first=True,
+                                  harness=harness) == meta_for(2)
         finally:
             await p.aclose()
 
@@ -260,7 +265,8 @@ class TransportConformance:
         p = await connect_pair(harness, b"h", listener)
         listener.close()
         try:
-            await exchange(p.a, p.b, payload(5000, 1), 3, meta_for(3), post_first=True)
+            await exchange(p.a, p.b, payload(5000, 1), 3, meta_for(3), post_first=True,
+                           harness=harness)
         finally:
             await p.aclose()
 
@@ -278,7 +284,7 @@ class TransportConformance:
             try:
                 assert good.hello == b"good"
                 await exchange(good.a, good.b, payload(3000, 2), 1, meta_for(1),
-                               post_first=True)
+                               post_first=True, harness=harness)
             finally:
                 await good.aclose()
         finally:
@@ -329,11 +335,11 @@ class TransportConformance:
             assert await exchange(pair.a, pair.b, payload(10, i), tag, meta,
                                   post_first=bool(i % 2), harness=harness) == meta
         assert await exchange(pair.a, pair.b, b"z", 5, bytes(META_SIZE),
-                              post_first=True) == bytes(META_SIZE)
+                              post_first=True, harness=harness) == bytes(META_SIZE)
         # the convenience wrappers
         buf = bytearray(3)
-        send = asyncio.ensure_future(pair.a.send(host_buffer(b"abc"), 9))
-        assert await within(pair.b.recv(host_buffer(buf), 9)) == bytes(META_SIZE)
+        send = asyncio.ensure_future(pair.a.send(harness.buffer(b"abc"), 9))
+        assert await within(pair.b.recv(harness.buffer(buf), 9)) == bytes(META_SIZE)
         await within(send)
         assert buf == b"abc"
 
@@ -348,14 +354,14 @@ class TransportConformance:
         msgs = [(1000 + i, payload(sizes[i % len(sizes)], i)) for i in range(40)]
         # a few posted before anything is sent (zero-copy path) ...
         outs = {tag: bytearray(len(data)) for tag, data in msgs}
-        early = {tag: pair.b.irecv(host_buffer(outs[tag]), tag) for tag, _ in msgs[::7]}
-        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
+        early = {tag: pair.b.irecv(harness.buffer(outs[tag]), tag) for tag, _ in msgs[::7]}
+        sends = [pair.a.isend(harness.buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         await within(asyncio.gather(*[sfut for (tag, data), sfut in zip(msgs, sends,
                                                                          strict=True)
                                       if tag in early or harness.buffered(len(data))]))
         await asyncio.sleep(0.01)
         # ... the rest posted in reverse order, after the messages arrived
-        late = {tag: pair.b.irecv(host_buffer(outs[tag]), tag)
+        late = {tag: pair.b.irecv(harness.buffer(outs[tag]), tag)
                 for tag, _ in reversed(msgs) if tag not in early}
         futs = {**early, **late}
         for tag, data in msgs:
@@ -373,16 +379,16 @@ class TransportConformance:
                 out = bytearray(len(data))
                 outs.append((data, out))
                 if k == 0:  # posted first
-                    work.append(dst.irecv(host_buffer(out), base + k))
-                    work.append(src.isend(host_buffer(data), base + k, meta_for(k)))
+                    work.append(dst.irecv(harness.buffer(out), base + k))
+                    work.append(src.isend(harness.buffer(data), base + k, meta_for(k)))
                 else:
-                    work.append(src.isend(host_buffer(data), base + k, meta_for(k)))
-                    work.append(dst.irecv(host_buffer(out), base + k))
+                    work.append(src.isend(harness.buffer(data), base + k, meta_for(k)))
+                    work.append(dst.irecv(harness.buffer(out), base + k))
         await within(asyncio.gather(*work), 3 * DEADLINE)
         for i, (data, out) in enumerate(outs):
             assert out == data, f"message {i} corrupted"
 
-    async def test_many_concurrent_sends(self, pair: Pair) -> None:
+    async def test_many_concurrent_sends(self, harness: TransportHarness, pair: Pair) -> None:
         rng = random.Random(5)
         msgs = [(tag, payload(rng.choice([0, 1, 100, 5000, 70_000, 300_000]), tag))
                 for tag in range(300)]
@@ -392,11 +398,11 @@ class TransportConformance:
         recvs: dict[int, asyncio.Future[bytes]] = {}
         for i in order[:100]:
             tag = msgs[i][0]
-            recvs[tag] = pair.b.irecv(host_buffer(outs[tag]), tag)
-        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
+            recvs[tag] = pair.b.irecv(harness.buffer(outs[tag]), tag)
+        sends = [pair.a.isend(harness.buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         for i in order[100:]:
             tag = msgs[i][0]
-            recvs[tag] = pair.b.irecv(host_buffer(outs[tag]), tag)
+            recvs[tag] = pair.b.irecv(harness.buffer(outs[tag]), tag)
         await within(asyncio.gather(*sends, *recvs.values()), 3 * DEADLINE)
         for tag, data in msgs:
             assert recvs[tag].result() == meta_for(tag)
@@ -406,19 +412,19 @@ class TransportConformance:
         src = np.arange(100_003, dtype=np.float32) * 0.5
         dst = np.zeros_like(src)
         assert (src.data.format, src.data.itemsize) == ("f", 4)
-        rfut = pair.b.irecv(host_buffer(dst), 1)
-        await within(pair.a.isend(host_buffer(src), 1, meta_for(1)))
+        rfut = pair.b.irecv(harness.buffer(dst), 1)
+        await within(pair.a.isend(harness.buffer(src), 1, meta_for(1)))
         await within(rfut)
         np.testing.assert_array_equal(src, dst)
         # 2-D arrays and the unexpected path
         src2 = np.arange(3 * 4097, dtype=np.int64).reshape(3, 4097)
         dst2 = np.zeros_like(src2)
         assert src2.data.ndim == 2
-        sfut = pair.a.isend(host_buffer(src2), 2, meta_for(2))
+        sfut = pair.a.isend(harness.buffer(src2), 2, meta_for(2))
         if harness.buffered(src2.nbytes):
             await within(sfut)
         await asyncio.sleep(0.01)
-        await within(pair.b.irecv(host_buffer(dst2), 2))
+        await within(pair.b.irecv(harness.buffer(dst2), 2))
         await within(sfut)
         np.testing.assert_array_equal(src2, dst2)
 
@@ -435,15 +441,15 @@ class TransportConformance:
         out = bytearray(n_posted)
         meta = meta_for(9)
         if post_first:
-            rfut = pair.b.irecv(host_buffer(out), 9)
-            sfut = pair.a.isend(host_buffer(data), 9, meta)
+            rfut = pair.b.irecv(harness.buffer(out), 9)
+            sfut = pair.a.isend(harness.buffer(data), 9, meta)
             await within(sfut)
         else:
-            sfut = pair.a.isend(host_buffer(data), 9, meta)
+            sfut = pair.a.isend(harness.buffer(data), 9, meta)
             if harness.buffered(n_sent):
                 await within(sfut)
             await asyncio.sleep(0.01)
-            rfut = pair.b.irecv(host_buffer(out), 9)
+            rfut = pair.b.irecv(harness.buffer(out), 9)
         with pytest.raises(MessageSizeError) as info:
             await within(rfut)
         await within(sfut)  # the message was dropped: the send is over
@@ -454,10 +460,12 @@ class TransportConformance:
         # the connection still works, both ways, for other tags and then the same tag
         assert pair.a.failed is None
         assert pair.b.failed is None
-        await exchange(pair.a, pair.b, payload(5000, 2), 10, meta_for(10), post_first=True)
+        await exchange(pair.a, pair.b, payload(5000, 2), 10, meta_for(10), post_first=True,
+                       harness=harness)
         await exchange(pair.b, pair.a, payload(5000, 3), 10, meta_for(10), post_first=False,
                        harness=harness)
-        await exchange(pair.a, pair.b, payload(n_sent, 4), 9, meta_for(11), post_first=True)
+        await exchange(pair.a, pair.b, payload(n_sent, 4), 9, meta_for(11), post_first=True,
+                       harness=harness)
 
     async def test_size_mismatch_then_resend_same_tag(self, harness: TransportHarness,
                                                       pair: Pair) -> None:
@@ -470,34 +478,34 @@ class TransportConformance:
         n = harness.large
         backlog = backlog_messages(300)
         outs = [bytearray(len(data)) for _, data in backlog]
-        brecvs = [pair.b.irecv(host_buffer(out), tag)
+        brecvs = [pair.b.irecv(harness.buffer(out), tag)
                   for (tag, _), out in zip(backlog, outs, strict=True)]
-        bsends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in backlog]
+        bsends = [pair.a.isend(harness.buffer(data), tag, meta_for(tag)) for tag, data in backlog]
         first, second = payload(n, 1), payload(n, 2)
         small = bytearray(4096)
-        rfut = pair.b.irecv(host_buffer(small), 5)
-        sfut = pair.a.isend(host_buffer(first), 5, meta_for(1))
+        rfut = pair.b.irecv(harness.buffer(small), 5)
+        sfut = pair.a.isend(harness.buffer(first), 5, meta_for(1))
         with pytest.raises(MessageSizeError) as info:
             await within(rfut)
         out = bytearray(info.value.got)
-        rfut = pair.b.irecv(host_buffer(out), 5)
+        rfut = pair.b.irecv(harness.buffer(out), 5)
         # an acknowledgement from b tells a that the first message was dealt with
         ack = bytearray(1)
-        afut = pair.a.irecv(host_buffer(ack), 6)
-        await within(pair.b.isend(host_buffer(b"!"), 6, meta_for(0)))
+        afut = pair.a.irecv(harness.buffer(ack), 6)
+        await within(pair.b.isend(harness.buffer(b"!"), 6, meta_for(0)))
         await within(afut)
         await within(sfut)
-        await within(pair.a.isend(host_buffer(second), 5, meta_for(2)))
+        await within(pair.a.isend(harness.buffer(second), 5, meta_for(2)))
         assert await within(rfut) == meta_for(2)
         assert out == second
         await within(asyncio.gather(*bsends, *brecvs))
         assert outs == [data for _, data in backlog]
 
     # -------------------------------------------------------------- failures
-    async def test_peer_close_with_notice(self, pair: Pair) -> None:
+    async def test_peer_close_with_notice(self, harness: TransportHarness, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)
-        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
+        pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
         pair.b.close(notice=b"bye now")
         with pytest.raises(ConnectionLost) as info:
             await within(pending)
@@ -513,7 +521,7 @@ class TransportConformance:
         await within(pair.b.wait_closed())
         await within(pair.a.wait_closed())
 
-    async def test_peer_close_without_notice(self, pair: Pair) -> None:
+    async def test_peer_close_without_notice(self, harness: TransportHarness, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.b.set_failure_callback(rec)
         pair.a.close()
@@ -521,7 +529,7 @@ class TransportConformance:
         assert rec.calls[0].orderly is True
         assert rec.calls[0].notice == b""
         with pytest.raises(ConnectionLost) as info:
-            await within(pair.b.irecv(host_buffer(bytearray(1)), 3))
+            await within(pair.b.irecv(harness.buffer(bytearray(1)), 3))
         assert info.value.orderly
 
     async def test_close_flushes_queued_sends(self, harness: TransportHarness,
@@ -534,10 +542,10 @@ class TransportConformance:
         outs = [bytearray(len(data)) for _, data in msgs]
         rec = FailureRecorder()
         pair.b.set_failure_callback(rec)
-        recvs = [pair.b.irecv(host_buffer(out), tag)
+        recvs = [pair.b.irecv(harness.buffer(out), tag)
                  for (tag, _), out in zip(msgs, outs, strict=True)]
-        after = pair.b.irecv(host_buffer(bytearray(1)), 99)
-        sends = [pair.a.isend(host_buffer(data), tag, meta_for(tag)) for tag, data in msgs]
+        after = pair.b.irecv(harness.buffer(bytearray(1)), 99)
+        sends = [pair.a.isend(harness.buffer(data), tag, meta_for(tag)) for tag, data in msgs]
         pair.a.close(notice=b"done")
         assert await within(asyncio.gather(*recvs)) == [meta_for(tag) for tag, _ in msgs]
         for (tag, data), out in zip(msgs, outs, strict=True):
@@ -557,9 +565,9 @@ class TransportConformance:
                                                              pair: Pair) -> None:
         data = payload(harness.large, 3)
         out = bytearray(len(data))
-        rfut = pair.b.irecv(host_buffer(out), 1)
-        after = pair.b.irecv(host_buffer(bytearray(1)), 2)
-        await within(pair.a.isend(host_buffer(data), 1, meta_for(1)))
+        rfut = pair.b.irecv(harness.buffer(out), 1)
+        after = pair.b.irecv(harness.buffer(bytearray(1)), 2)
+        await within(pair.a.isend(harness.buffer(data), 1, meta_for(1)))
         pair.a.close(notice=b"n")
         assert await within(rfut) == meta_for(1)
         assert out == data
@@ -574,7 +582,7 @@ class TransportConformance:
         yet, is still delivered to a receive posted after the close."""
         rec = FailureRecorder()
         pair.b.set_failure_callback(rec)
-        sfut = pair.a.isend(host_buffer(b"early"), 5, meta_for(5))
+        sfut = pair.a.isend(harness.buffer(b"early"), 5, meta_for(5))
         if harness.buffered(5):
             await within(sfut)
         await asyncio.sleep(0.01)
@@ -582,32 +590,32 @@ class TransportConformance:
         await within(sfut)  # the close flushes it
         await within(rec.event.wait())
         out = bytearray(5)
-        assert await within(pair.b.irecv(host_buffer(out), 5)) == meta_for(5)
+        assert await within(pair.b.irecv(harness.buffer(out), 5)) == meta_for(5)
         assert out == b"early"
         with pytest.raises(ConnectionLost):
-            await within(pair.b.irecv(host_buffer(bytearray(5)), 6))
+            await within(pair.b.irecv(harness.buffer(bytearray(5)), 6))
 
     async def test_receive_of_arrived_message_survives_peer_close(
             self, harness: TransportHarness, pair: Pair) -> None:
         """A receive posted for a large message that had arrived is not failed by the
         peer's orderly close coming while the message is being copied into it."""
         data = payload(harness.large, 4)
-        sfut = pair.a.isend(host_buffer(data), 1, meta_for(1))
+        sfut = pair.a.isend(harness.buffer(data), 1, meta_for(1))
         if harness.buffered(len(data)):
             await within(sfut)
         await asyncio.sleep(0.2)  # let it arrive whole
         out = bytearray(len(data))
-        rfut = pair.b.irecv(host_buffer(out), 1)
+        rfut = pair.b.irecv(harness.buffer(out), 1)
         pair.a.close(notice=b"n")
         assert await within(rfut) == meta_for(1)
         assert out == data
         await within(sfut)
 
-    async def test_peer_abort(self, pair: Pair) -> None:
+    async def test_peer_abort(self, harness: TransportHarness, pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)
-        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
-        pending_big = pair.a.irecv(host_buffer(bytearray(MiB)), 2)
+        pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
+        pending_big = pair.a.irecv(harness.buffer(bytearray(MiB)), 2)
         pair.b.abort()
         for fut in (pending, pending_big):
             with pytest.raises(ConnectionLost) as info:
@@ -624,9 +632,9 @@ class TransportConformance:
         pair.a.set_failure_callback(rec)
         data = payload(harness.large, 1)
         out = bytearray(harness.large)
-        pending = pair.a.irecv(host_buffer(out), 1)
+        pending = pair.a.irecv(harness.buffer(out), 1)
         # a large send that usually cannot leave the machine before the abort drops it
-        sfut = pair.b.isend(host_buffer(data), 1, meta_for(1))
+        sfut = pair.b.isend(harness.buffer(data), 1, meta_for(1))
         pair.b.abort()
         await asyncio.sleep(0)
         if not sfut.done():  # a send thread was writing it: it settles when that returns
@@ -650,13 +658,14 @@ class TransportConformance:
         assert len(rec.calls) == 1
         assert not rec.calls[0].orderly
 
-    async def test_ops_after_failure_fail_at_once(self, pair: Pair) -> None:
+    async def test_ops_after_failure_fail_at_once(self, harness: TransportHarness,
+                                                  pair: Pair) -> None:
         rec = FailureRecorder()
         pair.a.set_failure_callback(rec)
         pair.b.close(notice=b"x")
         await within(rec.event.wait())
-        sfut = pair.a.isend(host_buffer(b"data"), 1, meta_for(1))
-        rfut = pair.a.irecv(host_buffer(bytearray(4)), 1)
+        sfut = pair.a.isend(harness.buffer(b"data"), 1, meta_for(1))
+        rfut = pair.a.irecv(harness.buffer(bytearray(4)), 1)
         await asyncio.sleep(0)
         for fut in (sfut, rfut):
             assert fut.done()
@@ -669,13 +678,13 @@ class TransportConformance:
         assert len(late.calls) == 1
         assert len(rec.calls) == 1
 
-    async def test_local_close(self, pair: Pair) -> None:
-        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
+    async def test_local_close(self, harness: TransportHarness, pair: Pair) -> None:
+        pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
         pair.a.close()
         with pytest.raises(ConnectionLost):
             await within(pending)
-        for fut in (pair.a.isend(host_buffer(b"x"), 2, meta_for(2)),
-                    pair.a.irecv(host_buffer(bytearray(1)), 3)):
+        for fut in (pair.a.isend(harness.buffer(b"x"), 2, meta_for(2)),
+                    pair.a.irecv(harness.buffer(bytearray(1)), 3)):
             await asyncio.sleep(0)
             assert fut.done(), "operation posted after close() did not fail at once"
             assert isinstance(fut.exception(), ConnectionLost)
@@ -687,13 +696,13 @@ class TransportConformance:
         assert pair.a.failed is not None
         await within(pair.b.wait_closed())
 
-    async def test_local_abort(self, pair: Pair) -> None:
-        pending = pair.a.irecv(host_buffer(bytearray(10)), 1)
+    async def test_local_abort(self, harness: TransportHarness, pair: Pair) -> None:
+        pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
         pair.a.abort()
         pair.a.abort()
         with pytest.raises(ConnectionLost):
             await within(pending)
-        sfut = pair.a.isend(host_buffer(b"x"), 2, meta_for(2))
+        sfut = pair.a.isend(harness.buffer(b"x"), 2, meta_for(2))
         await asyncio.sleep(0)
         assert sfut.done()
         assert isinstance(sfut.exception(), ConnectionLost)
@@ -701,12 +710,12 @@ class TransportConformance:
         await within(pair.a.wait_closed())
         assert pair.a.failed is not None
         with pytest.raises(ConnectionLost):
-            await within(pair.b.irecv(host_buffer(bytearray(1)), 9))
+            await within(pair.b.irecv(harness.buffer(bytearray(1)), 9))
 
-    async def test_both_close_at_once(self, pair: Pair) -> None:
+    async def test_both_close_at_once(self, harness: TransportHarness, pair: Pair) -> None:
         data = payload(MiB, 1)
-        sa = pair.a.isend(host_buffer(data), 1, meta_for(1))
-        sb = pair.b.isend(host_buffer(data), 1, meta_for(1))
+        sa = pair.a.isend(harness.buffer(data), 1, meta_for(1))
+        sb = pair.b.isend(harness.buffer(data), 1, meta_for(1))
         pair.a.close(b"a")
         pair.b.close(b"b")
         await within(asyncio.gather(sa, sb))

@@ -43,6 +43,22 @@ transport's assumptions:
   descriptor (a non-blocking pipe) at the next completion; ``get_cq_event`` reads it
   (``EAGAIN`` when there is none); overflowing a completion queue is a ``CQ_ERR``.
 - Asynchronous events go to a per-context queue with a pollable descriptor.
+- An RDMA READ needs a local region with local write access, a remote region with that
+  rkey and remote read access, a responder queue pair that allows remote reads and read
+  resources on both ends (``max_rd_atomic``, ``max_dest_rd_atomic``); else
+  ``LOC_PROT_ERR`` or ``REM_ACCESS_ERR``/``REM_INV_REQ_ERR`` as for writes. A queue pair
+  may be connected to itself (loop-back).
+- ``DmaBufMR`` follows pyverbs (``DmaBufMR(pd, length, access, dmabuf=fd, offset=0)``,
+  ``ibv_reg_dmabuf_mr(pd, offset, length, iova=offset, fd, access)``): a device without
+  dma-buf support fails with ``EOPNOTSUPP``, a descriptor that is not open with
+  ``EBADF``, one that is not a dma-buf (:func:`export_dmabuf` makes those), or a range
+  beyond it, with ``EINVAL``; the region's addresses are I/O virtual addresses (offsets
+  in the dma-buf), and its access flags are enforced like any region's. With
+  ``Fabric(dmabuf_api="object")`` it rejects descriptors as pyverbs v34-v43 does
+  (``TypeError``); with ``dmabuf_api=None`` there is no ``DmaBufMR``.
+- "Device memory" (ranges :attr:`Fabric.device_memory` claims, a fake GPU's) can be
+  registered by address only with ``Fabric(peermem=True)`` (a peer-memory module);
+  otherwise ``ibv_reg_mr`` fails with ``EFAULT``, as the kernel cannot pin it.
 
 Two execution modes: *immediate* (work requests run inside ``post_send``; delayed retries
 run on threads, under the fabric's lock) and *deferred* (``Fabric(schedule=...)``: every
@@ -68,7 +84,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["E", "Fabric", "PortSpec", "gid_v4", "gid_v6"]
+__all__ = ["E", "DmaBufMR", "Fabric", "PortSpec", "export_dmabuf", "gid_v4", "gid_v6"]
 
 # ---------------------------------------------------------------------- enums (verbs.h)
 E = types.SimpleNamespace(
@@ -192,6 +208,7 @@ class _DeviceSpec:
     max_qp: int = 1 << 17
     max_mr: int = 1 << 24
     max_sge: int = 30
+    dmabuf: bool = True  # the kernel driver registers dma-bufs
 
 
 class Fabric:
@@ -204,9 +221,14 @@ class Fabric:
     """
 
     def __init__(self, schedule: Callable[[float, Callable[[], None]], Any] | None = None,
-                 *, legacy_channel: bool = False) -> None:
+                 *, legacy_channel: bool = False, dmabuf_api: str | None = "fd",
+                 peermem: bool = False) -> None:
         self.lock = threading.RLock()
         self.legacy_channel = legacy_channel
+        self.dmabuf_api = dmabuf_api
+        self.peermem = peermem
+        #: ``device_memory(addr, length)``: whether the range is a fake GPU's memory
+        self.device_memory: Callable[[int, int], bool] | None = None
         self._schedule = schedule
         self.devices: dict[str, _DeviceSpec] = {}
         self._lids = itertools.count(1)
@@ -214,7 +236,8 @@ class Fabric:
         self._keys = itertools.count(0x1000)
         self.qps: dict[int, _QP] = {}
         self.contexts: list[_Context] = []
-        self.stats = {"send": 0, "write": 0, "bytes": 0, "rnr_naks": 0, "timeouts": 0}
+        self.stats = {"send": 0, "write": 0, "read": 0, "bytes": 0, "rnr_naks": 0,
+                      "timeouts": 0}
         self.lib = self._make_lib()
 
     # ------------------------------------------------------------------ set-up
@@ -343,13 +366,41 @@ class Fabric:
                 raise PyverbsUserError("Device name must be provided")
             return _Context(fabric, name)
 
+        dmabuf_mr: Any = {"fd": DmaBufMR, "object": _ObjectDmaBufMR}.get(
+            self.dmabuf_api or "")
         return types.SimpleNamespace(
             name="verbs test double", get_device_list=get_device_list, Context=context,
-            PD=_PD, MR=_MR, CompChannel=_CompChannel, CQ=_CQ, QPCap=QPCap,
+            PD=_PD, MR=_MR, DmaBufMR=dmabuf_mr, CompChannel=_CompChannel, CQ=_CQ,
+            QPCap=QPCap,
             QPInitAttr=QPInitAttr, QP=_QP, QPAttr=QPAttr, AHAttr=AHAttr,
             GlobalRoute=GlobalRoute, GID=GID, SGE=SGE, SendWR=SendWR, RecvWR=RecvWR, e=E,
             PyverbsError=PyverbsError, PyverbsRDMAError=PyverbsRDMAError,
             PyverbsUserError=PyverbsUserError, fabric=fabric)
+
+
+# dma-bufs are the kernel's, shared by every fabric: (st_dev, st_ino) -> (address, size)
+_DMABUFS: dict[tuple[int, int], tuple[int, int]] = {}
+
+
+def export_dmabuf(addr: int, length: int) -> int:
+    """A new descriptor standing for a dma-buf of ``length`` bytes of memory at ``addr``
+    (a memfd: a real, unique file; the caller closes it). What a fake GPU driver's
+    ``cuMemGetHandleForAddressRange`` returns."""
+    fd = os.memfd_create("fake-dmabuf", os.MFD_CLOEXEC)
+    st = os.fstat(fd)
+    _DMABUFS[(st.st_dev, st.st_ino)] = (addr, length)
+    return fd
+
+
+def _dmabuf(fd: int) -> tuple[int, int]:
+    try:
+        st = os.fstat(fd)
+    except (OSError, OverflowError):
+        raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EBADF) from None
+    found = _DMABUFS.get((st.st_dev, st.st_ino))
+    if found is None:
+        raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EINVAL)
+    return found
 
 
 def _gid_text(raw: bytes) -> str:
@@ -537,8 +588,17 @@ class _MR:
         if not address:
             self._own = ctypes.create_string_buffer(length)
             address = ctypes.addressof(self._own)
+        fab = pd.fabric
+        if (fab.device_memory is not None and fab.device_memory(address, length)
+                and not fab.peermem):
+            raise PyverbsRDMAError("Failed to register a MR: GPU memory without a peer "
+                                   "memory module", errno.EFAULT)
+        self._init(pd, address, length, access, address)
+
+    def _init(self, pd: _PD, addr: int, length: int, access: int, host: int) -> None:
         self.pd = pd
-        self.addr = address
+        self.addr = addr  # the I/O virtual address work requests use
+        self.host = host  # where that address is in this process
         self.length = length
         self.access = access
         with pd.fabric.lock:
@@ -552,11 +612,53 @@ class _MR:
     def buf(self) -> int:
         return self.addr
 
+    def translate(self, addr: int) -> int:
+        """The process address of I/O virtual address ``addr`` of this region."""
+        return addr - self.addr + self.host
+
     def close(self) -> None:
         with self.pd.fabric.lock:
             if not self.closed:
                 self.closed = True
                 self.pd.mrs.pop(self.lkey, None)
+
+
+class DmaBufMR(_MR):
+    """pyverbs' ``DmaBufMR`` (rdma-core v44 on: ``dmabuf`` may be a descriptor)."""
+
+    def __init__(self, pd: _PD, length: int, access: int, dmabuf: Any = None,
+                 offset: int = 0, gpu: int = 0, gtt: int = 0) -> None:
+        if dmabuf is None:
+            raise PyverbsRDMAError("Failed to allocate a dma-buf: no DRM device in the "
+                                   "verbs test double", errno.ENODEV)
+        fd = dmabuf.fd if hasattr(dmabuf, "fd") else dmabuf
+        if pd.closed:
+            raise PyverbsRDMAError("Failed to register a dma-buf MR: the PD is closed",
+                                   errno.EINVAL)
+        if not pd.ctx.spec.dmabuf:
+            raise PyverbsRDMAError("Failed to register a dma-buf MR", errno.EOPNOTSUPP)
+        base, size = _dmabuf(int(fd))
+        if length <= 0 or offset < 0 or offset + length > size:
+            raise PyverbsRDMAError(f"Failed to register a dma-buf MR of {length} bytes at "
+                                   f"offset {offset} of a dma-buf of {size}", errno.EINVAL)
+        if access & (E.IBV_ACCESS_REMOTE_WRITE | E.IBV_ACCESS_REMOTE_ATOMIC) and not (
+                access & E.IBV_ACCESS_LOCAL_WRITE):
+            raise PyverbsRDMAError("Failed to register a MR: remote write needs local write",
+                                   errno.EINVAL)
+        self._own = None
+        self.offset = offset
+        self._init(pd, offset, length, access, base + offset)  # iova = offset
+
+
+class _ObjectDmaBufMR(DmaBufMR):
+    """``DmaBufMR`` of rdma-core v34-v43: ``dmabuf`` must be a pyverbs ``DmaBuf``."""
+
+    def __init__(self, pd: _PD, length: int, access: int, dmabuf: Any = None,
+                 offset: int = 0, unit: int = 0, gtt: int = 0) -> None:
+        if dmabuf is not None and not hasattr(dmabuf, "fd"):
+            raise TypeError("Argument 'dmabuf' has incorrect type (expected "
+                            f"pyverbs.dmabuf.DmaBuf, got {type(dmabuf).__name__})")
+        super().__init__(pd, length, access, dmabuf, offset)
 
 
 class _CompChannel:
@@ -837,6 +939,8 @@ class _QP:
         self.retry_cnt = 0
         self.rnr_retry = 0
         self.min_rnr_timer = 0
+        self.max_rd_atomic = 0
+        self.max_dest_rd_atomic = 0
         self.ah = AHAttr()
         self.sq: deque[_Work] = deque()  # posted, not executed
         self.rq: deque[RecvWR] = deque()  # posted receives, not consumed
@@ -935,6 +1039,10 @@ class _QP:
             self.rnr_retry = attr.rnr_retry
         if bits & E.IBV_QP_MIN_RNR_TIMER:
             self.min_rnr_timer = attr.min_rnr_timer
+        if bits & E.IBV_QP_MAX_QP_RD_ATOMIC:
+            self.max_rd_atomic = attr.max_rd_atomic
+        if bits & E.IBV_QP_MAX_DEST_RD_ATOMIC:
+            self.max_dest_rd_atomic = attr.max_dest_rd_atomic
         self.state = target
         if target == E.IBV_QPS_RTS:
             self._kick()
@@ -1004,7 +1112,7 @@ class _QP:
             if self.closed or self.state not in (E.IBV_QPS_RTS, E.IBV_QPS_ERR):
                 raise PyverbsRDMAError("Failed to post send", errno.EINVAL)
             if wr.opcode not in (E.IBV_WR_SEND, E.IBV_WR_RDMA_WRITE,
-                                 E.IBV_WR_RDMA_WRITE_WITH_IMM):
+                                 E.IBV_WR_RDMA_WRITE_WITH_IMM, E.IBV_WR_RDMA_READ):
                 raise PyverbsRDMAError("Failed to post send: opcode not supported by the "
                                        "test double", errno.EINVAL)
             if self.send_slots >= self.max_send:
@@ -1070,9 +1178,13 @@ class _QP:
         """Run the head work request; returns a delay to retry after, or None when done."""
         wr = work.wr
         sge = wr.sg[0]
-        if sge.length and self.pd.find(sge.lkey, sge.addr, sge.length, remote=False) is None:
+        lmr = self.pd.find(sge.lkey, sge.addr, sge.length, remote=False) if sge.length else None
+        reads = wr.opcode == E.IBV_WR_RDMA_READ
+        if sge.length and (lmr is None or (reads and not lmr.access
+                                           & E.IBV_ACCESS_LOCAL_WRITE)):
             self._fail(work, E.IBV_WC_LOC_PROT_ERR)
             return None
+        local = lmr.translate(sge.addr) if lmr is not None else 0
         dst, _why = self.fabric.route(self)
         if dst is None:
             return self._no_ack(work)
@@ -1082,17 +1194,26 @@ class _QP:
         consumes = wr.opcode in (E.IBV_WR_SEND, E.IBV_WR_RDMA_WRITE_WITH_IMM)
         if consumes and not dst.rq:
             return self._rnr(work, dst)
-        if wr.opcode != E.IBV_WR_SEND:  # an RDMA WRITE: check the remote range
+        if reads and (self.max_rd_atomic < 1 or dst.max_dest_rd_atomic < 1):
+            self._fail(work, E.IBV_WC_REM_INV_REQ_ERR)  # no read resources negotiated
+            dst.error()
+            return None
+        if wr.opcode != E.IBV_WR_SEND:  # RDMA WRITE or READ: check the remote range
+            need = E.IBV_ACCESS_REMOTE_READ if reads else E.IBV_ACCESS_REMOTE_WRITE
             mr = dst.pd.find(wr.rkey, wr.remote_addr, sge.length, remote=True)
-            if (sge.length and (mr is None or not mr.access & E.IBV_ACCESS_REMOTE_WRITE)) or (
-                    not dst.access & E.IBV_ACCESS_REMOTE_WRITE):
+            if (sge.length and (mr is None or not mr.access & need)) or (
+                    not dst.access & need):
                 self._fail(work, E.IBV_WC_REM_ACCESS_ERR)
                 dst.error()
                 dst.pd.ctx.event(E.IBV_EVENT_QP_ACCESS_ERR, qp_num=dst.qpn)
                 return None
             if sge.length:
-                ctypes.memmove(wr.remote_addr, sge.addr, sge.length)
-            self.fabric.stats["write"] += 1
+                assert mr is not None
+                if reads:
+                    ctypes.memmove(local, mr.translate(wr.remote_addr), sge.length)
+                else:
+                    ctypes.memmove(mr.translate(wr.remote_addr), local, sge.length)
+            self.fabric.stats["read" if reads else "write"] += 1
         recv = dst.rq[0] if consumes else None
         if wr.opcode == E.IBV_WR_SEND:
             assert recv is not None
@@ -1113,7 +1234,7 @@ class _QP:
                     dst.error()
                     self._fail(work, E.IBV_WC_REM_OP_ERR)
                     return None
-                ctypes.memmove(rsge.addr, sge.addr, sge.length)
+                ctypes.memmove(rmr.translate(rsge.addr), local, sge.length)
             self.fabric.stats["send"] += 1
         self.fabric.stats["bytes"] += sge.length
         self.sq_psn = (self.sq_psn + packets) % _U24
@@ -1165,5 +1286,7 @@ class _QP:
 
 
 def _wc_opcode(wr_opcode: int) -> int:
+    if wr_opcode == E.IBV_WR_RDMA_READ:
+        return E.IBV_WC_RDMA_READ
     return E.IBV_WC_SEND if wr_opcode in (E.IBV_WR_SEND, E.IBV_WR_SEND_WITH_IMM) else (
         E.IBV_WC_RDMA_WRITE)

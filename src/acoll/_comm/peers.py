@@ -7,8 +7,9 @@ compute the same answer from the two :class:`~acoll._transport.base.PeerInfo` re
 the lower rank dials over it and the higher one accepts only a connection that arrives on
 that transport's listener. Connections are made on first use.
 
-A device communicator's connections over a transport that moves host memory only are
-staged through host buffers (:mod:`acoll._transport.staged`).
+A device communicator's connections over a transport that moves host memory only (for
+that device: :meth:`~acoll._transport.base.Transport.memory_for`) are staged through host
+buffers (:mod:`acoll._transport.staged`).
 
 A connection that breaks is reported through ``on_lost(peer, error)``; a message that
 arrives before its receive is posted through ``on_arrival(peer, tag, meta)``.
@@ -166,7 +167,7 @@ class PeerLinks:
             return
         transport = self.choice[peer]
         assert transport is not None
-        conn = staged(windowed(conn), self._staging, transport.memory)
+        conn = staged(windowed(conn), self._staging, transport.memory_for(self._staging))
         self.conns[peer] = conn
         conn.set_failure_callback(lambda lost: self._on_lost(peer, lost))
         conn.set_arrival_callback(lambda tag, meta: self._on_arrival(peer, tag, meta))

@@ -158,6 +158,12 @@ class MemorySpace(ABC):
         blocking the loop). ``deadline``: loop time; past it, :class:`acoll.TimeoutError`.
         Synchronous spaces have nothing to wait for."""
 
+    def fence(self) -> Fence | None:
+        """A fence that passes once every operation started on this space so far has
+        finished (``None``: a synchronous space, nothing is pending). For what reads or
+        writes the space's memory outside its ordering (a NIC through GPUDirect RDMA)."""
+        return None
+
     def order(self, stream: Any) -> StreamOrder | None:
         """Capture, at call time, the caller's place in ``stream`` for one op.
 
@@ -243,6 +249,9 @@ class Staging(ABC):
 
     #: The device memory kind whose buffers this staging carries.
     kind: ClassVar[MemoryKind] = MemoryKind.CUDA
+    #: The device (ordinal) whose buffers it carries (transports that can move that
+    #: device's memory themselves look at it: GPUDirect RDMA).
+    device: int | None = None
 
     def __init__(self) -> None:
         # Per size class, blocks in release order: fences of one stream pass in order, so

@@ -379,6 +379,11 @@ class CudaSpace(MemorySpace):
                                 what=f"GPU work on cuda:{self.device}")
         await signal
 
+    def fence(self) -> Fence:
+        """An event recorded on the space's stream now (the caller's work was ordered
+        before it by :meth:`order`)."""
+        return _EventFence(self, self.record())
+
     async def settle(self, deadline: float | None = None) -> None:
         with self.cp.cuda.Device(self.device):
             event = self.take_event()
@@ -426,6 +431,7 @@ class CudaStaging(Staging):
     def __init__(self, space: CudaSpace) -> None:
         super().__init__()
         self.space = space
+        self.device = space.device
         self._host = HostSpace()
 
     def _allocate(self, nbytes: int) -> Buffer:

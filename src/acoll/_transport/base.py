@@ -13,7 +13,8 @@ accepts the pair carries all traffic with that peer.
 Contracts shared by every implementation (checked by ``tests/transport_conformance.py``):
 
 - Buffers are :class:`~acoll._memory.Buffer` objects; a transport only accepts memory of
-  the kinds in its :attr:`Transport.memory` (host memory for sockets and shared memory).
+  the kinds in its :attr:`Transport.memory` (host memory for sockets and shared memory),
+  or of :meth:`Transport.memory_for` the communicator's device (GPUDirect RDMA).
 - A :class:`Connection` joins two endpoints and carries *messages* both ways. Each message
   has a ``tag`` (an int below 2**64) and a 16-byte ``meta`` chosen by the sender. Messages
   are matched to receives by tag, not by order: a message that arrives before its receive
@@ -63,7 +64,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from .._memory import Buffer, MemoryKind
+from .._memory import Buffer, MemoryKind, Staging
 from ..errors import ClosedError, ProtocolError, TransportError
 
 __all__ = [
@@ -297,6 +298,13 @@ class Transport(ABC):
         Called only when both serve it; symmetric. The default (a network) reaches anyone.
         """
         return True
+
+    def memory_for(self, staging: Staging | None) -> frozenset[MemoryKind]:
+        """The memory kinds its connections move for a communicator whose device buffers
+        ``staging`` would carry (``None``: a host communicator). The default is
+        :attr:`memory`; a transport that can reach that device's memory directly
+        (GPUDirect RDMA) adds its kind, and the communicator then skips staging."""
+        return self.memory
 
     def register(self, buf: Buffer) -> object | None:
         """Prepare ``buf`` for repeated use; the handle goes to :meth:`deregister`."""

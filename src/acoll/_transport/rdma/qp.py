@@ -33,6 +33,7 @@ import msgpack
 from ...errors import ProtocolError
 from .spec import (
     ACCESS_LOCAL_WRITE,
+    ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
     LINK_LAYER_ETHERNET,
     LINK_LAYER_INFINIBAND,
@@ -170,10 +171,14 @@ class Transition:
         return sum(MASK[name] for name in self.attrs) | MASK["qp_state"]
 
 
-def init_transition(port: int, settings: QpSettings) -> Transition:
-    """RESET -> INIT: the port, P_Key index and access (peers may write our memory)."""
+def init_transition(port: int, settings: QpSettings, *, remote_read: bool = False
+                    ) -> Transition:
+    """RESET -> INIT: the port, P_Key index and access (peers may write our memory; with
+    ``remote_read`` also read it: the loop-back queue pair of GPUDirect flushes)."""
+    access = ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE | (ACCESS_REMOTE_READ if remote_read
+                                                         else 0)
     return Transition(QPS_INIT, {"port_num": port, "pkey_index": settings.pkey_index,
-                                 "qp_access_flags": ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE})
+                                 "qp_access_flags": access})
 
 
 def path_mtu(local: QpInfo, remote: QpInfo, settings: QpSettings) -> int:

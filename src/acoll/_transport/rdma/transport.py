@@ -50,15 +50,35 @@ Orderly close
     landed or the queue pair is gone.
 
 Memory
-    Host memory only (:attr:`RdmaTransport.memory`): device buffers are staged through
-    pinned host buffers by :mod:`acoll._transport.staged`, as over TCP. GPUDirect RDMA is
-    not implemented.
+    Host memory, registered through the :mod:`.regcache` cache. GPU memory moves directly
+    (GPUDirect RDMA) when :mod:`.gdr` says the stack and the PCI topology allow it for the
+    communicator's GPU (:meth:`RdmaTransport.memory_for`, decided once per GPU and logged
+    at INFO); otherwise the communicator stages device buffers through pinned host memory
+    (:mod:`acoll._transport.staged`), as over TCP. Device regions cover the whole
+    allocation (``cuMemGetAddressRange``, whole pages), registered through dma-buf
+    (``cuMemGetHandleForAddressRange``, then ``DmaBufMR``; the descriptor is closed once
+    registered) or, with a peer-memory module, as an ordinary region of the device
+    pointer; a separate cache per GPU keys them by address range.
+
+    A device send is always a rendezvous (there is no host copy to send eagerly): its RTS
+    leaves at once, its writes only once the GPU work queued before the send has finished
+    (a fence of the space's stream, :meth:`~acoll._memory.MemorySpace.fence`). A device
+    receive advertises its buffer (CTS) only once the GPU work queued before it has
+    finished, so the NIC never races a kernel still using the buffer; when the write with
+    immediate data lands, the receive completes at once, or, where the GPU needs it (see
+    :mod:`.gdr`), after a flush: an RDMA READ of one byte of the buffer on a loop-back
+    queue pair, which the PCIe ordering rules complete only after the NIC's writes to the
+    GPU did. The rare messages that arrive as bytes (eager frames of a host sender, parts
+    pushed at close, early storage) are uploaded to the device through the space's
+    staging copies, in stream order; a device send pushed at close is downloaded first.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import mmap
+import os
 import random
 import socket
 import struct
@@ -73,7 +93,7 @@ import numpy as np
 from ..._config import Setting, get_logger, parse_size
 from ..._deadline import wait_until
 from ..._dtypes import empty_bytes
-from ..._memory import Buffer, host_buffer
+from ..._memory import Buffer, Fence, MemoryKind, Staging, host_buffer
 from ...errors import AcollError, ClosedError, ProtocolError, TransportError
 from ..base import (
     META_SIZE,
@@ -88,7 +108,7 @@ from ..base import (
 from ..copyout import PacedCopies
 from ..matching import Matcher, Message
 from ..tcp import MAX_EARLY, TcpConnection, TcpListener, TcpTransport
-from . import wire
+from . import gdr, wire
 from .discovery import GidEntry, PortInfo, usable_ports
 from .failures import Scope, completion_failure, event_scope, is_flush
 from .flow import Credits, RecvTable, SendState, SendTable
@@ -108,7 +128,7 @@ from .spec import (
     WC_SUCCESS,
     mtu_enum,
 )
-from .verbs import SEND, WRITE, WRITE_IMM, Device, Endpoint, get_lib, list_ports
+from .verbs import READ, SEND, WRITE, WRITE_IMM, Device, Endpoint, Region, get_lib, list_ports
 
 __all__ = ["RdmaConnection", "RdmaListener", "RdmaTransport", "make_rdma", "rdma_ports"]
 
@@ -151,6 +171,8 @@ _FRAME_BIT = 1 << 61
 _WRITE_BIT = 1 << 60
 _LOW = (1 << 32) - 1
 _EMPTY = memoryview(bytearray())
+_FLUSH_DEPTH = 64  # outstanding flush reads on the loop-back queue pair
+_PAGE = mmap.PAGESIZE
 
 
 def _storage(nbytes: int) -> memoryview:
@@ -246,8 +268,14 @@ class RdmaTransport(Transport):
         self._tcp = TcpTransport(sockaddr, family, key=key, nsocks=1, timeout=timeout)
         self.lib = lib if lib is not None else get_lib()
         self.device = Device(self.lib, port.device)
-        self.cache: RegCache[Any] = RegCache(self._register, self._deregister,
-                                             max_entries=REG_CACHE.resolve(reg_cache))
+        self._max_regs = REG_CACHE.resolve(reg_cache)
+        self.cache: RegCache[Region] = RegCache(self._register, self._deregister,
+                                                max_entries=self._max_regs)
+        # device memory: one cache per GPU (ordinal), and what GPUDirect can do there
+        self.device_caches: dict[int, RegCache[Region]] = {}
+        self._gdr: dict[int, gdr.GdrChoice] = {}
+        self._dmabuf_probe: tuple[bool, str] | None = None
+        self._flusher: _Flusher | None = None
         self.conns: dict[int, RdmaConnection] = {}  # by queue pair number
         self._closed = False
         self._events_fd: int | None = None
@@ -257,7 +285,7 @@ class RdmaTransport(Transport):
                  f"timeout {self.settings.timeout}, retry_cnt {self.settings.retry_cnt}")
 
     # ------------------------------------------------------------------ memory
-    def _register(self, addr: int, length: int, writable: bool) -> Any:
+    def _register(self, addr: int, length: int, writable: bool) -> Region:
         return self.device.register(addr, length, writable)
 
     def _deregister(self, mr: Any) -> None:
@@ -266,21 +294,130 @@ class RdmaTransport(Transport):
         except Exception as exc:  # never from a finalizer or a loop callback
             log.warning("NET/IB: deregistering memory failed: %s", exc)
 
-    def acquire(self, buf: Buffer, writable: bool) -> Entry[Any]:
-        """A registration covering ``buf`` (release it with ``cache.release``)."""
-        addr, owner, extent = _extent(buf)
-        return self.cache.acquire(addr, buf.nbytes, writable, owner, extent)
+    def acquire(self, buf: Buffer, writable: bool) -> Entry[Region]:
+        """A registration covering ``buf`` (give it back with :meth:`release`).
+
+        Raises:
+            TransportError: registration failed (:class:`~.gdr.GdrError` for device
+                memory: a CUDA driver call, or GPUDirect is off for its GPU).
+        """
+        if buf.kind is MemoryKind.HOST:
+            addr, owner, extent = _extent(buf)
+            return self.cache.acquire(addr, buf.nbytes, writable, owner, extent)
+        self.check_device(buf)
+        ordinal = self._device_of(buf)
+        choice = self.gdr_choice(ordinal)
+        cache = self.device_caches.get(ordinal)
+        if cache is None:
+            cache = self.device_caches[ordinal] = RegCache(
+                lambda a, n, _w: self._register_device(a, n, ordinal, choice.mode),
+                self._deregister, max_entries=self._max_regs)
+        base, size = gdr.get_driver().address_range(buf.ptr, ordinal)
+        extent = gdr.dmabuf_range(base, size, _PAGE)
+        try:
+            return cache.acquire(buf.ptr, buf.nbytes, True, _owner(buf.array), extent)
+        except ValueError as exc:  # the driver's range does not hold the buffer
+            raise gdr.GdrError(f"cuMemGetAddressRange gave {base:#x}+{size} for a buffer "
+                               f"at {buf.ptr:#x}+{buf.nbytes}: {exc}") from exc
+
+    def release(self, entry: Entry[Region]) -> None:
+        """Give back an entry of :meth:`acquire`."""
+        region = entry.region
+        ordinal = None if region is None else region.device
+        cache = self.cache if ordinal is None else self.device_caches[ordinal]
+        cache.release(entry)
+
+    def _register_device(self, addr: int, length: int, ordinal: int,
+                         mode: gdr.GdrMode | None) -> Region:
+        if mode is gdr.GdrMode.PEERMEM:
+            return self.device.register_device(addr, length, ordinal)
+        fd = gdr.get_driver().dmabuf_fd(addr, length, ordinal)
+        try:
+            return self.device.register_dmabuf(fd, 0, length, addr, ordinal)
+        finally:
+            os.close(fd)  # the region holds the dma-buf now
+
+    @staticmethod
+    def _device_of(buf: Buffer) -> int:
+        ordinal = buf.space.device
+        if ordinal is None:
+            raise TransportError(f"{buf.space} has {buf.kind.value} memory but no device")
+        return ordinal
 
     def register(self, buf: Buffer) -> object | None:
-        writable = not buf.view().readonly
+        writable = buf.kind is not MemoryKind.HOST or not buf.view().readonly
         return (buf, self.acquire(buf, writable))
 
     def deregister(self, handle: object | None) -> None:
         if handle is None:
             return
         assert isinstance(handle, tuple)
-        entry: Entry[Any] = handle[1]
-        self.cache.release(entry)
+        entry: Entry[Region] = handle[1]
+        self.release(entry)
+
+    # ------------------------------------------------------------------ GPUDirect RDMA
+    def memory_for(self, staging: Staging | None) -> frozenset[MemoryKind]:
+        """Host memory, and the device's memory when GPUDirect RDMA is usable for it."""
+        if (staging is None or staging.device is None
+                or staging.kind is not MemoryKind.CUDA):
+            return self.memory
+        if self.gdr_choice(staging.device).enabled:
+            return self.memory | {staging.kind}
+        return self.memory
+
+    def gdr_choice(self, ordinal: int) -> gdr.GdrChoice:
+        """What GPUDirect RDMA can do between GPU ``ordinal`` and this transport's NIC
+        (decided once, logged at INFO; see :mod:`.gdr`)."""
+        choice = self._gdr.get(ordinal)
+        if choice is None:
+            choice = self._gdr[ordinal] = self._decide(ordinal)
+            log.info("NET/IB: %s", choice.why)
+        return choice
+
+    def _decide(self, ordinal: int) -> gdr.GdrChoice:
+        nic = self.port.device
+        try:
+            driver = gdr.get_driver()
+            bus = driver.pci_bus_id(ordinal)
+            cc_major = driver.attribute(gdr.ATTR_CC_MAJOR, ordinal)
+        except gdr.GdrError as exc:
+            return gdr.GdrChoice(None, f"GPUDirect RDMA cuda:{ordinal} <-> {nic}: off "
+                                       f"({exc}); staging through host memory")
+        try:
+            gpu_dmabuf = bool(driver.attribute(gdr.ATTR_DMA_BUF_SUPPORTED, ordinal))
+        except gdr.GdrError:  # a driver older than the attribute
+            gpu_dmabuf = False
+        try:
+            gpath, gnuma = gdr.gpu_pci_path(bus)
+            npath, nnuma = gdr.nic_pci_path(nic)
+            distance: gdr.Distance | None = gdr.pci_distance(gpath, npath, gnuma, nnuma)
+        except ValueError:
+            distance = None
+        if self._dmabuf_probe is None:
+            self._dmabuf_probe = self.device.probe_dmabuf()
+        flush = gdr.flush_needed(cc_major, disabled=gdr.FLUSH_DISABLE.resolve(),
+                                 forced=gdr.FORCE_FLUSH.resolve())
+        return gdr.decide(gpu=f"cuda:{ordinal} ({bus})", nic=nic, distance=distance,
+                          level=gdr.GDR_LEVEL.resolve(), nic_dmabuf=self._dmabuf_probe,
+                          gpu_dmabuf=gpu_dmabuf, dmabuf_enable=gdr.DMABUF_ENABLE.resolve(),
+                          peermem=gdr.peermem_loaded(), flush=flush)
+
+    def check_device(self, buf: Buffer) -> None:
+        """Raise :class:`~.gdr.GdrError` unless GPUDirect RDMA moves ``buf``'s memory."""
+        choice = self.gdr_choice(self._device_of(buf))
+        if not choice.enabled:
+            raise gdr.GdrError(f"a {buf.kind.value} buffer reached the RDMA transport, but "
+                               f"{choice.why}")
+
+    def flusher(self) -> _Flusher:
+        """The loop-back queue pair that flushes GPUDirect receives (made on first use).
+
+        Raises:
+            TransportError: it could not be made (a verbs call failed).
+        """
+        if self._flusher is None:
+            self._flusher = _Flusher(self)
+        return self._flusher
 
     # ------------------------------------------------------------------ pairs
     def can_connect(self, mine: PeerInfo, theirs: PeerInfo) -> bool:
@@ -434,7 +571,11 @@ class RdmaTransport(Transport):
 
     def _close_device(self) -> None:
         self._stop_events()
+        if self._flusher is not None:
+            self._flusher.close()
         busy = self.cache.close()
+        for cache in self.device_caches.values():
+            busy += cache.close()
         if busy:
             log.info("NET/IB: %d registrations still in use at close", len(busy))
         self.device.close()
@@ -478,6 +619,46 @@ def _unpad(raw: bytearray) -> bytes:
     return bytes(raw[2:2 + n])
 
 
+_ZERO = np.zeros(1, np.uint8)
+
+
+def _staging(buf: Buffer) -> Staging:
+    staging = buf.space.staging()
+    if staging is None:
+        raise TransportError(f"{buf.space} has no staging copies")
+    return staging
+
+
+def _keep_until(fence: Fence, obj: object) -> None:
+    """Keep ``obj`` alive until ``fence`` has passed (the source of an enqueued copy)."""
+    if fence.done():
+        return
+
+    async def hold() -> None:
+        with contextlib.suppress(Exception):
+            await fence.wait()
+        del obj_ref[:]
+
+    obj_ref = [obj]
+    task = asyncio.get_running_loop().create_task(hold())
+    _KEPT.add(task)
+    task.add_done_callback(_KEPT.discard)
+
+
+_KEPT: set[asyncio.Task[None]] = set()
+
+
+def _owner(arr: Any) -> object:
+    """The object whose lifetime is that of ``arr``'s memory: a NumPy array's root, a
+    device view's owner (the first of a DLPack pair)."""
+    owner = getattr(arr, "owner", None)
+    if owner is not None:
+        return owner[0] if isinstance(owner, tuple) else owner
+    while isinstance(getattr(arr, "base", None), np.ndarray):
+        arr = arr.base
+    return arr
+
+
 def _extent(buf: Buffer) -> tuple[int, object, tuple[int, int] | None]:
     """``buf``'s address, the object owning its memory and that memory's range: for a
     view of a NumPy array that owns its data, the whole array (so later slices of it hit
@@ -493,6 +674,114 @@ def _extent(buf: Buffer) -> tuple[int, object, tuple[int, int] | None]:
         if size and start <= addr and addr + buf.nbytes <= start + size:
             return addr, root, (start, size)
     return addr, arr, None
+
+
+# ---------------------------------------------------------------------------- flushes
+class _Flusher:
+    """A queue pair connected to itself that reads one byte of a GPUDirect receive's
+    buffer (NCCL's ``gpuFlush``): the read completes only after the NIC's earlier writes
+    to that GPU memory did. ``flush(region, ptr, done)`` calls ``done(None)`` then, or
+    ``done(error)`` when the queue pair failed (which ends every flush, now and later).
+    """
+
+    def __init__(self, t: RdmaTransport) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._device = t.port.device
+        port = t.port
+        self._ep = t.device.endpoint(_FLUSH_DEPTH, 1)
+        self._mr: Region | None = None
+        try:
+            settings = t.settings
+            self._ep.modify(init_transition(port.port, settings, remote_read=True))
+            me = QpInfo(qpn=self._ep.qpn, psn=random.getrandbits(24), lid=port.lid,
+                        gid=t.gid.gid if t.gid is not None else bytes(16),
+                        mtu=port.active_mtu, link_layer=port.link_layer)
+            gid_index = t.gid.index if t.gid is not None else 0
+            self._ep.modify(rtr_transition(me, me, port.port, gid_index, settings))
+            self._ep.modify(rts_transition(me, settings))
+            self._sink = empty_bytes(64)
+            self._base = int(self._sink.__array_interface__["data"][0])
+            self._mr = t.device.register(self._base, 64, True)
+        except BaseException:
+            self._ep.close()
+            raise
+        self._t = t
+        self._pending: dict[int, Callable[[BaseException | None], None]] = {}
+        self._queue: deque[tuple[int, int, Callable[[BaseException | None], None]]] = deque()
+        self._next = 0
+        self._broken: BaseException | None = None
+        self.flushes = 0
+        self._loop.add_reader(self._ep.fd, self._on_channel)
+
+    def flush(self, region: Region, ptr: int, done: Callable[[BaseException | None], None]
+              ) -> None:
+        if self._broken is not None:
+            self._loop.call_soon(done, self._broken)
+            return
+        self._queue.append((region.translate(ptr), region.rkey, done))
+        self._post()
+
+    def _post(self) -> None:
+        assert self._mr is not None
+        try:
+            while self._queue and len(self._pending) < _FLUSH_DEPTH:
+                remote, rkey, done = self._queue.popleft()
+                wr_id = self._next
+                self._next += 1
+                self._pending[wr_id] = done
+                self.flushes += 1
+                self._ep.post_send(wr_id, READ, self._base, 1, self._mr.lkey, rkey=rkey,
+                                   remote=remote)
+        except TransportError as exc:
+            self._fail(exc)
+
+    def _on_channel(self) -> None:
+        try:
+            self._ep.take_events()
+            self._ep.arm()
+            while True:
+                batch = self._ep.poll(_POLL_BATCH)
+                for c in batch:
+                    if c.status != WC_SUCCESS:  # fails it and every other one
+                        self._fail(TransportError(completion_failure(
+                            c.status, "flushing a GPUDirect receive on", self._device,
+                            c.vendor_err)))
+                        return
+                    done = self._pending.pop(c.wr_id, None)
+                    if done is not None:
+                        done(None)
+                if len(batch) < _POLL_BATCH:
+                    break
+        except TransportError as exc:
+            self._fail(exc)
+            return
+        self._post()
+
+    def _fail(self, exc: BaseException, *, warn: bool = True) -> None:
+        if self._broken is not None:
+            return
+        self._broken = exc
+        if warn:
+            log.warning("NET/IB: the GPUDirect flush queue pair on %s failed: %s",
+                        self._device, exc)
+        waiting = [*self._pending.values(), *(done for _r, _k, done in self._queue)]
+        self._pending.clear()
+        self._queue.clear()
+        self._stop()
+        for done in waiting:
+            done(exc)
+
+    def _stop(self) -> None:
+        with contextlib.suppress(Exception):
+            self._loop.remove_reader(self._ep.fd)
+        self._ep.to_error()
+        self._ep.close()
+        if self._mr is not None:
+            self._t._deregister(self._mr)
+            self._mr = None
+
+    def close(self) -> None:
+        self._fail(ClosedError("the RDMA transport is closed"), warn=False)
 
 
 # ---------------------------------------------------------------------------- listener
@@ -551,13 +840,19 @@ _Recv = Message["_RecvOp", "_Incoming"]
 
 
 class _RecvOp:
-    """A posted receive: its future and buffer."""
+    """A posted receive: its future and buffer; for device memory also the fence of the
+    GPU work queued before it (its CTS waits for it) and a host bounce block for a
+    message that may arrive as one eager frame."""
 
-    __slots__ = ("buf", "fut")
+    __slots__ = ("block", "buf", "device", "fence", "fut", "host")
 
     def __init__(self, fut: asyncio.Future[bytes], buf: Buffer) -> None:
         self.fut = fut
         self.buf = buf
+        self.device = buf.kind is not MemoryKind.HOST
+        self.fence: Fence | None = None
+        self.host: Buffer | None = None
+        self.block: Buffer | None = None
 
 
 class _Incoming:
@@ -569,7 +864,8 @@ class _Incoming:
     pushed parts are read and thrown away).
     """
 
-    __slots__ = ("entry", "meta", "op", "received", "rid", "sid", "state", "tag", "total")
+    __slots__ = ("block", "entry", "host", "meta", "op", "received", "rid", "sid", "state",
+                 "tag", "total")
 
     def __init__(self, sid: int, tag: int, total: int, meta: bytes) -> None:
         self.sid = sid
@@ -578,24 +874,35 @@ class _Incoming:
         self.meta = meta
         self.state = "held"
         self.op: _RecvOp | None = None
-        self.entry: Entry[Any] | None = None
+        self.entry: Entry[Region] | None = None
         self.rid = 0
         self.received = 0
+        # pushed parts for a device receive gather here, then go up in one copy
+        self.host: Buffer | None = None
+        self.block: Buffer | None = None
 
 
 class _SendOp:
-    """A send: eager (``data`` copied at post) or rendezvous (written, or pushed)."""
+    """A send: eager (``data`` copied at post) or rendezvous (written, or pushed).
 
-    __slots__ = ("buf", "entry", "fut", "meta", "next", "sid", "tag", "total", "view")
+    A device send has no host view (``view`` is empty until a push at close downloads
+    it into ``host``); ``fence``: the GPU work its writes (or push) must wait for.
+    """
+
+    __slots__ = ("block", "buf", "device", "entry", "fence", "fut", "meta", "next", "sid",
+                 "tag", "total", "view")
 
     def __init__(self, fut: asyncio.Future[None], buf: Buffer, tag: int, meta: bytes) -> None:
         self.fut = fut
         self.buf = buf
-        self.view = buf.view()
+        self.device = buf.kind is not MemoryKind.HOST
+        self.view = _EMPTY if self.device else buf.view()
         self.tag = tag
         self.meta = meta
-        self.total = self.view.nbytes
-        self.entry: Entry[Any] | None = None
+        self.total = buf.nbytes if self.device else self.view.nbytes
+        self.entry: Entry[Region] | None = None
+        self.fence: Fence | None = None
+        self.block: Buffer | None = None
         self.sid = 0
         self.next = 0  # next offset to write or push
 
@@ -644,7 +951,9 @@ class RdmaConnection(Connection):
         self._sends: SendTable[_SendOp] = SendTable()
         self._recvs: RecvTable[_Incoming] = RecvTable()
         self._incoming: dict[int, _Incoming] = {}
-        self._ctrl: deque[tuple[int, dict[str, Any]]] = deque()  # CTS / DROP frames
+        # CTS / DROP frames, each after a fence (a device receive's GPU work) or None
+        self._ctrl: deque[tuple[int, dict[str, Any], Fence | None]] = deque()
+        self._fence_waits: dict[Fence, asyncio.Task[None]] = {}
         self._frames: deque[tuple[str, Any]] = deque()  # ("data", op) ("rts", op) ("push", op)
         self._writes: deque[_Write] = deque()
         self._wr_writes: dict[int, tuple[_Write, bool]] = {}
@@ -668,7 +977,8 @@ class RdmaConnection(Connection):
         self._drain_scheduled = False
         self._progress = 0.0  # loop time of the last completion while closing
         self.stats = {"eager": 0, "rendezvous": 0, "pushed": 0, "credit_frames": 0,
-                      "chunks": 0, "busy_polls": 0}
+                      "chunks": 0, "busy_polls": 0, "device_sends": 0, "device_recvs": 0,
+                      "uploads": 0, "flushes": 0}
         for slot in range(depth):
             self._post_recv(slot)
 
@@ -726,14 +1036,19 @@ class RdmaConnection(Connection):
             return fut
         op = _SendOp(fut, buf, tag, meta)
         try:
-            if op.total <= self._send_eager:
+            if op.total <= self._send_eager and (not op.device or op.total == 0):
                 self.stats["eager"] += 1
                 self._frames.append(("data", op))
             else:
                 self.stats["rendezvous"] += 1
                 try:
                     op.entry = self._t.acquire(buf, writable=False)
+                    if op.device:
+                        self.stats["device_sends"] += 1
+                        op.fence = buf.space.fence()
                 except TransportError as exc:  # this send fails; the connection goes on
+                    if op.entry is not None:
+                        self._release_entry(op)
                     fut.set_exception(exc)
                     return fut
                 op.sid = self._sends.add(op.total, op)
@@ -747,8 +1062,10 @@ class RdmaConnection(Connection):
         fut: asyncio.Future[bytes] = self._loop.create_future()
         op = _RecvOp(fut, buf)
         try:
-            msg = self._match.post(tag, buf.view(), op)
-        except ProtocolError as exc:
+            dest = self._device_dest(op) if op.device else buf.view()
+            msg = self._match.post(tag, dest, op)
+        except (ProtocolError, TransportError) as exc:
+            self._drop_bounce(op)
             fut.set_exception(exc)
             return fut
         if msg is not None:
@@ -760,6 +1077,83 @@ class RdmaConnection(Connection):
             except Exception as exc:
                 self._internal_error("receiving from", exc)
         return fut
+
+    # ------------------------------------------------------------------ device memory
+    def _device_dest(self, op: _RecvOp) -> memoryview:
+        """What the matcher fills for a device receive: a host bounce block when the
+        message may come as one eager frame (it goes up to the device on delivery), an
+        empty view for an empty buffer, else a read-only placeholder of its size (such a
+        message only comes as writes into the buffer, or as parts that go elsewhere)."""
+        buf = op.buf
+        self._t.check_device(buf)
+        self.stats["device_recvs"] += 1
+        op.fence = buf.space.fence()
+        n = buf.nbytes
+        if n == 0:
+            return _EMPTY
+        if n <= self._send_eager:
+            op.host, op.block = _staging(buf).lease(n)
+            return op.host.view()
+        return memoryview(np.broadcast_to(_ZERO, (n,)))  # type: ignore[arg-type]
+
+    def _drop_bounce(self, op: _RecvOp | _Incoming, fence: Fence | None = None) -> None:
+        if op.block is not None:
+            owner = op.op.buf if isinstance(op, _Incoming) and op.op is not None else (
+                op.buf if isinstance(op, _RecvOp) else None)
+            if owner is not None:
+                _staging(owner).release(op.block, fence)
+            op.block = op.host = None
+
+    def _upload(self, buf: Buffer, host: Buffer) -> Fence:
+        """Enqueue ``buf`` (device) ``= host`` on the buffer's space (stream order)."""
+        self.stats["uploads"] += 1
+        try:
+            return _staging(buf).upload(buf, host)
+        except AcollError:
+            raise
+        except Exception as exc:
+            raise TransportError(f"copying a message from {self.peer} to the device "
+                                 f"failed: {exc!r}") from exc
+
+    def _fenced(self, fence: Fence | None) -> bool:
+        """Whether ``fence`` has passed (``None`` has); if not, :meth:`_pump` runs again
+        once it has."""
+        if fence is None or fence.done():
+            return True
+        if fence not in self._fence_waits:
+            self._fence_waits[fence] = self._loop.create_task(self._wait_fence(fence))
+        return False
+
+    async def _wait_fence(self, fence: Fence) -> None:
+        try:
+            await fence.wait()
+        except Exception as exc:
+            self._lost(ConnectionLost(f"waiting for GPU work of a transfer with {self.peer} "
+                                      f"failed: {exc}"))
+            return
+        finally:
+            self._fence_waits.pop(fence, None)
+        self._pump()
+
+    def _stage_push(self, op: _SendOp) -> None:
+        """A device send pushed at close: download it into a host block first.
+
+        Raises:
+            TransportError: the copy could not be started.
+        """
+        try:
+            staging = _staging(op.buf)
+            host, op.block = staging.lease(op.total)
+            op.fence = staging.download(host, op.buf)
+        except Exception as exc:
+            raise TransportError(f"copying a send to {self.peer} to host memory failed: "
+                                 f"{exc!r}") from exc
+        op.view = host.view()
+
+    def _release_block(self, op: _SendOp) -> None:
+        if op.block is not None:
+            _staging(op.buf).release(op.block, op.fence)
+            op.block = None
 
     def poll(self) -> None:
         """Drain the completion queue now, within one ``_IO_NS`` budget (busy-poll)."""
@@ -814,9 +1208,16 @@ class RdmaConnection(Connection):
             return
         try:
             while self._ctrl and self._can_frame():
-                kind, fields = self._ctrl.popleft()
+                kind, fields, fence = self._ctrl[0]
+                if not self._fenced(fence):
+                    break
+                self._ctrl.popleft()
                 self._post_frame(kind, **fields)
             while self._writes and self._sq_free > 0:
+                op = self._writes[0].op
+                if not self._fenced(op.fence):
+                    break
+                op.fence = None
                 if not self._post_write(self._writes[0]):
                     break
             while self._frames and self._can_frame():
@@ -847,6 +1248,8 @@ class RdmaConnection(Connection):
                     self._post_frame(wire.RTS, tag=op.tag, total=op.total, send_id=op.sid,
                                      meta=op.meta)
                 else:  # a part of a pushed rendezvous message
+                    if not self._fenced(op.fence):  # a device send's download
+                        break
                     length = min(self._send_eager, op.total - op.next)
                     self._post_frame(wire.DATA, op.view[op.next:op.next + length],
                                      tag=op.tag, total=op.total, offset=op.next,
@@ -856,6 +1259,7 @@ class RdmaConnection(Connection):
                         self._frames.popleft()
                         self._sends.done(op.sid)
                         self._release_entry(op)
+                        self._release_block(op)
                         if not op.fut.done():
                             op.fut.set_result(None)
             if self._credits.should_return() and self._can_frame(credit_frame=True):
@@ -875,6 +1279,7 @@ class RdmaConnection(Connection):
         if last and not self._credits.can_send():
             return False
         assert op.entry is not None
+        region = op.entry.region
         wr_id = _WRITE_BIT | (self._wr_next & _LOW)
         self._wr_next += 1
         if last:
@@ -883,9 +1288,9 @@ class RdmaConnection(Connection):
         w.outstanding += 1
         self._wr_writes[wr_id] = (w, last)
         self.stats["chunks"] += 1
-        self._ep.post_send(wr_id, WRITE_IMM if last else WRITE, op.buf.ptr + offset, length,
-                           int(op.entry.region.lkey), rkey=w.rkey, remote=w.addr + offset,
-                           imm=w.rid if last else 0)
+        self._ep.post_send(wr_id, WRITE_IMM if last else WRITE,
+                           region.translate(op.buf.ptr) + offset, length, region.lkey,
+                           rkey=w.rkey, remote=w.addr + offset, imm=w.rid if last else 0)
         op.next = offset + length
         if last:
             self._writes.popleft()
@@ -894,7 +1299,7 @@ class RdmaConnection(Connection):
     def _release_entry(self, op: _SendOp | _Incoming) -> None:
         if op.entry is not None:
             entry, op.entry = op.entry, None
-            self._t.cache.release(entry)
+            self._t.release(entry)
 
     # ------------------------------------------------------------------ completions
     def _on_channel(self) -> None:
@@ -1064,12 +1469,20 @@ class RdmaConnection(Connection):
             if done is not None:
                 self._deliver(done)
         elif inc.state == "matched":
-            assert inc.op is not None
-            if n:
-                inc.op.buf.view()[f.offset:f.offset + n] = payload
+            op = inc.op
+            assert op is not None
+            if n and op.device:
+                if inc.host is None:
+                    inc.host, inc.block = _staging(op.buf).lease(inc.total)
+                inc.host.view()[f.offset:f.offset + n] = payload
+            elif n:
+                op.buf.view()[f.offset:f.offset + n] = payload
             if inc.received == inc.total:
                 self._recvs.take(inc.rid)
-                self._finish_incoming(inc)
+                if inc.host is not None:
+                    fence = self._upload(op.buf, inc.host)
+                    self._drop_bounce(inc, fence)
+                self._finish_incoming(inc, written=False)
         # "dropped": thrown away
         if inc.received == inc.total:
             self._incoming.pop(inc.sid, None)
@@ -1077,12 +1490,19 @@ class RdmaConnection(Connection):
     def _written(self, rid: int) -> None:
         inc = self._recvs.written(rid)
         self._incoming.pop(inc.sid, None)
-        self._finish_incoming(inc)
+        self._finish_incoming(inc, written=True)
 
-    def _finish_incoming(self, inc: _Incoming) -> None:
+    def _finish_incoming(self, inc: _Incoming, *, written: bool) -> None:
         """The whole message is in the receive's buffer: complete it (or, when the
-        receive failed meanwhile, just let go of its buffer)."""
+        receive failed meanwhile, just let go of its buffer). ``written``: the NIC wrote
+        it; into device memory that needs a flush first (see :mod:`.gdr`)."""
         op = inc.op
+        if (written and op is not None and op.device and inc.entry is not None
+                and not op.fut.done() and self._failed is None and not self._closing
+                and self._t.gdr_choice(self._t._device_of(op.buf)).flush):
+            entry, inc.entry = inc.entry, None
+            self._flush(op, entry, inc.meta)
+            return
         self._release_entry(inc)
         if op is not None and not op.fut.done():
             if self._closing or self._failed is not None:
@@ -1092,33 +1512,72 @@ class RdmaConnection(Connection):
             else:
                 op.fut.set_result(inc.meta)
 
+    def _flush(self, op: _RecvOp, entry: Entry[Region], meta: bytes) -> None:
+        """Read one byte of a GPUDirect receive's buffer, then complete it."""
+        self.stats["flushes"] += 1
+
+        def done(exc: BaseException | None) -> None:
+            self._t.release(entry)
+            if op.fut.done():
+                return
+            if exc is not None:
+                lost = ConnectionLost(f"flushing a receive from {self.peer} failed: {exc}")
+                op.fut.set_exception(lost)
+                op.fut.exception()
+                self._lost(lost)
+            else:
+                op.fut.set_result(meta)
+
+        try:
+            self._t.flusher().flush(entry.region, op.buf.ptr, done)
+        except TransportError as exc:
+            done(exc)
+
     def _deliver(self, msg: _Recv) -> None:
         """Carry out a delivery of the matcher (see :class:`~.matching.Message`)."""
         op = msg.token
         inc = msg.ref
         if msg.error is not None:
-            if op is not None and not op.fut.done():
-                op.fut.set_exception(msg.error)
-                op.fut.exception()
+            if op is not None:
+                self._drop_bounce(op)
+                if not op.fut.done():
+                    op.fut.set_exception(msg.error)
+                    op.fut.exception()
             if inc is not None:
                 inc.state = "dropped"
                 if isinstance(msg.error, MessageSizeError):
-                    self._ctrl.append((wire.DROP, {"send_id": inc.sid}))
+                    self._ctrl.append((wire.DROP, {"send_id": inc.sid}, None))
             return
-        if op is None or op.fut.done():
+        if op is None:
+            return
+        if op.fut.done():
+            self._drop_bounce(op)
             return
         if msg.storage is not None:
             assert msg.dest is not None
-            self._copies.start(msg.dest, msg.storage, op.fut, msg.meta)
+            if op.device:  # up to the device from the storage, kept until it is read
+                self._drop_bounce(op)
+                if msg.total:
+                    fence = self._upload(op.buf, host_buffer(msg.storage))
+                    _keep_until(fence, msg.storage)
+                op.fut.set_result(msg.meta)
+            else:
+                self._copies.start(msg.dest, msg.storage, op.fut, msg.meta)
         elif inc is not None:  # a rendezvous message met its receive: ask for the data
+            self._drop_bounce(op)
             inc.op = op
             inc.entry = self._t.acquire(op.buf, writable=True)
             inc.rid = self._recvs.add(inc)
             inc.state = "matched"
+            region = inc.entry.region
             self._ctrl.append((wire.CTS, {"send_id": inc.sid, "total": inc.total,
-                                          "addr": op.buf.ptr,
-                                          "rkey": int(inc.entry.region.rkey),
-                                          "rid": inc.rid}))
+                                          "addr": region.translate(op.buf.ptr),
+                                          "rkey": region.rkey, "rid": inc.rid}, op.fence))
+        elif op.host is not None:  # an eager frame landed in the bounce block
+            assert op.block is not None
+            fence = self._upload(op.buf, op.host)
+            self._drop_bounce(op, fence)
+            op.fut.set_result(msg.meta)
         else:
             op.fut.set_result(msg.meta)
 
@@ -1155,6 +1614,13 @@ class RdmaConnection(Connection):
             for _sid, op in self._sends.push():
                 self.stats["pushed"] += 1
                 op.next = 0
+                if op.device and op.total:
+                    try:
+                        self._stage_push(op)
+                    except TransportError as exc:  # the peer must not wait for it: crash
+                        self._failed = ConnectionLost(str(exc))
+                        self._release(abort=True)
+                        return
                 self._frames.append(("push", op))
         self._frames.append(("close", None))
         self._progress = self._loop.time()
@@ -1267,6 +1733,7 @@ class RdmaConnection(Connection):
             self._copies.fail(exc)
         for inc in self._recvs.clear():
             self._release_entry(inc)
+            self._drop_bounce(inc)
             if inc.op is not None and not inc.op.fut.done():
                 inc.op.fut.set_exception(exc)
                 inc.op.fut.exception()
@@ -1277,6 +1744,7 @@ class RdmaConnection(Connection):
         self._frames.clear()
         for op in self._sends.clear():
             self._release_entry(op)
+            self._release_block(op)
             if not op.fut.done():
                 op.fut.set_exception(exc)
                 op.fut.exception()
@@ -1285,7 +1753,11 @@ class RdmaConnection(Connection):
         self._ctrl.clear()
         for inc in self._incoming.values():
             self._release_entry(inc)
+            self._drop_bounce(inc)
         self._incoming.clear()
+        for task in self._fence_waits.values():
+            task.cancel()
+        self._fence_waits.clear()
         self._t._deregister(self._mr)
         self._t.forget(self)
         if abort or not exc.orderly:

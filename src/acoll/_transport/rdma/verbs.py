@@ -4,7 +4,8 @@ pyverbs (rdma-core's Python binding, the ``rdma`` extra) is imported lazily, on 
 so acoll imports without it. Every call goes through a *lib*: a namespace with pyverbs'
 names (``Context``, ``PD``, ``MR``, ``CompChannel``, ``CQ``, ``QPCap``, ``QPInitAttr``,
 ``QP``, ``QPAttr``, ``AHAttr``, ``GlobalRoute``, ``GID``, ``SGE``, ``SendWR``, ``RecvWR``,
-``get_device_list``, the enums as ``e`` and ``PyverbsError``). :func:`load_pyverbs`
+``get_device_list``, the enums as ``e``, ``PyverbsError`` and ``DmaBufMR``, ``None`` where
+pyverbs lacks it). :func:`load_pyverbs`
 builds it from the real package; tests install a verbs test double with the same surface
 through :func:`set_provider` (see ``tests/verbs_double.py``), so this module's code runs
 in CI exactly as it does on hardware.
@@ -17,6 +18,15 @@ such a descriptor is found as the one ``[infinibandevent]`` descriptor that crea
 object added to ``/proc/self/fd``. Without the async one, asynchronous events are not
 watched (failures still arrive as error completions and through the control connection);
 without the channel's, no connection can be made.
+
+Memory regions come back as :class:`Region` objects, which say how a buffer's address
+reads in the region's own address space: the virtual address for ordinary regions; for
+dma-buf regions pyverbs' ``DmaBufMR`` sets the I/O virtual address to the offset in the
+dma-buf (``ibv_reg_dmabuf_mr(pd, offset, length, iova=offset, fd, access)``), so local
+and remote addresses are offsets there. ``DmaBufMR`` takes a descriptor from rdma-core
+v44 on (``DmaBufMR(pd, length, access, dmabuf=fd, offset=...)``); v34 to v43 accept only
+their own ``DmaBuf`` objects (allocated from a DRM device, not a GPU's memory), so
+GPUDirect through dma-buf needs v44 (:meth:`Device.probe_dmabuf` says why not).
 
 pyverbs errors become :class:`VerbsError` (a :class:`~acoll.errors.TransportError`) here,
 with the failed call named.
@@ -39,6 +49,7 @@ from .discovery import GidEntry, PortInfo
 from .qp import QpSettings, Transition
 from .spec import (
     ACCESS_LOCAL_WRITE,
+    ACCESS_REMOTE_READ,
     ACCESS_REMOTE_WRITE,
     GID_TYPE_IB,
     GID_TYPE_ROCE_V1,
@@ -46,10 +57,10 @@ from .spec import (
     LINK_LAYER_ETHERNET,
 )
 
-__all__ = ["Completion", "Device", "Endpoint", "VerbsError", "get_lib", "list_ports",
-           "load_pyverbs", "provided", "set_provider"]
+__all__ = ["Completion", "Device", "Endpoint", "Region", "VerbsError", "get_lib",
+           "list_ports", "load_pyverbs", "provided", "set_provider"]
 
-SEND, WRITE, WRITE_IMM = "send", "write", "write_imm"
+SEND, WRITE, WRITE_IMM, READ = "send", "write", "write_imm", "read"
 _GID_LIMIT = 256  # GID table entries looked at per port
 _ANON_EVENT = "anon_inode:[infinibandevent]"
 
@@ -100,7 +111,7 @@ def load_pyverbs() -> Any:
         CompChannel=cq.CompChannel, CQ=cq.CQ, QPCap=qp.QPCap, QPInitAttr=qp.QPInitAttr,
         QP=qp.QP, QPAttr=qp.QPAttr, AHAttr=addr.AHAttr, GlobalRoute=addr.GlobalRoute,
         GID=addr.GID, SGE=wr.SGE, SendWR=wr.SendWR, RecvWR=wr.RecvWR, e=e,
-        PyverbsError=PyverbsError, name="pyverbs")
+        PyverbsError=PyverbsError, DmaBufMR=getattr(mr, "DmaBufMR", None), name="pyverbs")
 
 
 _provider: Callable[[], Any] | None = None
@@ -227,6 +238,32 @@ def _event_fds() -> set[int]:
     return out
 
 
+# ---------------------------------------------------------------------------- regions
+class Region:
+    """A registered memory region: ``length`` bytes at virtual address ``addr``, which
+    the region's keys address as ``iova`` (the same number except for dma-buf regions).
+    """
+
+    __slots__ = ("addr", "device", "iova", "length", "lkey", "mr", "rkey")
+
+    def __init__(self, mr: Any, addr: int, length: int, iova: int | None = None,
+                 device: int | None = None) -> None:
+        self.mr = mr
+        self.device = device  # the GPU ordinal of device memory, None for host memory
+        self.addr = addr
+        self.length = length
+        self.iova = addr if iova is None else iova
+        self.lkey = int(mr.lkey)
+        self.rkey = int(mr.rkey)
+
+    def translate(self, ptr: int) -> int:
+        """The address work requests use for virtual address ``ptr`` inside the region."""
+        return ptr - self.addr + self.iova
+
+    def close(self) -> None:
+        self.mr.close()
+
+
 # ---------------------------------------------------------------------------- device
 class Device:
     """One opened RDMA device: its context, a protection domain, its async events."""
@@ -237,6 +274,8 @@ class Device:
         e = lib.e
         self._access_rw = int(e.IBV_ACCESS_LOCAL_WRITE) | int(e.IBV_ACCESS_REMOTE_WRITE)
         assert self._access_rw == ACCESS_LOCAL_WRITE | ACCESS_REMOTE_WRITE
+        self._access_all = self._access_rw | int(e.IBV_ACCESS_REMOTE_READ)
+        assert self._access_all == self._access_rw | ACCESS_REMOTE_READ
         before = _event_fds()
         try:
             self.ctx = lib.Context(name=name)
@@ -262,15 +301,60 @@ class Device:
         except self.lib.PyverbsError as exc:
             raise _fail(f"querying {self.name}:{port}", exc) from exc
 
-    def register(self, addr: int, length: int, writable: bool) -> Any:
+    def register(self, addr: int, length: int, writable: bool) -> Region:
         """Register ``length`` bytes at ``addr``: read-only memory for local reads (the
         source of sends and writes), writable memory also for remote writes."""
         access = self._access_rw if writable else 0
         try:
-            return self.lib.MR(self.pd, length, access, address=addr)
+            return Region(self.lib.MR(self.pd, length, access, address=addr), addr, length)
         except self.lib.PyverbsError as exc:
             raise _fail(f"registering {length} bytes at {addr:#x} on {self.name}",
                         exc) from exc
+
+    def register_device(self, addr: int, length: int, device: int) -> Region:
+        """Register GPU memory through a peer-memory module (an ordinary registration of a
+        device pointer), for local access, remote writes and remote reads (the flush)."""
+        try:
+            mr = self.lib.MR(self.pd, length, self._access_all, address=addr)
+        except self.lib.PyverbsError as exc:
+            raise _fail(f"registering {length} bytes of GPU memory at {addr:#x} on "
+                        f"{self.name} (peer memory)", exc) from exc
+        return Region(mr, addr, length, device=device)
+
+    def register_dmabuf(self, fd: int, offset: int, length: int, addr: int, device: int
+                        ) -> Region:
+        """Register ``length`` bytes at ``offset`` of dma-buf ``fd``, whose byte
+        ``offset`` is virtual address ``addr`` (the caller still owns ``fd``)."""
+        cls = self.lib.DmaBufMR
+        if cls is None:
+            raise VerbsError("this pyverbs has no DmaBufMR")
+        try:
+            mr = cls(self.pd, length, self._access_all, dmabuf=fd, offset=offset)
+        except (self.lib.PyverbsError, TypeError) as exc:
+            raise _fail(f"registering {length} bytes of dma-buf {fd} (GPU memory at "
+                        f"{addr:#x}) on {self.name}", exc) from exc
+        return Region(mr, addr, length, iova=offset, device=device)
+
+    def probe_dmabuf(self) -> tuple[bool, str]:
+        """Whether dma-buf regions can be registered here, and why not (NCCL's probe: a
+        registration of descriptor -1 fails with ``EOPNOTSUPP`` or ``EPROTONOSUPPORT``
+        when the kernel driver lacks dma-buf support, with ``EBADF`` otherwise)."""
+        cls = getattr(self.lib, "DmaBufMR", None)
+        if cls is None:
+            return False, "pyverbs has no DmaBufMR (rdma-core before v34)"
+        try:
+            mr = cls(self.pd, 0, 0, dmabuf=-1, offset=0)
+        except TypeError:
+            return False, ("pyverbs takes no dma-buf descriptor (rdma-core before v44 "
+                           "accepts only its own DmaBuf objects)")
+        except self.lib.PyverbsError as exc:
+            code = getattr(exc, "error_code", -1)
+            if code in (errno.EOPNOTSUPP, errno.EPROTONOSUPPORT):
+                return False, f"{self.name}'s kernel driver does not register dma-bufs"
+            return True, ""
+        with contextlib.suppress(Exception):
+            mr.close()
+        return True, ""
 
     @staticmethod
     def deregister(mr: Any) -> None:
@@ -318,7 +402,7 @@ class Endpoint:
         e = lib.e
         self._e = e
         self._ops = {SEND: e.IBV_WR_SEND, WRITE: e.IBV_WR_RDMA_WRITE,
-                     WRITE_IMM: e.IBV_WR_RDMA_WRITE_WITH_IMM}
+                     WRITE_IMM: e.IBV_WR_RDMA_WRITE_WITH_IMM, READ: e.IBV_WR_RDMA_READ}
         self._signaled = e.IBV_SEND_SIGNALED
         self.channel: Any = None
         self.cq: Any = None
@@ -403,7 +487,8 @@ class Endpoint:
 
     def post_send(self, wr_id: int, op: str, addr: int, length: int, lkey: int, *,
                   rkey: int = 0, remote: int = 0, imm: int = 0) -> None:
-        """Post one signalled ``SEND``, ``WRITE`` or ``WRITE_IMM`` of one SGE."""
+        """Post one signalled ``SEND``, ``WRITE``, ``WRITE_IMM`` or ``READ`` (into the
+        local SGE, from ``remote``) of one SGE."""
         lib = self.lib
         sge = lib.SGE(addr, length, lkey)
         wr = lib.SendWR(wr_id=wr_id, opcode=self._ops[op], num_sge=1, imm_data=imm, sg=[sge],
