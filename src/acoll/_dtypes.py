@@ -304,4 +304,9 @@ def _unmap(mm: mmap.mmap) -> None:
 def byte_view(arr: npt.NDArray[Any]) -> memoryview:
     """A flat unsigned-byte memoryview of a contiguous array (no copy)."""
     # ndarray.data is memoryview(arr); numpy only types __buffer__ for Python >= 3.12.
+    if arr.size and arr.flags.c_contiguous:
+        try:
+            return arr.data.cast("B")  # (the fast way; not for every dtype)
+        except (TypeError, ValueError, NotImplementedError):
+            pass
     return (arr.view(np.uint8).reshape(-1) if arr.size else np.empty(0, np.uint8)).data

@@ -192,9 +192,9 @@ class OpContext:
     communicator's :class:`~acoll._memory.MemorySpace`), paced by the step bound.
     """
 
-    __slots__ = ("check", "chunk_bytes", "conns", "desc", "grace_used", "heard", "host",
-                 "in_group", "mem", "n", "rank", "seq", "spin", "tag_base", "waiting_on",
-                 "yield_at")
+    __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "heard",
+                 "host", "in_group", "mem", "n", "rank", "seq", "spin", "tag_base",
+                 "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -212,6 +212,7 @@ class OpContext:
         self.waiting_on: int | None = None  # the peer the op waits for now
         self.heard: set[int] = set()  # peers from which a message of this op arrived
         self.grace_used = False
+        self.deadline = float("inf")  # loop time at which the executor fails it
         # Busy-polling pays only for latency-bound (small) ops.
         dtype = DTYPE_BY_CODE.get(desc.dtype_code)
         nbytes = desc.count * (dtype.itemsize if dtype is not None else 1)

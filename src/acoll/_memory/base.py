@@ -192,6 +192,8 @@ class MemorySpace(ABC):
 
     def same(self, a: Buffer, b: Buffer) -> bool:
         """``a`` and ``b`` are the same memory (address and size)."""
+        if a is b or a.array is b.array:
+            return True
         return a.ptr == b.ptr and a.nbytes == b.nbytes
 
     def overlaps(self, a: Buffer, b: Buffer) -> bool:
