@@ -141,6 +141,67 @@ async def test_fake_device_over_shm(fake_devices: list[FakeDeviceSpace],
     assert len(set(results)) == 1
     assert set(kinds) == {MemoryKind.HOST}
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_small_device_all_reduce_runs_on_one_host_copy(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        stream: bool) -> None:
+    """Up to ACOLL_GPU_VIA_HOST_MAX, a device all_reduce with no intra-host GPU path is the
+    host algorithm on one downloaded copy: one download and one upload per op, no staged
+    message, results equal to the host path's; above it, every message is staged."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_MAX", "4K")
+    kw = {"stream": "s"} if stream else {}
+
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        staging = fake_devices[comm.rank].staging()
+        conns = [await comm.connection(p) for p in range(3) if p != comm.rank]
+        assert all(isinstance(c, StagedConnection) for c in conns)
+        counts = []
+        for n, dtype, op in [(1, np.float32, "sum"), (1000, BFLOAT16, "max"),
+                             (512, np.int64, "prod"), (1025, np.float32, "avg")]:
+            before = (staging.downloads, staging.uploads,
+                      sum(c.staged_sends for c in conns))  # type: ignore[attr-defined]
+            ins = [(np.arange(n) % 7 + r + 1).astype(np.float64) for r in range(3)]
+            base = ins[comm.rank].astype(dtype)
+            x, out = FakeDevArray(base.copy()), FakeDevArray(np.zeros(n, dtype))
+            settles = fake_devices[comm.rank].settles
+            await comm.all_reduce(x, out, op, **kw)
+            # without stream=, the await waited for the upload; with it, it did not
+            assert fake_devices[comm.rank].settles == settles + (0 if stream else 1)
+            after = (staging.downloads, staging.uploads,
+                     sum(c.staged_sends for c in conns))  # type: ignore[attr-defined]
+            # small integers: every order of combination gives these exact values
+            want = {"sum": sum(ins), "max": np.maximum.reduce(ins), "prod": np.prod(ins, 0),
+                    "avg": sum(ins)}[op].astype(dtype)
+            if op == "avg":
+                want = (want / np.float32(3)).astype(dtype)
+            np.testing.assert_array_equal(out.arr, want)
+            np.testing.assert_array_equal(x.arr, base)  # the input is left alone
+            counts.append(after[2] - before[2])
+            if base.nbytes <= 4096:
+                assert (after[0] - before[0], after[1] - before[1]) == (1, 1)
+        return counts
+
+    for counts in await run_ranks(3, fn, device=0):
+        assert counts[:3] == [0, 0, 0]  # host copies: nothing staged per message
+        assert counts[3] > 0  # 4100 bytes: above the limit, staged
+
+
+async def test_via_host_can_be_turned_off(fake_devices: list[FakeDeviceSpace],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_MAX", "0")
+
+    async def fn(comm: acoll.Communicator) -> int:
+        conn = await comm.connection(1 - comm.rank)
+        x = FakeDevArray(np.full(2, comm.rank + 1, np.float32))
+        await comm.all_reduce(x)
+        np.testing.assert_array_equal(x.arr, [3, 3])
+        return conn.staged_sends  # type: ignore[attr-defined, no-any-return]
+
+    assert all(n > 0 for n in await run_ranks(2, fn, device=0))
+
+
 async def test_large_messages_and_many_chunks(fake_devices: list[FakeDeviceSpace],
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")

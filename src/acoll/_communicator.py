@@ -49,7 +49,7 @@ from ._comm.args import buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.ordering import OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
-from ._config import TIMEOUT, Setting, get_logger, parse_bool
+from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
@@ -84,6 +84,12 @@ SPIN_US = Setting("SPIN_US", float, 25.0,
                   "Microseconds to busy-poll for a small op's message before sleeping in the "
                   "event loop (peers in other processes only, with a core per local rank).",
                   "NET")
+
+VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, 64 << 10,
+                       "A device all_reduce of up to this many bytes that has no intra-host "
+                       "GPU path runs the host algorithm on one page-locked copy (one "
+                       "download, the reduction on the host, one upload) instead of staging "
+                       "every message; 0 turns that off.", "COLL")
 
 _LINGER = 5.0
 _FAILED_LINGER = 0.5
@@ -271,6 +277,8 @@ class Communicator:
         self._closed = False
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
+        self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
+        self._host_mem: HostSpace | None = None  # for device ops run on host copies
         self._p2p_seq = Sequencer()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
@@ -586,8 +594,23 @@ class Communicator:
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
                               "all_reduce", s, r, s.count, order, op=rop)
-        await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
+        if make is None and order is not None and s.nbytes <= self._via_host_max:
+            await self._execute(desc, None, self._via_host(
+                lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order))
+        else:
+            await self._execute(desc, make,
+                                self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
         return out
+
+    def _via_host(self, make: Callable[[OpContext, Buffer, Buffer], Algorithm], send: Buffer,
+                  recv: Buffer, order: StreamOrder) -> MakeAlgorithm:
+        """A small device op run by its host algorithm on a page-locked copy (see
+        ``ACOLL_GPU_VIA_HOST_MAX``): the same messages as the host path, two copies and
+        two waits for the GPU instead of a copy and a wait per message."""
+        if self._host_mem is None:
+            self._host_mem = HostSpace()
+        host, mem, timeout = self._host_mem, self.mem, self.timeout
+        return lambda ctx: _ViaHost(ctx, make, send, recv, order, mem, host, timeout)
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
@@ -913,6 +936,37 @@ class _OnStream:
         self.order.finish()
         if self.order.settle:
             await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
+
+
+class _ViaHost:
+    """A device op run by the host algorithm on one page-locked copy of its input: after
+    the caller's queued work, download the input, run ``make``'s algorithm on host memory
+    (in place), upload the result, and (without ``stream=``) wait for the upload."""
+
+    def __init__(self, ctx: OpContext, make: Callable[[OpContext, Buffer, Buffer], Algorithm],
+                 send: Buffer, recv: Buffer, order: StreamOrder, mem: MemorySpace,
+                 host: HostSpace, timeout: float) -> None:
+        self.ctx, self.make, self.send, self.recv = ctx, make, send, recv
+        self.order, self.mem, self.host, self.timeout = order, mem, host, timeout
+
+    async def run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        staging = self.mem.staging()
+        assert staging is not None  # (a device space always stages)
+        self.order.start()
+        view, block = staging.lease(self.send.nbytes)
+        fence = staging.download(view, self.send)
+        try:
+            await fence.wait(deadline)
+            data = self.host.wrap(view.array.view(self.send.dtype))
+            self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
+            await self.make(self.ctx, data, data).run()
+            fence = staging.upload(self.recv, view)
+        finally:
+            staging.release(block, fence)  # reused once the last copy touching it is done
+        self.order.finish()
+        if self.order.settle:
+            await self.mem.settle(deadline)
 
 
 class _Send:
