@@ -39,4 +39,6 @@ timeout 100 python3 -m acoll.run -n 2 -- python3 bench/gpu_loop_lag.py --json "$
   >"$S/loop_lag.txt" 2>&1
 python3 bench/gpu_summary.py "$S"
 cat "$S/gpu_summary.txt"
+# one archive: the device hands back a few files only
+tar czf "$OUT/issue9.tgz" -C "$S" . && rm -rf "$S"
 echo "== batch done after $((SECONDS - t0)) s"
