@@ -346,3 +346,28 @@ async def test_cancelling_a_queued_call_fails_the_communicator_everywhere() -> N
     assert isinstance(results[2], acoll.RemoteError), results
     assert "cancelled" in str(results[2])
     await _settle(comms)
+
+
+async def test_closed_communicators_are_not_kept_alive_by_the_deadline_timer() -> None:
+    """The executor's one deadline timer (armed for an op, re-armed as ops come and go)
+    must not hold a closed or dropped communicator until it fires (ACOLL_TIMEOUT later)."""
+    import weakref
+
+    uid = acoll.get_unique_id(ifname="=lo")
+    refs: list[weakref.ref[acoll.Communicator]] = []
+
+    async def rank(r: int) -> None:
+        comm = await acoll.init_rank(2, uid, r, timeout=300)
+        await comm.all_reduce(np.ones(1000, np.float32))
+        refs.append(weakref.ref(comm))
+        await comm.close()
+
+    await asyncio.gather(rank(0), rank(1))
+    for _ in range(3):
+        gc.collect()
+        await asyncio.sleep(0.05)
+    assert [w() for w in refs] == [None, None]
+    loop = asyncio.get_running_loop()
+    armed = [h for h in getattr(loop, "_scheduled", [])
+             if not h.cancelled() and h.when() > loop.time() + 100]
+    assert armed == []

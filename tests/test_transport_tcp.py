@@ -584,6 +584,85 @@ async def test_bug_in_read_path_fails_connection_not_loop(
     assert "MemoryError('simulated')" in str(await raw_peer.lost())
 
 
+async def test_bug_in_a_send_batch_fails_its_connection_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A batch that raises on the send thread fails its connection (as a bug on the loop
+    thread does), settles its send, and leaves the thread serving other connections."""
+    harness = _harness("t", 1, threads=1)
+    p = await connect_pair(harness)
+    real = tcp._write_batch
+    calls = [0]
+
+    def first_raises(sock: socket.socket, bufs: list[object], total: int
+                     ) -> tuple[int, BaseException | None]:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise ValueError("simulated")
+        return real(sock, bufs, total)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(tcp, "_write_batch", first_raises)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        sfut = p.a.isend(host_buffer(bytearray(1 << 20)), 1, meta_for(1))
+        assert p.a._socks[0].flight
+        with pytest.raises(ConnectionLost, match="internal error while sending to"):
+            await within(sfut)
+        p.a.abort()
+        await within(p.a.wait_closed())
+        q = await connect_pair(harness)
+        try:
+            out = bytearray(1 << 20)
+            rfut = q.b.irecv(host_buffer(out), 2)
+            await within(q.a.isend(host_buffer(payload(1 << 20, 2)), 2, meta_for(2)))
+            await within(rfut)
+            assert out == payload(1 << 20, 2)
+        finally:
+            await q.aclose()
+    finally:
+        await p.aclose()
+
+
+async def test_failure_close_drops_sends_a_send_thread_has_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """close(drop_queued=True) while a batch of whole frames is on the send thread: when it
+    comes back, every send fails and only a frame partly written stays ahead of the close
+    notice (the peer has stopped reading)."""
+    import threading
+
+    harness = _harness("t", 1, threads=1)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls
+        threads, p.a._threads = p.a._threads, None  # fill the socket on the loop thread
+        futs = [p.a.isend(host_buffer(bytearray(3 << 20)), t, meta_for(t))
+                for t in range(1, 13)]
+        await asyncio.sleep(0.2)
+        s = p.a._socks[0]
+        gate = threading.Event()
+        real = tcp._write_batch
+
+        def gated(sock: socket.socket, bufs: list[object], total: int
+                  ) -> tuple[int, BaseException | None]:
+            gate.wait(5)
+            return real(sock, bufs, total)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(tcp, "_write_batch", gated)
+        p.a._threads = threads
+        p.a._flush(s)  # what the writer callback would do: a batch goes out
+        assert len(s.flight) > 1
+        p.a.close(b"the cause", drop_queued=True)
+        gate.set()
+        await within(asyncio.wait(futs))
+        assert sum(1 for item in s.queue if item[3] is not None) <= 1
+        assert all(f.exception() is not None for f in futs[1:])
+    finally:
+        p.a.abort()
+        p.b.abort()
+        await p.aclose()
+
+
 @pytest.mark.parametrize("threads", [0, 1])
 async def test_bug_in_write_path_fails_connection_not_loop(
         monkeypatch: pytest.MonkeyPatch, threads: int) -> None:

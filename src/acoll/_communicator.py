@@ -53,7 +53,7 @@ from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
-from ._memory import Buffer, HostSpace, MemoryKind, MemorySpace, StreamOrder
+from ._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
@@ -427,6 +427,7 @@ class Communicator:
         self._links.close_transports()
         self._boot.abort()
         self._links.cancel_tasks()
+        self._exec.stop_watchdog()
 
     async def close(self) -> None:
         """Orderly close: wait for in-flight ops on every rank, then release everything.
@@ -460,6 +461,7 @@ class Communicator:
         await self._links.wait_tasks()
         self._links.close_transports()
         await self._boot.close()
+        self._exec.stop_watchdog()
         if failure is not None:
             raise failure
 
@@ -955,8 +957,9 @@ class _ViaHost:
         assert staging is not None  # (a device space always stages)
         self.order.start()
         view, block = staging.lease(self.send.nbytes)
-        fence = staging.download(view, self.send)
+        fence: Fence | None = None
         try:
+            fence = staging.download(view, self.send)
             await fence.wait(deadline)
             data = self.host.wrap(view.array.view(self.send.dtype))
             self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Protocol
 
@@ -62,7 +63,8 @@ class Executor:
         self.running: set[OpContext] = set()
         # One timer for every running op's deadline (re-armed for the next deadline when
         # it fires) instead of a timer per op: the per-op cost was a measurable part of a
-        # small op's time.
+        # small op's time. It holds the executor weakly: a communicator dropped or closed
+        # while it is armed is not kept alive until it fires.
         self._watchdog: asyncio.TimerHandle | None = None
 
     @property
@@ -117,7 +119,7 @@ class Executor:
         ctx.deadline = self._loop.time() + host.timeout
         self.running.add(ctx)
         if self._watchdog is None:
-            self._watchdog = self._loop.call_at(ctx.deadline, self._watch)
+            self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
             if ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
@@ -155,7 +157,13 @@ class Executor:
             self._timed_out(ctx.desc.coll.name.lower(), ctx)
         later = [c.deadline for c in self.running if c.deadline != float("inf")]
         if later:
-            self._watchdog = self._loop.call_at(min(later), self._watch)
+            self._watchdog = self._loop.call_at(min(later), _watch, weakref.ref(self))
+
+    def stop_watchdog(self) -> None:
+        """Disarm the deadline timer (the communicator is closed or aborted)."""
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
 
     def _timed_out(self, name: str, ctx: OpContext) -> None:
         """The op's deadline passed: fail, naming the rank(s) it was waiting for.
@@ -218,3 +226,9 @@ class Executor:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
+
+
+def _watch(ref: weakref.ref[Executor]) -> None:
+    executor = ref()
+    if executor is not None:
+        executor._watch()

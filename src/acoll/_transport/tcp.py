@@ -193,21 +193,41 @@ class _SendThreads:
     """Daemon threads running send batches (callables) in submission order.
 
     A batch never blocks: it writes until done or until the socket is full, so one slow
-    peer cannot hold the threads. The threads live as long as the process (none in a
-    forked child until a batch is submitted there).
+    peer cannot hold the threads. A batch must report its own outcome (it catches
+    everything); a thread survives whatever a batch raises anyway. The threads start on
+    the first batch submitted in a process (a forked child that inherited this object
+    starts its own).
     """
 
     def __init__(self, count: int) -> None:
+        self._count = count
+        self._pid = -1  # the process whose threads run the queue
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        for i in range(count):
-            threading.Thread(target=self._run, name=f"acoll-send-{i}", daemon=True).start()
+        self._lock = threading.Lock()
 
     def submit(self, job: Callable[[], None]) -> None:
+        if self._pid != os.getpid():
+            self._start()
         self._jobs.put(job)
 
-    def _run(self) -> None:
+    def _start(self) -> None:
+        with self._lock:
+            if self._pid == os.getpid():
+                return
+            self._jobs = queue.SimpleQueue()  # (a parent's leftover jobs are not ours)
+            for i in range(self._count):
+                threading.Thread(target=self._run, args=(self._jobs,),
+                                 name=f"acoll-send-{i}", daemon=True).start()
+            self._pid = os.getpid()
+
+    @staticmethod
+    def _run(jobs: queue.SimpleQueue[Callable[[], None]]) -> None:
         while True:
-            self._jobs.get()()
+            job = jobs.get()
+            try:
+                job()
+            except BaseException:  # a batch reports its own errors; this is a last resort
+                log.exception("a send batch raised")
 
 
 _threads: _SendThreads | None = None
@@ -215,8 +235,9 @@ _threads_lock = threading.Lock()
 
 
 def _forget_threads() -> None:
-    global _threads
+    global _threads, _threads_lock
     _threads = None
+    _threads_lock = threading.Lock()  # (it may have been held by another thread at fork)
 
 
 os.register_at_fork(after_in_child=_forget_threads)
@@ -236,10 +257,11 @@ def _threads_for(count: int | None = None) -> _SendThreads | None:
         return _threads
 
 
-def _write_batch(sock: socket.socket, bufs: list[Any], total: int) -> tuple[int, OSError | None]:
+def _write_batch(sock: socket.socket, bufs: list[Any], total: int
+                 ) -> tuple[int, BaseException | None]:
     """Write ``bufs`` (``total`` bytes) with non-blocking ``sendmsg`` calls until all is
-    written or the socket is full: ``(bytes written, error or None)``. Runs on a send
-    thread; touches nothing but its arguments."""
+    written or the socket is full: ``(bytes written, error or None)``; never raises. Runs
+    on a send thread; touches nothing but its arguments."""
     written = 0
     start = 0
     try:
@@ -257,7 +279,7 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int) -> tuple[int,
                     n = 0
     except (BlockingIOError, InterruptedError):
         pass
-    except OSError as exc:
+    except BaseException as exc:  # OSError: the connection broke; anything else: a bug
         return written, exc
     return written, None
 
@@ -282,6 +304,7 @@ class TcpConnection(Connection):
         self._failed: ConnectionLost | None = None
         self._on_failure: Callable[[ConnectionLost], None] | None = None
         self._closing = False
+        self._dropping = False  # closing on the failure path (close(drop_queued=True))
         self._peer_notice = b""
         self._released: asyncio.Future[None] = self._loop.create_future()
         for s in self._socks:
@@ -355,6 +378,7 @@ class TcpConnection(Connection):
         if drop_queued:
             # Failure path: queued data no longer matters and must not hold the notice (or
             # the owner's waits) behind a peer that may have stopped reading.
+            self._dropping = True  # (sends a send thread has out are dropped on return)
             self._drop_queued_sends(lost)
         for s in self._socks:
             hdr = _HDR.pack(_MAGIC, _CLOSE, 0, len(notice), 0, 0, 0, bytes(META_SIZE))
@@ -602,21 +626,35 @@ class TcpConnection(Connection):
         loop, sock = self._loop, s.sock
 
         def batch() -> None:
-            written, err = _write_batch(sock, bufs, total)
+            try:
+                written, err = _write_batch(sock, bufs, total)
+            except BaseException as exc:  # (a bug: the connection fails on return)
+                written, err = 0, exc
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(self._offloaded, s, written, total, err)
 
         self._threads.submit(batch)
 
-    def _offloaded(self, s: _Sock, written: int, total: int, err: OSError | None) -> None:
+    def _offloaded(self, s: _Sock, written: int, total: int, err: BaseException | None
+                   ) -> None:
         """A send thread's batch came back (on the loop thread): the sends it finished
         complete; the rest go back to the head of the queue, or fail if the connection
-        ended meanwhile."""
+        ended meanwhile (closing on the failure path, only a frame partly written goes
+        back: the stream must stay framed for the close notice)."""
         flight, s.flight = s.flight, deque()
         try:
+            if err is not None and not isinstance(err, OSError):
+                # a bug in the batch: fail the connection, as on the loop thread
+                raise err if isinstance(err, Exception) else RuntimeError(repr(err))
             open_ = s.fd >= 0 and self._account(s, written, flight) and not s.close_deferred
             if flight and (self._failed is not None or not open_):
                 self._fail_items(flight)
+            elif flight and self._dropping:
+                head = flight[0]
+                partial = 0 < head[2] < len(head[0]) + head[1].nbytes
+                self._fail_items(flight)
+                if partial:
+                    flight.append(head)  # (its send failed; its bytes still go out)
             s.queue.extendleft(reversed(flight))
             if s.close_deferred:
                 self._close_sock(s)

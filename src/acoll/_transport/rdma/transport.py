@@ -629,25 +629,6 @@ def _staging(buf: Buffer) -> Staging:
     return staging
 
 
-def _keep_until(fence: Fence, obj: object) -> None:
-    """Keep ``obj`` alive until ``fence`` has passed (the source of an enqueued copy)."""
-    if fence.done():
-        return
-
-    async def hold() -> None:
-        with contextlib.suppress(Exception):
-            await fence.wait()
-        del obj_ref[:]
-
-    obj_ref = [obj]
-    task = asyncio.get_running_loop().create_task(hold())
-    _KEPT.add(task)
-    task.add_done_callback(_KEPT.discard)
-
-
-_KEPT: set[asyncio.Task[None]] = set()
-
-
 def _owner(arr: Any) -> object:
     """The object whose lifetime is that of ``arr``'s memory: a NumPy array's root, a
     device view's owner (the first of a DLPack pair)."""
@@ -1558,8 +1539,13 @@ class RdmaConnection(Connection):
             if op.device:  # up to the device from the storage, kept until it is read
                 self._drop_bounce(op)
                 if msg.total:
-                    fence = self._upload(op.buf, host_buffer(msg.storage))
-                    _keep_until(fence, msg.storage)
+                    # through page-locked memory: an upload from pageable memory would
+                    # synchronize the stream, blocking the loop until earlier GPU work ends
+                    staging = _staging(op.buf)
+                    view, block = staging.lease(msg.total)
+                    view.view()[:] = msg.storage[:msg.total]
+                    fence = self._upload(op.buf, view)
+                    staging.release(block, fence)
                 op.fut.set_result(msg.meta)
             else:
                 self._copies.start(msg.dest, msg.storage, op.fut, msg.meta)
