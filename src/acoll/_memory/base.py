@@ -221,7 +221,8 @@ class StreamOrder(ABC):
 
     @abstractmethod
     def finish(self) -> None:
-        """Order the caller's later work after everything the space has queued so far."""
+        """Order the caller's later work after everything the space has queued so far
+        (an order that settles may skip it: the op returns only once that work is done)."""
 
 
 class Fence(ABC):
