@@ -91,6 +91,10 @@ async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
 
             async def once(pipe: bool, bufs: list[Any] = bufs,
                            streams: list[Any] = streams, coll: str = coll) -> None:
+                if len(comms) == 1:  # one rank per process: no task per call (gather's)
+                    (s, r, _), st = bufs[0], streams[0]
+                    await _call(comms[0], coll, s, r, st if pipe else None)
+                    return
                 await asyncio.gather(*(_call(c, coll, s, r, st if pipe else None)
                                        for c, (s, r, _), st in zip(comms, bufs, streams,
                                                                    strict=True)))
