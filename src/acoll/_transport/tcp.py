@@ -284,6 +284,16 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int
     return written, None
 
 
+def _fail_items(items: deque[list[Any]], exc: ConnectionLost) -> None:
+    """Fail the sends of queue ``items`` not yet done (marked retrieved), and empty it."""
+    for item in items:
+        op = item[3]
+        if op is not None and not op.fut.done():
+            op.fut.set_exception(exc)
+            op.fut.exception()
+    items.clear()
+
+
 class TcpConnection(Connection):
     """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
 
@@ -403,15 +413,10 @@ class TcpConnection(Connection):
         """Fail every queued send now; a frame already half written is still finished
         (the stream must stay well framed for the close frame that follows)."""
         for s in self._socks:
-            keep: deque[list[Any]] = deque()
-            for i, item in enumerate(s.queue):
-                op = item[3]
-                if op is not None and not op.fut.done():
-                    op.fut.set_exception(exc)
-                    op.fut.exception()
-                if i == 0 and item[2] > 0:
-                    keep.append(item)
-            s.queue = keep
+            head = s.queue[0] if s.queue and s.queue[0][2] > 0 else None
+            _fail_items(s.queue, exc)
+            if head is not None:
+                s.queue.append(head)
 
     # ------------------------------------------------------------------ failure
     def _fail_pending(self, exc: ConnectionLost, *, sends: bool) -> None:
@@ -429,12 +434,7 @@ class TcpConnection(Connection):
             s.direct_view = s.direct_entry = None
         if sends:
             for s in self._socks:
-                for item in s.queue:
-                    op = item[3]
-                    if op is not None and not op.fut.done():
-                        op.fut.set_exception(exc)
-                        op.fut.exception()
-                s.queue.clear()  # (a batch in flight settles its own sends on return)
+                _fail_items(s.queue, exc)  # (a batch in flight settles its sends on return)
 
     def _lost(self, exc: ConnectionLost) -> None:
         if self._failed is not None:
@@ -673,13 +673,7 @@ class TcpConnection(Connection):
             self._fail_items(flight)
 
     def _fail_items(self, items: deque[list[Any]]) -> None:
-        exc = self._failed or ConnectionLost("the connection was closed locally")
-        for item in items:
-            op = item[3]
-            if op is not None and not op.fut.done():
-                op.fut.set_exception(exc)
-                op.fut.exception()
-        items.clear()
+        _fail_items(items, self._failed or ConnectionLost("the connection was closed locally"))
 
     # ------------------------------------------------------------------ reading
     def _on_readable(self, s: _Sock) -> None:
