@@ -284,6 +284,15 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int
     return written, None
 
 
+def _unsent(item: list[Any]) -> tuple[bytes | None, memoryview]:
+    """What of queue ``item`` is still to be written: the rest of its header (``None``
+    once the header is out) and the rest of its payload."""
+    hdr, view, sent = item[0], item[1], item[2]
+    if sent < len(hdr):
+        return (hdr[sent:] if sent else hdr), view
+    return None, view[sent - len(hdr):]
+
+
 def _fail_items(items: deque[list[Any]], exc: ConnectionLost) -> None:
     """Fail the sends of queue ``items`` not yet done (marked retrieved), and empty it."""
     for item in items:
@@ -536,13 +545,10 @@ class TcpConnection(Connection):
             size = 0
             room = _SEND_SLICE  # payload bytes this call may still carry
             for item in queue:
-                hdr, view, sent = item[0], item[1], item[2]
-                if sent < len(hdr):
-                    head = hdr[sent:] if sent else hdr
+                head, view = _unsent(item)
+                if head is not None:
                     bufs.append(head)
                     size += len(head)
-                else:
-                    view = view[sent - len(hdr):]
                 if view.nbytes > room:
                     view = view[:room]
                 bufs.append(view)
@@ -613,12 +619,10 @@ class TcpConnection(Connection):
         while queue and payload < _OFFLOAD_BATCH and len(flight) < _IOV:
             item = queue.popleft()
             flight.append(item)
-            hdr, view, sent = item[0], item[1], item[2]
-            if sent < len(hdr):
-                bufs.append(hdr[sent:] if sent else hdr)
-                total += len(hdr) - sent
-            else:
-                view = view[sent - len(hdr):]
+            head, view = _unsent(item)
+            if head is not None:
+                bufs.append(head)
+                total += len(head)
             bufs.append(view)
             total += view.nbytes
             payload += view.nbytes
