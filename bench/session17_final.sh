@@ -5,22 +5,12 @@
 set -u
 OUT=${OUT:-$PWD/session17_final}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
-SITE=${GPU_SITE:-/tmp/acoll-site}
+. bench/device_steps.sh
 W=$(mktemp -d)
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 --version; git log -1 --oneline 2>/dev/null; } >"$W/machine.txt" 2>&1
 t0=$SECONDS
-timeout --kill-after=10 ${SUITE_LIMIT:-300} make test-gpu \
-  PYTEST_ARGS="-q -n ${WORKERS:-12} --dist loadgroup -p no:randomly -p no:benchmark -rs --timeout 300" \
-  >"$W/suite.txt" 2>&1
-echo "== suite: exit $? after $((SECONDS - t0)) s" | tee -a "$W/suite.txt"
-tail -n 3 "$W/suite.txt"
-export PYTHONPATH="$PWD/src:$PWD/tests:$SITE" PATH="$SITE/bin:$PATH"
-for where in inproc procs; do
-  timeout 120 python3 bench/p2p_bench.py $where --iters 50 --json "$W/p2p_$where.json" \
-    >"$W/p2p_$where.txt" 2>&1
-  echo "== p2p $where: exit $?" >>"$W/p2p_$where.txt"
-done
+device_machine "$W"
+device_suite "$W"
+device_p2p "$W" 50
 export ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket
 for round in 1 2; do
   for dev in cuda cpu; do

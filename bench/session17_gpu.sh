@@ -6,23 +6,11 @@
 set -u
 OUT=${OUT:-$PWD/session17_out}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
-SITE=${GPU_SITE:-/tmp/acoll-site}
-{ date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; python3 --version; git log -1 --oneline 2>/dev/null; } >"$OUT/machine.txt" 2>&1
+. bench/device_steps.sh
 t0=$SECONDS
-# 1. the whole suite (make test-gpu installs the carried wheels into $SITE)
-timeout --kill-after=10 ${SUITE_LIMIT:-300} make test-gpu \
-  PYTEST_ARGS="-q -n ${WORKERS:-12} --dist loadgroup -p no:randomly -p no:benchmark -rs --timeout 300" \
-  >"$OUT/suite.txt" 2>&1
-echo "== suite: exit $? after $((SECONDS - t0)) s" | tee -a "$OUT/suite.txt"
-tail -n 6 "$OUT/suite.txt"
-export PYTHONPATH="$PWD/src:$PWD/tests:$SITE" PATH="$SITE/bin:$PATH"
-# 2. P2P path vs NCCL
-for where in inproc procs; do
-  timeout 120 python3 bench/p2p_bench.py $where --iters 50 --json "$OUT/p2p_$where.json" \
-    >"$OUT/p2p_$where.txt" 2>&1
-  echo "== p2p $where: exit $?" >>"$OUT/p2p_$where.txt"
-done
+device_machine "$OUT"
+device_suite "$OUT"     # 1. the whole suite
+device_p2p "$OUT" 50    # 2. the P2P path vs NCCL
 # 3. issue 9: staged over TCP, GPU vs host buffers
 export ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket
 S=$OUT/issue9; mkdir -p "$S"

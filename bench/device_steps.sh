@@ -1,0 +1,30 @@
+# Steps shared by the device batch scripts (sourced; DIR is where a step writes):
+#   device_machine DIR   what ran where (GPUs, cores, Python, tree)
+#   device_suite DIR     the whole suite on the device's Python (make test-gpu)
+#   device_p2p DIR ITERS the P2P path against NCCL, one process and two (bench/p2p_bench.py)
+export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
+SITE=${GPU_SITE:-/tmp/acoll-site}
+
+device_machine() {
+  { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
+    python3 --version; git log -1 --oneline 2>/dev/null; } >"$1/machine.txt" 2>&1
+}
+
+device_suite() {  # (make test-gpu installs the carried wheels into $SITE)
+  local t0=$SECONDS
+  timeout --kill-after=10 "${SUITE_LIMIT:-300}" make test-gpu \
+    PYTEST_ARGS="-q -n ${WORKERS:-12} --dist loadgroup -p no:randomly -p no:benchmark -rs --timeout 300" \
+    >"$1/suite.txt" 2>&1
+  echo "== suite: exit $? after $((SECONDS - t0)) s" | tee -a "$1/suite.txt"
+  tail -n 3 "$1/suite.txt"
+  export PYTHONPATH="$PWD/src:$PWD/tests:$SITE" PATH="$SITE/bin:$PATH"
+}
+
+device_p2p() {
+  local where
+  for where in inproc procs; do
+    timeout 120 python3 bench/p2p_bench.py $where --iters "$2" --json "$1/p2p_$where.json" \
+      >"$1/p2p_$where.txt" 2>&1
+    echo "== p2p $where: exit $?" >>"$1/p2p_$where.txt"
+  done
+}
