@@ -402,7 +402,8 @@ class _FakeTransport:
         return self.pid
 
 
-def test_exits_reaped_together_are_judged_before_blame() -> None:
+def test_exits_reaped_together_are_judged_before_blame(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
     # Found under load: rank 2 (the cause) and rank 1 (which lost it) were reaped in one loop
     # pass; rank 1's watcher ran first, saw no live rank and blamed itself. Blame must wait
     # until every reaped rank's exit has been judged.
@@ -437,7 +438,10 @@ def test_exits_reaped_together_are_judged_before_blame() -> None:
         shutil.rmtree(job.report_dir)
         return job.result or 0, said
 
+    killed: list[int] = []  # (the fake pids must never reach a real process group)
+    monkeypatch.setattr(acoll_run.os, "killpg", lambda pgid, sig: killed.append(pgid))
     code, said = asyncio.run(scenario())
+    assert sorted(killed) == [2**22, 2**22 + 1, 2**22 + 2]
     assert code == 7, said
     assert len(said) == 1, said
     assert said[0].startswith("rank 2 (pid "), said
