@@ -62,13 +62,15 @@ class FakeCudaDriver:
         return None
 
     def contains(self, addr: int, length: int) -> bool:
-        """Whether ``[addr, addr + length)`` overlaps fake GPU memory (rounded to pages,
-        as registrations are)."""
+        """Whether ``[addr, addr + length)`` overlaps the bytes of fake GPU memory.
+
+        Exact bytes, not pages: a fake allocation is host memory that may share a page
+        with real host buffers (a GPU's never does), and a host buffer next to it must not
+        count as device memory (that made registrations of small host buffers fail at
+        random, by where malloc put them). A device registration rounded out to pages
+        still overlaps its allocation's bytes."""
         for base, (size, ref) in self._allocs.items():
-            if ref() is None:
-                continue
-            lo, hi = base - base % _PAGE, -(-(base + size) // _PAGE) * _PAGE
-            if addr < hi and lo < addr + length:
+            if ref() is not None and addr < base + size and base < addr + length:
                 return True
         return False
 
