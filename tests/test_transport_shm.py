@@ -644,7 +644,13 @@ async def test_sigkilled_peer_process_fails_connection_at_once() -> None:
             child.kill()
         await child.wait()
         lis.close()
-    assert child.returncode == -signal.SIGKILL
+    if child.returncode == 255:
+        # asyncio's watcher found the child already reaped by something else in this
+        # test process ("Unknown child process", reported as 255): it is gone all the same
+        with pytest.raises(ProcessLookupError):
+            os.kill(child.pid, 0)
+    else:
+        assert child.returncode == -signal.SIGKILL
     assert _dev_shm() == shm_before
 
 
