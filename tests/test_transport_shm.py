@@ -457,7 +457,7 @@ async def test_can_connect_same_host_other_process_same_namespace() -> None:
     listeners = [await t.listen() for _ in range(2)]
     try:
         h0, h1 = (lis.handle for lis in listeners)
-        other_ns = shm._HANDLE.pack(shm._MAGIC, shm._VERSION, t.netns + 1, bytes(16))
+        other_ns = shm._HANDLE.pack(shm._MAGIC, shm._VERSION, 0, t.netns + 1, bytes(16))
         infos = {
             "me": _info(0, proc=b"A", handles={"shm": h0}),
             "other-process": _info(1, proc=b"B", handles={"shm": h1}),
@@ -483,17 +483,18 @@ async def test_handle_format_and_bad_handles() -> None:
     t = _transport()
     lis = await t.listen()
     try:
-        magic, version, netns, token = shm._HANDLE.unpack(lis.handle)
+        magic, version, lane, netns, token = shm._HANDLE.unpack(lis.handle)
         assert (magic, version, netns) == (b"ACSH", shm._VERSION, t.netns)
+        assert lane * 64 == t.lane == shm.handle_lane(lis.handle)
         assert t.netns == os.stat("/proc/self/ns/net").st_ino
         assert _name(lis.handle) == b"\0acoll-shm-" + token.hex().encode()
     finally:
         lis.close()
     loop = asyncio.get_running_loop()
-    for handle in (b"", b"ACIP" + bytes(28), shm._HANDLE.pack(b"ACSH", 99, t.netns, token)):
+    for handle in (b"", b"ACIP" + bytes(28), shm._HANDLE.pack(b"ACSH", 99, 0, t.netns, token)):
         with pytest.raises(ProtocolError, match="bad shm handle"):
             await within(t.connect(handle, b"", loop.time() + 5))
-    elsewhere = shm._HANDLE.pack(b"ACSH", shm._VERSION, t.netns + 1, token)
+    elsewhere = shm._HANDLE.pack(b"ACSH", shm._VERSION, 0, t.netns + 1, token)
     with pytest.raises(TransportError, match="network namespace"):
         await within(t.connect(elsewhere, b"", loop.time() + 5))
 

@@ -39,6 +39,7 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import msgpack
+import numpy as np
 
 from ._bootstrap.ring import Bootstrap, error_to_wire
 from ._bootstrap.root import RootServer, listen_socket, start_root
@@ -47,7 +48,8 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._comm.args import buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
-from ._comm.ordering import OrderChecker, p2p_tag
+from ._comm.lane import Lane, LanePlan, lane_size
+from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
@@ -91,6 +93,8 @@ VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, 64 << 10,
                        "download, the reduction on the host, one upload) instead of staging "
                        "every message; 0 turns that off.", "COLL")
 
+_LANE_RANKS = 8  # the lane connects every pair of ranks (a shared segment each)
+_LANE_PLANS = 16
 _LINGER = 5.0
 _FAILED_LINGER = 0.5
 _PROC = os.urandom(8)  # this process, among all processes of the job (see PeerInfo)
@@ -285,6 +289,11 @@ class Communicator:
         self._checker = OrderChecker(self.rank, check, self.fail, lambda: self._exec.seq,
                                      lambda: self._error is None and not self._closed)
         self._exec = Executor(self, self._checker)
+        limit = lane_size(infos, self.mem.device is None) if self.size <= _LANE_RANKS else 0
+        self._lane = Lane(self.rank, self.size, limit) if limit else None
+        # all_reduce plans through the lane for NumPy arrays used again: (id(send), id(recv),
+        # op) -> (send, recv, dtype, size, plan). Holds the arrays (at most _LANE_PLANS).
+        self._lane_plans: dict[tuple[int, int, Any], tuple[Any, Any, Any, int, LanePlan]] = {}
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._checker.on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
@@ -336,6 +345,10 @@ class Communicator:
                 ring = {(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size}
                 await wait_until(asyncio.gather(*(comm.connection(p) for p in ring)),
                                  deadline_after(timeout), "ring connections")
+            if comm._lane is not None:
+                await wait_until(comm._lane.setup(comm), deadline_after(timeout),
+                                 "shared-memory lane connections")
+                comm._exec.announce = comm._lane.announce
             # Every rank sees the same records, so all of them try the P2P path or none.
             # (Short-circuits on this rank's own wish, which is in every rank's list.)
             if p2p and comm.size > 1 and len({i.host_hash for i in infos}) == 1 and all(
@@ -395,6 +408,7 @@ class Communicator:
         if self._error is not None or self._closed:
             return
         self._error = error
+        self._lane_plans.clear()
         log.info("rank %d: communicator failed: %s", self.rank, error)
         self._p2p_seq.fail(error)
         if self._p2p is not None:
@@ -453,6 +467,7 @@ class Communicator:
                 await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
             self._p2p.close()
         self._closed = True
+        self._lane_plans.clear()
         self._links.stop(None)
         # A failed communicator queued its failure notice when it failed: give it a
         # moment to leave, but never wait for a peer that stopped reading.
@@ -565,6 +580,45 @@ class Communicator:
             self.fail(exc)
             raise (first or exc) from None
 
+    def _lane_fits(self, nbytes: int) -> bool:
+        """Whether a call moving ``nbytes`` to each peer runs through the lane."""
+        lane = self._lane
+        return lane is not None and nbytes <= lane.limit
+
+    async def _lane_call(self, desc: Descriptor, send: Buffer | None, recv: Buffer | None,
+                         op: ReduceOp = ReduceOp.SUM, root: int = 0) -> LanePlan:
+        """Run a call through the lane (:mod:`acoll._comm.lane`); returns its plan."""
+        assert self._lane is not None
+        plan = LanePlan(self, self._lane, desc, send, recv, op, root)
+        await self._lane_run(plan)
+        return plan
+
+    async def _lane_run(self, plan: LanePlan) -> None:
+        """Run ``plan`` as the next op.
+
+        Made while the executor is idle (no op running or queued, no group), it runs at
+        once, without the executor's bookkeeping (like an idle P2P call); its waits carry
+        their own deadline."""
+        desc = plan.desc
+        ex = self._exec
+        if ex.in_group or ex.running or ex.lock.locked():
+            await ex.execute(desc, lambda ctx: _PlanAt(plan, ctx.seq), agree=False)
+            return
+        if self._error is not None or self._closed:
+            self.check_usable()
+        seq = ex.seq & SEQ_MASK
+        ex.skip()
+        self._checker.issue(seq, desc, in_group=False)
+        try:
+            await plan.run(seq)
+        except asyncio.CancelledError:
+            ex.cancelled(desc.coll.name.lower(), seq)
+            raise
+        except AcollError as exc:
+            first = self._error
+            self.fail(exc)
+            raise (first or exc) from None
+
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
         return buffer_pair(self.mem, self.rank, self.size, send, recv, what, ratio_send,
@@ -582,6 +636,12 @@ class Communicator:
         is ordered there. Without ``stream=`` the op is ordered after CuPy's current
         stream's work and the await returns when the result can be read.
         """
+        hit = self._lane_plans.get((id(send), id(recv), op))
+        if (hit is not None and hit[0] is send and hit[1] is recv and send.dtype is hit[2]
+                and send.size == hit[3] and stream is None
+                and (send if recv is None else recv).flags.writeable):
+            await self._lane_run(hit[4])  # the same arrays as a recent call: its plan
+            return send if recv is None else recv
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
@@ -592,6 +652,14 @@ class Communicator:
             return out
         if self.size == 1:
             await self._local_copy(r, s, order)
+            return out
+        if self._lane_fits(s.nbytes):
+            plan = await self._lane_call(desc, s, r, rop)
+            if type(send) is np.ndarray and (recv is None or type(recv) is np.ndarray):
+                if len(self._lane_plans) >= _LANE_PLANS:
+                    self._lane_plans.clear()
+                self._lane_plans[(id(send), id(recv), op)] = (send, recv, send.dtype,
+                                                              send.size, plan)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
@@ -624,6 +692,9 @@ class Communicator:
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
+        if self._lane_fits(b.nbytes):
+            await self._lane_call(desc, b, b, root=root)
+            return buf
         make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
         await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, b, root), order))
         return buf
@@ -653,6 +724,9 @@ class Communicator:
             assert r is not None
             await self._local_copy(r, s, order)
             return out
+        if self._lane_fits(s.nbytes):
+            await self._lane_call(desc, s, r, rop, root)
+            return out
         make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
                               op=rop, root=root)
         await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
@@ -673,6 +747,9 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
+        if self._lane_fits(s.nbytes):
+            await self._lane_call(desc, s, r)
+            return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
@@ -691,6 +768,9 @@ class Communicator:
             return out
         if self.size == 1:
             await self._local_copy(r, s, order)
+            return out
+        if self._lane_fits(r.nbytes):
+            await self._lane_call(desc, s, r, rop)
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
@@ -712,6 +792,9 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
+        if self._lane_fits(s.nbytes // self.size):
+            await self._lane_call(desc, s, r)
+            return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)
         await self._execute(desc, make, self._ordered(
@@ -725,6 +808,9 @@ class Communicator:
         if self.size == 1:
             return
         desc = Descriptor(Coll.BARRIER, 0, 0, 0, 0)
+        if self._lane is not None:
+            await self._lane_call(desc, None, None)
+            return
         await self._exec.execute(desc, self._barrier_algo())
 
     def _barrier_algo(self) -> MakeAlgorithm:
@@ -938,6 +1024,16 @@ class _OnStream:
         self.order.finish()
         if self.order.settle:
             await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
+
+
+class _PlanAt:
+    """A lane plan run by the executor as op ``seq``."""
+
+    def __init__(self, plan: LanePlan, seq: int) -> None:
+        self.plan, self.seq = plan, seq
+
+    async def run(self) -> None:
+        await self.plan.run(self.seq)
 
 
 class _ViaHost:

@@ -98,6 +98,11 @@ def dtype_code(dt: np.dtype[Any]) -> int:
     return code
 
 
+def ufunc_of(op: ReduceOp) -> np.ufunc:
+    """The NumPy ufunc that combines two operands under ``op`` (SUM for AVG's sum)."""
+    return _UFUNCS[op]
+
+
 def reduce_into(out: npt.NDArray[Any], a: npt.NDArray[Any], b: npt.NDArray[Any],
                 op: ReduceOp) -> None:
     """``out[:] = a (op) b`` elementwise, without temporaries. ``out`` may alias a or b."""

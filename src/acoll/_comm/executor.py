@@ -59,13 +59,16 @@ class Executor:
         self.seq = 0
         self._loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
-        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm]] | None = None
+        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool]] | None = None
         self.running: set[OpContext] = set()
         # One timer for every running op's deadline (re-armed for the next deadline when
         # it fires) instead of a timer per op: the per-op cost was a measurable part of a
         # small op's time. It holds the executor weakly: a communicator dropped or closed
         # while it is armed is not kept alive until it fires.
         self._watchdog: asyncio.TimerHandle | None = None
+        #: called with each collective's number and descriptor as it starts (the lane's
+        #: announcement, :mod:`.lane`), once the communicator has a lane
+        self.announce: Callable[[int, Descriptor], None] | None = None
 
     @property
     def in_group(self) -> bool:
@@ -86,8 +89,11 @@ class Executor:
         self.seq += 1
 
     async def execute(self, desc: Descriptor, make: MakeAlgorithm,
-                      tag_base: int | None = None) -> None:
-        """Number (unless ``tag_base`` is given: point-to-point), then run or enqueue."""
+                      tag_base: int | None = None, *, agree: bool = True) -> None:
+        """Number (unless ``tag_base`` is given: point-to-point), then run or enqueue.
+
+        ``agree=False``: the op checks on its own that every rank runs it (no agreement
+        exchange for rooted or empty ops)."""
         self.host.check_usable()
         if tag_base is None:
             seq = self.seq & SEQ_MASK
@@ -95,7 +101,7 @@ class Executor:
             self.seq += 1
             self.checker.issue(seq, desc, in_group=self._group is not None)
         if self._group is not None:
-            self._group.append((tag_base >> 32, desc, tag_base, make))
+            self._group.append((tag_base >> 32, desc, tag_base, make, agree))
             return
         try:
             await self.lock.acquire()
@@ -105,7 +111,8 @@ class Executor:
             raise
         try:
             self.host.check_usable()
-            await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make)
+            await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make,
+                            agree)
         finally:
             self.lock.release()
 
@@ -114,15 +121,17 @@ class Executor:
         self.host.fail(RemoteError(f"rank {rank} cancelled {name} #{seq}; the "
                                    "communicator was aborted", rank))
 
-    async def _run(self, ctx: OpContext, make: MakeAlgorithm) -> None:
+    async def _run(self, ctx: OpContext, make: MakeAlgorithm, agree: bool = True) -> None:
         host = self.host
+        if self.announce is not None and ctx.desc.coll != Coll.SEND_RECV:
+            self.announce(ctx.seq, ctx.desc)
         ctx.deadline = self._loop.time() + host.timeout
         self.running.add(ctx)
         if self._watchdog is None:
             self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
-            if ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
+            if agree and ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
                     ctx.desc.count == 0 and ctx.desc.coll not in _NO_DATA)):
                 check = await start_agreement(ctx)
             await make(ctx).run()
@@ -219,8 +228,8 @@ class Executor:
         try:
             self.host.check_usable()
             results = await asyncio.gather(
-                *(self._run(OpContext(self.host, seq, desc, True, tag), make)
-                  for seq, desc, tag, make in ops), return_exceptions=True)
+                *(self._run(OpContext(self.host, seq, desc, True, tag), make, agree)
+                  for seq, desc, tag, make, agree in ops), return_exceptions=True)
         finally:
             self.lock.release()
         for res in results:

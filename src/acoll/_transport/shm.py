@@ -33,10 +33,11 @@ bytes and the close frame. No thread: everything runs on the event loop.
   freed when the last process unmaps it or dies. The listener's socket lives in the
   abstract namespace, which vanishes with the socket.
 
-Reaching a listener: the handle is ``b"ACSH" | H version | 2x | Q network namespace |
-16s token``; the socket is ``"\\0acoll-shm-" + token.hex()``. Abstract sockets belong to a
-network namespace, so :meth:`ShmTransport.can_connect` accepts a pair only when both
-ranks are on one host (``PeerInfo.host_hash``), in different processes, and in the same
+Reaching a listener: the handle is ``b"ACSH" | H version | H lane (64-byte units) |
+Q network namespace | 16s token``; the socket is ``"\\0acoll-shm-" + token.hex()``.
+Abstract sockets belong to a network namespace, so :meth:`ShmTransport.can_connect`
+accepts a pair only when both ranks are on one host (``PeerInfo.host_hash``), in
+different processes, and in the same
 network namespace.
 
 Handshake on the control socket (little endian), the exchange of :mod:`acoll._auth`::
@@ -44,8 +45,9 @@ Handshake on the control socket (little endian), the exchange of :mod:`acoll._au
     listener  -> connector  4s b"ACSH" | H version | 2x | 32s nonce_a
     connector -> listener   4s b"ACSH" | H version | 2x | 32s nonce_c | I hello length
                             | hello | 32s proof
-    listener  -> connector  32s proof | Q ring capacity, with the segment's memfd attached
-                            (SCM_RIGHTS); capacity 0 and no memfd: no memory for a segment
+    listener  -> connector  32s proof | Q ring capacity | Q lane bytes, with the segment's
+                            memfd attached (SCM_RIGHTS); capacity 0 and no memfd: no memory
+                            for a segment
 
 The listener creates and maps the segment only for a connector that proved the job's key;
 its own proof also covers the ring capacity. The connector maps the segment only after
@@ -77,7 +79,7 @@ from .._deadline import wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
-from . import shmring
+from . import shmlane, shmring
 from .base import (
     META_SIZE,
     Capability,
@@ -90,7 +92,8 @@ from .base import (
 from .copyout import PacedCopies
 from .matching import Matcher, Message
 
-__all__ = ["DISABLE", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
+__all__ = ["DISABLE", "LANE_MAX", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
+           "handle_lane", "handle_netns",
            "make_shm", "unsupported"]
 
 log = get_logger("NET")
@@ -102,17 +105,22 @@ RING_SIZE = Setting("SHM_RING_SIZE", parse_size, 2 << 20,
                     "Bytes of messages each direction of a shared-memory connection holds "
                     "(a multiple of 4 KiB, at least 16 KiB); messages larger than a quarter "
                     "of it travel in parts.", "NET")
+LANE_MAX = Setting("SHM_LANE_MAX", parse_size, 64 << 10,
+                   "Largest payload per peer of a collective that ranks of one host in "
+                   "different processes run through shared mailboxes instead of messages "
+                   "(the lane: busy-polled, used only with a core per local rank); a "
+                   "multiple of 64, at most 1 MiB; 0 turns the lane off.", "COLL")
 MAX_EARLY = Setting("SHM_MAX_EARLY", parse_size, 4 << 30,
                     "Largest shared-memory message kept in memory when it arrives before its "
                     "receive is posted (or drained when its size is wrong); a larger one "
                     "fails the connection with ProtocolError.", "NET")
 
-_HANDLE = struct.Struct("<4sH2xQ16s")
+_HANDLE = struct.Struct("<4sHHQ16s")
 _MAGIC = b"ACSH"
-_VERSION = 1
+_VERSION = 2
 _CHAL = struct.Struct("<4sH2x32s")
 _HS = struct.Struct("<4sH2x32sI")
-_ACK = struct.Struct("<32sQ")
+_ACK = struct.Struct("<32sQQ")
 _CONTEXT = b"shm"
 _REFUSED = bytes(_ACK.size)  # sent instead of the answer: "you do not hold the key"
 _MAX_HELLO = _auth.PREAUTH_MAX_FRAME
@@ -148,11 +156,25 @@ def _netns() -> int:
         return 0
 
 
+def handle_lane(handle: bytes) -> int:
+    """The lane size (bytes) a shared-memory handle announces; 0 for none or a bad one."""
+    if len(handle) != _HANDLE.size:
+        return 0
+    magic, version, lane, _netns, _token = _HANDLE.unpack(handle)
+    return lane * 64 if magic == _MAGIC and version == _VERSION else 0
+
+
+def handle_netns(handle: bytes) -> int | None:
+    """The network namespace a shared-memory handle names; ``None`` for a bad one."""
+    parsed = _parse_handle(handle)
+    return None if parsed is None else parsed[0]
+
+
 def _parse_handle(handle: bytes) -> tuple[int, bytes] | None:
     """``(network namespace, socket name)`` of a shared-memory handle, or ``None``."""
     if len(handle) != _HANDLE.size:
         return None
-    magic, version, netns, token = _HANDLE.unpack(handle)
+    magic, version, _lane, netns, token = _HANDLE.unpack(handle)
     if magic != _MAGIC or version != _VERSION:
         return None
     return netns, b"\0acoll-shm-" + token.hex().encode()
@@ -217,6 +239,13 @@ class ShmConnection(Connection):
         self._tx_ring = shmring.Ring(self._mem, layout, 1 - rx_index)
         self._rx = shmring.Consumer(self._rx_ring)
         self._tx = shmring.Producer(self._tx_ring)
+        #: the mailboxes of the communicator's lane (:mod:`.shmlane`), if the segment has them
+        self.outbox: shmlane.Outbox | None = None
+        self.inbox: shmlane.Inbox | None = None
+        if layout.lane:
+            out_at, in_at = layout.box_offset(1 - rx_index), layout.box_offset(rx_index)
+            self.outbox = shmlane.Outbox(self._mem[out_at:out_at + layout.box], layout.lane)
+            self.inbox = shmlane.Inbox(self._mem[in_at:in_at + layout.box], layout.lane)
         # parts are a multiple of 64 bytes, so every part of a message keeps its alignment
         self._part = layout.capacity // 4
         self.peer = peer
@@ -412,6 +441,9 @@ class ShmConnection(Connection):
             self._cur = self._cur_msg = None  # (holds a view of the ring)
             self._rx_ring.release()
             self._tx_ring.release()
+            if self.outbox is not None and self.inbox is not None:
+                self.outbox.release()
+                self.inbox.release()
             self._mem.release()
             with contextlib.suppress(BufferError):  # a view still alive: unmapped by GC
                 self._mm.close()
@@ -759,8 +791,8 @@ def _claims(hello: bytes) -> bytes:
     return hello
 
 
-def _ack_claims(hello: bytes, capacity: int) -> bytes:
-    return struct.pack("<Q", capacity) + hello
+def _ack_claims(hello: bytes, capacity: int, lane: int) -> bytes:
+    return struct.pack("<QQ", capacity, lane) + hello
 
 
 def _new_segment(layout: shmring.SegmentLayout) -> tuple[int, mmap.mmap]:
@@ -786,14 +818,14 @@ def _map(fd: int, size: int) -> mmap.mmap:
     return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
 
 
-def _map_peer_segment(fd: int, capacity: int) -> mmap.mmap:
+def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
     """Map the listener's segment after checking its size and seals.
 
     Raises:
         ProtocolError: wrong size, not sealed against resizing, or a bad header.
     """
     try:
-        layout = shmring.SegmentLayout(capacity)
+        layout = shmring.SegmentLayout(capacity, lane)
     except ValueError as exc:
         raise ProtocolError(f"the listener announced a bad ring: {exc}") from None
     if capacity > _MAX_RING:
@@ -809,7 +841,8 @@ def _map_peer_segment(fd: int, capacity: int) -> mmap.mmap:
         raise ProtocolError("shared segment is not sealed against resizing")
     mm = _map(fd, size)
     try:
-        shmring.SegmentLayout.read_header(memoryview(mm))
+        if shmring.SegmentLayout.read_header(memoryview(mm)).lane != lane:
+            raise ProtocolError("shared segment header disagrees with the announced lane")
     except BaseException:
         mm.close()
         raise
@@ -835,11 +868,12 @@ class ShmListener(QueuedListener):
     """
 
     def __init__(self, sock: socket.socket, handle: bytes, key: bytes, capacity: int,
-                 handshake_timeout: float) -> None:
+                 handshake_timeout: float, lane: int = 0) -> None:
         self._sock = sock
         self.handle = handle
         self._key = key
         self._capacity = capacity
+        self._lane = lane
         self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
         self._gate = _auth.PreAuthGate()
         self._refusals = _auth.RefusalLog(log)
@@ -892,14 +926,15 @@ class ShmListener(QueuedListener):
                     sock.send(_REFUSED)
                 raise ProtocolError("the connector does not hold this job's key")
             try:
-                fd, mm = _new_segment(shmring.SegmentLayout(self._capacity))
-                capacity = self._capacity
+                layout = shmring.SegmentLayout(self._capacity, self._lane)
+                fd, mm = _new_segment(layout)
+                capacity, lane = self._capacity, self._lane
             except OSError as exc:  # out of memory (or memfd refused): say so, no segment
                 log.warning("cannot make a shared segment of %d bytes for %s: %s",
-                            shmring.SegmentLayout(self._capacity).size, peer, exc)
-                capacity = 0
+                            layout.size, peer, exc)
+                capacity = lane = 0
             ack = _ACK.pack(_auth.prove(self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
-                                        _ack_claims(hello, capacity)), capacity)
+                                        _ack_claims(hello, capacity, lane)), capacity, lane)
             await asyncio.wait_for(_send_all(loop, sock, ack, fd if fd >= 0 else None),
                                    self._timeout)
             if mm is None:
@@ -944,7 +979,7 @@ class ShmTransport(Transport):
     capabilities = Capability.SAME_HOST
 
     def __init__(self, *, key: bytes, ring_size: int | None = None,
-                 timeout: float = 30.0) -> None:
+                 timeout: float = 30.0, lane: int | None = None) -> None:
         if len(key) < 16:
             raise ValueError("ShmTransport needs the job's authentication key")
         self.key = key
@@ -959,6 +994,12 @@ class ShmTransport(Transport):
             from ..errors import InvalidUsage
 
             raise InvalidUsage(f"ACOLL_SHM_RING_SIZE={self.capacity}: at most {_MAX_RING}")
+        self.lane = LANE_MAX.resolve(lane)
+        if self.lane % 64 or not 0 <= self.lane <= shmring.MAX_LANE:
+            from ..errors import InvalidUsage
+
+            raise InvalidUsage(f"ACOLL_SHM_LANE_MAX={self.lane}: a multiple of 64 from 0 "
+                               f"to {shmring.MAX_LANE}")
         self.timeout = timeout
         self.netns = _netns()
 
@@ -971,7 +1012,7 @@ class ShmTransport(Transport):
 
     async def listen(self) -> ShmListener:
         token = os.urandom(16)
-        handle = _HANDLE.pack(_MAGIC, _VERSION, self.netns, token)
+        handle = _HANDLE.pack(_MAGIC, _VERSION, self.lane // 64, self.netns, token)
         parsed = _parse_handle(handle)
         assert parsed is not None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -983,7 +1024,7 @@ class ShmTransport(Transport):
             sock.close()
             raise TransportError(f"cannot listen for shared-memory connections: {exc}"
                                  ) from exc
-        return ShmListener(sock, handle, self.key, self.capacity, self.timeout)
+        return ShmListener(sock, handle, self.key, self.capacity, self.timeout, self.lane)
 
     async def connect(self, handle: bytes, hello: bytes, deadline: float) -> ShmConnection:
         parsed = _parse_handle(handle)
@@ -1036,19 +1077,19 @@ class ShmTransport(Transport):
                 ack = await _recv_exactly(loop, sock, _ACK.size, fds)
             except ConnectionError:
                 raise _Evicted from None
-            proof, capacity = _ACK.unpack(ack)
+            proof, capacity, lane = _ACK.unpack(ack)
             if ack == _REFUSED:
                 raise ProtocolError("the listener refused the connection: this rank does "
                                     "not hold the job's key")
             if not _auth.verify(proof, self.key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
-                                _ack_claims(hello, capacity)):
+                                _ack_claims(hello, capacity, lane)):
                 raise ProtocolError("the listener failed to prove it holds the job's key")
             if capacity == 0:
                 raise TransportError("the shm listener could not allocate the shared segment "
                                      "(out of memory?); ACOLL_SHM_RING_SIZE sets its size")
             if len(fds) != 1:
                 raise ProtocolError(f"the listener sent {len(fds)} descriptors, not one")
-            return _map_peer_segment(fds[0], capacity)
+            return _map_peer_segment(fds[0], capacity, lane)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -8,11 +8,14 @@ it works on any writable memoryview (tests use a bytearray).
 Segment layout (little endian)::
 
     0                 header: 8s magic b"ACSHMSEG" | I version | I ring count (2)
-                              | Q ring capacity | Q data bytes per ring
+                              | Q ring capacity | Q data bytes per ring | Q lane bytes
     PAGE              ring 0 control (one page), then ring 0 data
     PAGE + RING_SPAN  ring 1 control, then ring 1 data
+    then              mailbox 0, mailbox 1 (each padded to pages; none when lane is 0)
 
-Ring 0 carries the connector's messages to the acceptor, ring 1 the other way.
+Ring 0 and mailbox 0 carry the connector's data to the acceptor, ring 1 and mailbox 1 the
+other way. The mailboxes serve the communicator's lane for small collectives
+(:mod:`.shmlane`).
 
 Control page of a ring, 64-bit words in two cache lines, each written by one side only:
 
@@ -54,6 +57,7 @@ import threading
 from collections.abc import Callable
 
 from ..errors import ProtocolError
+from .shmlane import mailbox_span
 
 __all__ = ["ALIGN", "HDR", "MAX_NOTICE", "PAGE", "WAKE", "Consumer", "ControlParser", "Producer",
            "Record", "Ring", "SegmentLayout", "close_frame", "fence", "footprint"]
@@ -61,8 +65,9 @@ __all__ = ["ALIGN", "HDR", "MAX_NOTICE", "PAGE", "WAKE", "Consumer", "ControlPar
 PAGE = 4096
 ALIGN = 64
 SEG_MAGIC = b"ACSHMSEG"
-SEG_VERSION = 1
-_SEG_HDR = struct.Struct("<8sIIQQ")
+SEG_VERSION = 2
+_SEG_HDR = struct.Struct("<8sIIQQQ")
+MAX_LANE = 1 << 20
 
 HDR = struct.Struct("<HBBIQQQ16s16x")
 assert HDR.size == ALIGN
@@ -101,14 +106,23 @@ class SegmentLayout:
     headers.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, lane: int = 0) -> None:
         if capacity < 4 * PAGE or capacity % PAGE:
             raise ValueError(f"ring capacity {capacity}: must be a multiple of {PAGE} "
                              f"and at least {4 * PAGE}")
+        if not 0 <= lane <= MAX_LANE:
+            raise ValueError(f"lane of {lane} bytes: at most {MAX_LANE}")
         self.capacity = capacity
+        self.lane = lane
         self.data_size = capacity + PAGE
         self.span = PAGE + self.data_size  # one ring: control page + data
-        self.size = PAGE + 2 * self.span
+        self.box = mailbox_span(lane)
+        self.box_span = (self.box + PAGE - 1) & ~(PAGE - 1)
+        self.size = PAGE + 2 * self.span + 2 * self.box_span
+
+    def box_offset(self, index: int) -> int:
+        """Offset of mailbox ``index`` (0 or 1; only when ``lane`` is not 0)."""
+        return PAGE + 2 * self.span + index * self.box_span
 
     def ring_offsets(self, index: int) -> tuple[int, int]:
         """(control offset, data offset) of ring ``index`` (0 or 1)."""
@@ -117,7 +131,8 @@ class SegmentLayout:
 
     def write_header(self, mem: memoryview) -> None:
         """Initialise a fresh (zeroed) segment: the creator calls this before sharing it."""
-        _SEG_HDR.pack_into(mem, 0, SEG_MAGIC, SEG_VERSION, 2, self.capacity, self.data_size)
+        _SEG_HDR.pack_into(mem, 0, SEG_MAGIC, SEG_VERSION, 2, self.capacity, self.data_size,
+                           self.lane)
 
     @classmethod
     def read_header(cls, mem: memoryview) -> SegmentLayout:
@@ -128,11 +143,11 @@ class SegmentLayout:
         """
         if mem.nbytes < PAGE:
             raise ProtocolError(f"shared segment of {mem.nbytes} bytes is too small")
-        magic, version, nrings, capacity, data_size = _SEG_HDR.unpack_from(mem, 0)
+        magic, version, nrings, capacity, data_size, lane = _SEG_HDR.unpack_from(mem, 0)
         if magic != SEG_MAGIC or version != SEG_VERSION or nrings != 2:
             raise ProtocolError("not an acoll shared-memory segment (or another version)")
         try:
-            layout = cls(capacity)
+            layout = cls(capacity, lane)
         except ValueError as exc:
             raise ProtocolError(f"bad shared segment header: {exc}") from None
         if layout.data_size != data_size or layout.size != mem.nbytes:

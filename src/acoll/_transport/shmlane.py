@@ -1,0 +1,149 @@
+"""Mailboxes of the shared-memory *lane*: small collectives without messages (sans-IO).
+
+Besides its two rings, a shared-memory segment (:mod:`.shmring`) holds one mailbox per
+direction. The communicator's lane (:mod:`acoll._comm.lane`) runs small collectives
+between processes of one host through them: every rank writes its contribution into the
+mailbox towards each peer, then reads each peer's mailbox towards it. There is no record,
+no matching and no wake-up: a reader busy-polls a sequence word. This module knows the
+layout and the rules, not the event loop; it works on any writable memoryview.
+
+Mailbox layout (little endian), written by one side only except where noted::
+
+    0     announce line (writer): Q begin | 16s descriptor | Q end
+    64    ack line (reader):      Q ack of slot 0 | Q ack of slot 1
+    128   slot 0: Q seq | 16s descriptor | Q payload length | 32x, then ``lane`` bytes
+    ...   slot 1: the same
+
+Sequence numbers are the communicator's op numbers plus one (0 means "never written").
+
+- A lane op numbered ``s`` uses slot ``s % 2``. The writer copies the payload, then the
+  *head* (descriptor and payload length), then stores ``seq``; the reader loads ``seq``
+  first. On x86-64
+  (total store order) plain stores and loads keep that order: this module, like the
+  rings, is used on x86-64 only.
+- Before reusing a slot, the writer checks that the reader acknowledged the op it last
+  wrote there (``ack``): a slot is never overwritten while its reader may copy from it.
+- An op that does not use the lane *announces* its number and descriptor (a seqlock:
+  ``begin``, descriptor, ``end``), so that a rank waiting in the lane for that number
+  learns at once that its peer called something else.
+
+Whatever the peer wrote is checked before use: a payload length other than the one
+expected is reported, never used to index.
+"""
+
+from __future__ import annotations
+
+import struct
+
+__all__ = ["HEAD_SIZE", "Inbox", "Outbox", "head", "head_length", "mailbox_span"]
+
+ALIGN = 64
+_SLOT = struct.Struct("<Q16sQ32x")
+assert _SLOT.size == ALIGN
+_SLOTS_AT = 2 * ALIGN
+_Q = struct.Struct("<Q")
+HEAD_SIZE = 24
+
+
+def _slot_span(lane: int) -> int:
+    return ALIGN + ((lane + ALIGN - 1) & ~(ALIGN - 1))
+
+
+def mailbox_span(lane: int) -> int:
+    """Bytes of one mailbox whose slots hold ``lane`` payload bytes (0: no mailbox)."""
+    if lane <= 0:
+        return 0
+    return _SLOTS_AT + 2 * _slot_span(lane)
+
+
+class _Box:
+    def __init__(self, mem: memoryview, lane: int) -> None:
+        if mem.nbytes != mailbox_span(lane):
+            raise ValueError(f"mailbox of {mem.nbytes} bytes for a lane of {lane}")
+        self.mem = mem
+        self.lane = lane
+        self._span = _slot_span(lane)
+        self._words = mem.cast("Q")  # for single 8-byte loads and stores
+        # word index of each slot's sequence, and of each ack
+        self._seq_word = [(_SLOTS_AT + i * self._span) // 8 for i in (0, 1)]
+        self._ack_word = [ALIGN // 8, ALIGN // 8 + 1]
+
+    def payload(self, slot: int, nbytes: int) -> memoryview:
+        start = _SLOTS_AT + slot * self._span + ALIGN
+        return self.mem[start:start + nbytes]
+
+    def release(self) -> None:
+        self._words.release()
+        self.mem.release()
+
+
+class Outbox(_Box):
+    """The writing side of a mailbox (towards one peer)."""
+
+    def __init__(self, mem: memoryview, lane: int) -> None:
+        super().__init__(mem, lane)
+        self._last = [0, 0]  # the sequence last written to each slot
+        self._heads = [_SLOTS_AT + i * self._span + 8 for i in (0, 1)]
+
+    def free(self, seq: int) -> bool:
+        """Whether the slot of op ``seq`` may be written (its last op was read)."""
+        slot = seq & 1
+        return self._words[self._ack_word[slot]] == self._last[slot]
+
+    def publish(self, seq: int, head: bytes) -> None:
+        """Publish op ``seq``: ``head`` (:func:`head`) after the payload, which the caller
+        copied into ``payload(seq % 2, n)`` first. Call only when :meth:`free` says so."""
+        slot = seq & 1
+        at = self._heads[slot]
+        self.mem[at:at + HEAD_SIZE] = head
+        self._last[slot] = seq + 1
+        self._words[self._seq_word[slot]] = seq + 1  # publish: the last store
+
+    def announce(self, seq: int, desc: bytes) -> None:
+        """Say that op ``seq`` (with ``desc``) runs off the lane."""
+        w = self._words
+        w[0] = seq + 1
+        self.mem[8:24] = desc
+        w[3] = seq + 1
+
+
+class Inbox(_Box):
+    """The reading side of a mailbox (from one peer)."""
+
+    def __init__(self, mem: memoryview, lane: int) -> None:
+        super().__init__(mem, lane)
+        self._heads = [_SLOTS_AT + i * self._span + 8 for i in (0, 1)]
+
+    def arrived(self, seq: int) -> bool:
+        """Whether the peer published op ``seq`` in its slot."""
+        return self._words[self._seq_word[seq & 1]] == seq + 1
+
+    def head(self, seq: int) -> bytes:
+        """The head (descriptor and payload length) the peer published for op ``seq``."""
+        at = self._heads[seq & 1]
+        return bytes(self.mem[at:at + HEAD_SIZE])
+
+    def ack(self, seq: int) -> None:
+        """Give op ``seq``'s slot back to the writer (after copying from it)."""
+        self._words[self._ack_word[seq & 1]] = seq + 1
+
+    def announced(self, seq: int) -> bytes | None:
+        """The descriptor the peer announced for op ``seq`` (it ran off the lane), or
+        ``None``."""
+        w = self._words
+        end = w[3]
+        if end != seq + 1:
+            return None
+        desc = bytes(self.mem[8:24])
+        return desc if w[0] == end else None
+
+
+def head(desc: bytes, nbytes: int) -> bytes:
+    """What a slot says besides its payload: the op's 16-byte descriptor and the payload's
+    length."""
+    return desc + _Q.pack(nbytes)
+
+
+def head_length(raw: bytes) -> int:
+    """The payload length in a head."""
+    return int(_Q.unpack_from(raw, 16)[0])
