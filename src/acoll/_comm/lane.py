@@ -15,7 +15,9 @@ in rank order on every rank, so every rank gets the same bits.
 - Waiting: a busy-poll of the communicator's spin budget without yielding, then polls
   between loop iterations (``asyncio.sleep(0)``) for ``_YIELD_POLL_S``, then polls every
   ``_SLEEP_S``: the loop keeps running, and a peer that is late by more than a couple of
-  milliseconds costs little CPU.
+  milliseconds costs little CPU. Ops that find every peer ready complete without
+  sleeping; a run of them yields to the loop once per ``STEP_NS`` (0.25 ms), as every op
+  step does.
 - Disagreements are found on every rank: each lane op publishes its descriptor with its
   data, and an op that runs off the lane announces its number and descriptor in the
   mailboxes, so a rank waiting in the lane sees at once that a peer called something else.
@@ -29,12 +31,13 @@ from __future__ import annotations
 import asyncio
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
-from .._coll.base import Coll, Descriptor
+from .._coll.base import STEP_NS, Coll, Descriptor
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer
 from .._transport.base import Connection, PeerInfo
@@ -86,6 +89,12 @@ class Lane:
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []
         self.inboxes: list[Inbox | None] = []  # by rank (None: this rank)
+        #: when a run of lane ops that never slept next yields to the loop (STEP_NS)
+        self.yield_at = 0
+        #: op numbers of the lane ops that have not published yet, in the order they
+        #: started: they publish in that order, so that two ops waiting for one slot (op
+        #: ``s`` and ``s + 2`` of a group) take it in turn
+        self.turns: deque[int] = deque()
 
     @property
     def ready(self) -> bool:
@@ -242,13 +251,23 @@ class LanePlan:
     async def run(self, seq: int) -> None:
         """Run the call as op number ``seq``: publish, wait for every peer, combine, give
         the peers' slots back."""
-        slot = seq & 1
-        for out, peer, src, dst, top in self.writes:
-            if not out.free(seq):
-                await self._wait_free(out, peer, seq)
-            if src is not None:
-                dst[slot][:] = src
-            out.publish(seq, top)
+        lane = self.lane
+        turns = lane.turns
+        turns.append(seq)  # (before any await: ops publish in the order they start)
+        try:
+            if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                # Another lane op (of a group, or of another task) publishes first; and
+                # ops that all find their peers ready never sleep: bound the loop's step.
+                await self._turn(seq)
+            slot = seq & 1
+            for out, peer, src, dst, top in self.writes:
+                if not out.free(seq):
+                    await self._wait_free(out, peer, seq)
+                if src is not None:
+                    dst[slot][:] = src
+                out.publish(seq, top)
+        finally:
+            turns.remove(seq)
         for inbox in self.inboxes:
             if not inbox.arrived(seq):
                 await self._wait(seq)
@@ -292,11 +311,28 @@ class LanePlan:
             if now >= deadline:
                 raise self._timed_out(seq, pending)
             await asyncio.sleep(0 if now - start < _YIELD_POLL_S else _SLEEP_S)
+            self.lane.yield_at = time.perf_counter_ns() + STEP_NS
             comm.check_usable()
             pending = [p for p in pending
                        if not self.lane.inboxes[p].arrived(seq)]  # type: ignore[union-attr]
             if not pending:
                 return
+
+    async def _turn(self, seq: int) -> None:
+        """Yield to the loop, then until the lane ops started before this one published."""
+        lane, comm = self.lane, self.comm
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + comm.timeout
+        while True:
+            await asyncio.sleep(0)
+            lane.yield_at = time.perf_counter_ns() + STEP_NS
+            comm.check_usable()
+            if lane.turns[0] == seq:
+                return
+            if loop.time() >= deadline:
+                raise AcollTimeoutError(f"{self.desc.coll.name.lower()} #{seq} waited "
+                                        f"{comm.timeout:g} s for earlier lane ops on rank "
+                                        f"{lane.rank}")
 
     async def _wait_free(self, out: Outbox, peer: int, seq: int) -> None:
         """Until ``peer`` read what this rank last wrote in the slot op ``seq`` needs."""

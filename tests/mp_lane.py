@@ -1,0 +1,201 @@
+"""One rank of a shared-memory lane test (started by tests/test_lane.py).
+
+    python mp_lane.py SCENARIO UID_HEX RANK NRANKS
+
+Prints ``RESULT <json>`` on success; the test reads it. ``ACOLL_TEST_CPUS`` makes the
+process report that many CPUs, so that 3 or 4 ranks use the lane on a 2-core machine (the
+lane wants a core per rank).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+if os.environ.get("ACOLL_TEST_CPUS"):
+    _cpus = int(os.environ["ACOLL_TEST_CPUS"])
+    os.cpu_count = lambda: _cpus
+
+import numpy as np
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all
+
+import acoll
+from acoll._comm import lane as lane_mod
+
+LANE_RUNS = 0
+_run = lane_mod.LanePlan.run
+
+
+async def _counted(self: lane_mod.LanePlan, seq: int) -> None:
+    global LANE_RUNS
+    LANE_RUNS += 1
+    await _run(self, seq)
+
+
+lane_mod.LanePlan.run = _counted  # type: ignore[method-assign]
+
+
+async def _outcome(coro: Any) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        await coro
+    except acoll.AcollError as exc:
+        return {"error": type(exc).__name__, "message": str(exc),
+                "rank": getattr(exc, "rank", None), "after": time.monotonic() - t0}
+    return {"error": None, "after": time.monotonic() - t0}
+
+
+async def matrix(comm: acoll.Communicator) -> dict[str, Any]:
+    checks = await check_all(comm, [1, 7, 1000, 20000], ALL_DTYPES, ALL_OPS)
+    return {"checks": checks}
+
+
+async def mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:
+    x = np.ones(4 if comm.rank == 0 else 5, np.float32)
+    return await _outcome(comm.all_reduce(x))
+
+
+async def mismatch_path(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0 runs a lane-sized all_reduce, the others one of 4 MiB (the message path)."""
+    x = np.ones(2 if comm.rank == 0 else 1 << 20, np.float32)
+    return await _outcome(comm.all_reduce(x))
+
+
+async def mismatch_root(comm: acoll.Communicator) -> dict[str, Any]:
+    x = np.ones(8, np.int32)
+    return await _outcome(comm.broadcast(x, root=1 if comm.rank == comm.size - 1 else 0))
+
+
+async def late(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 comes 0.3 s late; rank 0's loop keeps ticking meanwhile."""
+    lags: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - t - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)
+    if comm.rank == 1:
+        await asyncio.sleep(0.3)
+    x = np.full(3, comm.rank + 1, np.float64)
+    await comm.all_reduce(x)
+    stop = True
+    await tick
+    want = comm.size * (comm.size + 1) / 2
+    assert list(x) == [want] * 3, x
+    return {"ticks": len(lags), "worst_lag": max(lags)}
+
+
+async def stream(comm: acoll.Communicator) -> dict[str, Any]:
+    """Back-to-back lane ops that find their peers ready still let other tasks run."""
+    ticks = 0
+    stop = False
+
+    async def counter() -> None:
+        nonlocal ticks
+        while not stop:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.create_task(counter())
+    await asyncio.sleep(0)
+    x = np.zeros(2, np.float32)
+    t0 = time.perf_counter()
+    for _ in range(3000):
+        await comm.all_reduce(x)
+    elapsed = time.perf_counter() - t0
+    stop = True
+    await task
+    return {"ticks": ticks, "elapsed": elapsed}
+
+
+async def timeout(comm: acoll.Communicator) -> dict[str, Any]:
+    if comm.rank == 1:
+        await asyncio.sleep(6)
+        return {"error": "skipped"}
+    return await _outcome(comm.all_reduce(np.ones(2, np.float32)))
+
+
+async def killed(comm: acoll.Communicator) -> dict[str, Any]:
+    await comm.all_reduce(np.ones(2, np.float32))  # the lane is warm
+    if comm.rank == 1:
+        await asyncio.sleep(0.2)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return await _outcome(comm.all_reduce(np.ones(2, np.float32)))
+
+
+async def plans(comm: acoll.Communicator) -> dict[str, Any]:
+    """Repeated calls on one array reuse a plan; a changed array is not fooled by it."""
+    n, r = comm.size, comm.rank
+    x = np.full(4, r + 1, np.float32)
+    for _ in range(3):
+        x[:] = r + 1
+        await comm.all_reduce(x)
+    assert list(x) == [n * (n + 1) / 2] * 4, x
+    x.dtype = np.int32  # same bytes, another dtype: the plan must not be reused
+    x[:] = r + 1
+    await comm.all_reduce(x)
+    assert x.dtype == np.int32 and list(x) == [n * (n + 1) // 2] * 4, x
+    y = np.full(4, r + 1, np.float32)
+    out = np.empty_like(y)
+    await comm.all_reduce(y, out, op="max")
+    await comm.all_reduce(y, out, op=acoll.MIN)
+    assert list(out) == [1.0] * 4, out
+    out.setflags(write=False)
+    return await _outcome(comm.all_reduce(y, out))  # read-only now: refused by name
+
+
+async def group(comm: acoll.Communicator) -> dict[str, Any]:
+    n, r = comm.size, comm.rank
+    xs = [np.full(5, r + k, np.int64) for k in range(4)]
+    async with comm.group():
+        for x in xs:
+            await comm.all_reduce(x)
+        b = np.full(3, r, np.int32)
+        await comm.broadcast(b, root=n - 1)
+    for k, x in enumerate(xs):
+        assert list(x) == [sum(q + k for q in range(n))] * 5, (k, x)
+    assert list(b) == [n - 1] * 3, b
+    ys = [np.full(2, r * 10 + k, np.float64) for k in range(3)]
+    await asyncio.gather(*(comm.all_reduce(y) for y in ys))
+    for k, y in enumerate(ys):
+        assert list(y) == [sum(q * 10 + k for q in range(n))] * 2, (k, y)
+    await comm.barrier()
+    return {"ok": True}
+
+
+async def main() -> None:
+    scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
+    timeout_s = 3.0 if scenario == "timeout" else 60.0
+    comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
+    result = await globals()[scenario](comm)
+    result["lane"] = comm._lane.limit if comm._lane is not None else 0
+    result["lane_runs"] = LANE_RUNS
+    result["transports"] = [comm.transport_name(p) for p in range(n)]
+    print("RESULT " + json.dumps(result), flush=True)
+    if comm.error is None:
+        await comm.close()
+    else:
+        comm.abort()
+
+
+if __name__ == "__main__":
+    if os.environ.get("LANE_LOOP") == "uvloop":
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main(), debug=os.environ.get("LANE_LOOP") == "debug")

@@ -1,0 +1,243 @@
+"""The shared-memory lane: mailboxes on bytes, who gets a lane, and collectives through it
+between real processes (correctness, disagreements, late, dead and silent peers)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import acoll
+from acoll._comm.lane import lane_size
+from acoll._transport import shm
+from acoll._transport.base import PeerInfo
+from acoll._transport.shmlane import HEAD_SIZE, Inbox, Outbox, head, head_length, mailbox_span
+from acoll._transport.shmring import PAGE, SegmentLayout
+from acoll.errors import ProtocolError
+
+HERE = Path(__file__).parent
+pytestmark = pytest.mark.skipif(bool(shm.unsupported()), reason=shm.unsupported() or "-")
+
+
+# --------------------------------------------------------------------------- mailboxes
+def _pair(lane: int = 256) -> tuple[Outbox, Inbox, memoryview]:
+    mem = memoryview(bytearray(mailbox_span(lane)))
+    return Outbox(mem, lane), Inbox(mem, lane), mem
+
+
+def test_mailbox_span_and_size_checks() -> None:
+    assert mailbox_span(0) == 0
+    assert mailbox_span(64) == 128 + 2 * 128
+    assert mailbox_span(65) == 128 + 2 * (64 + 128)
+    with pytest.raises(ValueError, match="mailbox of"):
+        Outbox(memoryview(bytearray(100)), 64)
+
+
+def test_publish_is_seen_only_for_its_op_and_slot() -> None:
+    out, inbox, _ = _pair()
+    desc = bytes(range(16))
+    assert not inbox.arrived(0)  # fresh memory: nothing published (sequences are op + 1)
+    assert out.free(0) and out.free(1)
+    out.payload(0, 5)[:] = b"hello"
+    out.publish(0, head(desc, 5))
+    assert inbox.arrived(0) and not inbox.arrived(1) and not inbox.arrived(2)
+    assert inbox.head(0) == desc + (5).to_bytes(8, "little")
+    assert head_length(inbox.head(0)) == 5
+    assert bytes(inbox.payload(0, 5)) == b"hello"
+    out.publish(1, head(desc, 0))  # the other slot is free meanwhile
+    assert inbox.arrived(1) and inbox.arrived(0)
+
+
+def test_slot_is_reused_only_after_the_reader_acks() -> None:
+    out, inbox, _ = _pair()
+    out.publish(0, head(bytes(16), 0))
+    out.publish(1, head(bytes(16), 0))
+    assert not out.free(2) and not out.free(3)
+    inbox.ack(0)
+    assert out.free(2) and not out.free(3)
+    out.publish(2, head(bytes(16), 0))
+    assert inbox.arrived(2) and not inbox.arrived(0)  # op 0's slot now holds op 2
+    inbox.ack(1)
+    assert out.free(3)
+
+
+def test_announcement_is_a_seqlock() -> None:
+    out, inbox, mem = _pair()
+    assert inbox.announced(0) is None
+    out.announce(7, b"D" * 16)
+    assert inbox.announced(7) == b"D" * 16
+    assert inbox.announced(6) is None and inbox.announced(8) is None
+    words = mem.cast("Q")
+    words[0] = 9  # a writer half way through announcing op 8: begin moved, end did not
+    assert inbox.announced(7) is None
+    assert HEAD_SIZE == 24
+
+
+def test_segment_layout_places_mailboxes_after_the_rings() -> None:
+    plain, laned = SegmentLayout(4 * PAGE), SegmentLayout(4 * PAGE, 64 << 10)
+    assert plain.lane == 0 and plain.size == PAGE + 2 * plain.span
+    assert laned.box == mailbox_span(64 << 10)
+    assert laned.box_offset(0) == PAGE + 2 * laned.span
+    assert laned.box_offset(1) == laned.box_offset(0) + laned.box_span >= (
+        laned.box_offset(0) + laned.box)
+    assert laned.size == laned.box_offset(1) + laned.box_span
+    mem = memoryview(bytearray(laned.size))
+    laned.write_header(mem)
+    assert SegmentLayout.read_header(mem).lane == 64 << 10
+    with pytest.raises(ProtocolError, match="does not match"):
+        SegmentLayout.read_header(mem[:plain.size])
+    with pytest.raises(ValueError, match="lane"):
+        SegmentLayout(4 * PAGE, 2 << 20)
+
+
+# --------------------------------------------------------------------------- who gets one
+def _info(rank: int, *, host: int = 1, proc: bytes | None = None, lane: int = 64 << 10,
+          netns: int = 5, shm_handle: bool = True) -> PeerInfo:
+    handles = {"socket": b"x"}
+    if shm_handle:
+        handles["shm"] = shm._HANDLE.pack(shm._MAGIC, shm._VERSION, lane // 64, netns,
+                                          bytes(16))
+    return PeerInfo(rank, host, proc or bytes([rank]) * 8, 0, 100 + rank, handles)
+
+
+def test_lane_size_needs_one_host_separate_processes_and_every_rank_willing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert lane_size([_info(r) for r in range(4)], True) == 64 << 10
+    assert lane_size([_info(0, lane=4096), _info(1), _info(2, lane=1024)], True) == 1024
+    assert lane_size([_info(r) for r in range(4)], False) == 0  # device communicator
+    assert lane_size([_info(0)], True) == 0
+    assert lane_size([_info(0), _info(1, host=2)], True) == 0
+    assert lane_size([_info(0), _info(1, proc=bytes([0]) * 8)], True) == 0  # one process
+    assert lane_size([_info(0), _info(1, netns=6)], True) == 0
+    assert lane_size([_info(0), _info(1, lane=0)], True) == 0  # ACOLL_SHM_LANE_MAX=0
+    assert lane_size([_info(0), _info(1, shm_handle=False)], True) == 0  # SHM disabled
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)
+    assert lane_size([_info(r) for r in range(4)], True) == 0  # not a core per rank
+
+
+def test_lane_max_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "100")
+    with pytest.raises(acoll.InvalidUsage, match="ACOLL_SHM_LANE_MAX"):
+        shm.ShmTransport(key=bytes(32))
+    monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "4K")
+    t = shm.ShmTransport(key=bytes(32))
+    assert t.lane == 4096
+
+
+# --------------------------------------------------------------------------- processes
+def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio",
+         env_extra: dict[str, str] | None = None, wait: float = 120) -> list[dict[str, Any] | None]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["LANE_LOOP"] = loop
+    if cpus is not None:
+        env["ACOLL_TEST_CPUS"] = str(cpus)
+    env.update(env_extra or {})
+    uid = bytes(acoll.get_unique_id(ifname="lo")).hex()
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_lane.py"), scenario, uid,
+                               str(r), str(n)], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for r in range(n)]
+    results: list[dict[str, Any] | None] = []
+    try:
+        for p in procs:
+            out, err = p.communicate(timeout=wait)
+            lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+            if not lines and p.returncode not in (0, -9):
+                raise AssertionError(f"rank failed ({p.returncode}):\n{out[-2000:]}\n"
+                                     f"{err[-4000:]}")
+            results.append(json.loads(lines[0][7:]) if lines else None)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+@pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (2, "uvloop"), (3, "debug"),
+                                         (4, "asyncio")])
+def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> None:
+    """Counts 1 to 20000 (lane) and 20000 x 8-byte dtypes (over the lane's 64 KiB: the
+    message path) for every collective, op and dtype; in place and not."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    results = _run("matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400)
+    for res in results:
+        assert res is not None
+        assert res["lane"] == 64 << 10
+        assert res["lane_runs"] > 500, res  # most calls went through the lane
+        assert res["checks"] == results[0]["checks"]  # type: ignore[index]
+        assert sorted(map(str, res["transports"])) == ["None"] + ["shm"] * (n - 1)
+
+
+def test_no_lane_without_a_core_per_rank_nor_when_turned_off() -> None:
+    res = _run("group", 3, cpus=2)
+    assert all(r is not None and r["lane"] == 0 and r["lane_runs"] == 0 for r in res), res
+    res = _run("group", 2, env_extra={"ACOLL_SHM_LANE_MAX": "0"}, cpus=4)
+    assert all(r is not None and r["lane"] == 0 and r["lane_runs"] == 0 for r in res), res
+    res = _run("group", 2, env_extra={"ACOLL_SHM_DISABLE": "1"}, cpus=4)
+    assert all(r is not None and r["lane"] == 0 for r in res), res
+
+
+@pytest.mark.parametrize("scenario", ["mismatch_count", "mismatch_path", "mismatch_root"])
+def test_disagreements_are_named_on_every_rank_at_once(scenario: str) -> None:
+    results = _run(scenario, 3, cpus=4)
+    for res in results:
+        assert res is not None
+        assert res["error"] == "InvalidUsage", res
+        assert res["after"] < 10, res  # not the 60 s deadline
+    if scenario == "mismatch_count":
+        assert all("count" in r["message"] for r in results if r), results
+
+
+def test_a_late_peer_costs_no_loop_stall() -> None:
+    results = _run("late", 2, cpus=4)
+    for res in results:
+        assert res is not None
+        assert res["lane_runs"] >= 1
+        assert res["worst_lag"] < 0.05, res  # the loop kept ticking while it waited
+    assert results[0]["ticks"] > 100  # type: ignore[index]
+
+
+def test_back_to_back_lane_ops_yield_to_other_tasks() -> None:
+    for res in _run("stream", 2, cpus=4):
+        assert res is not None
+        assert res["lane_runs"] >= 3000
+        assert res["ticks"] >= 10, res  # about one yield per 0.25 ms of lane ops
+
+
+def test_a_silent_peer_times_out_naming_it() -> None:
+    results = _run("timeout", 3, cpus=4)
+    for rank in (0, 2):
+        res = results[rank]
+        assert res is not None
+        assert res["error"] == "TimeoutError", res
+        assert "rank 1" in res["message"], res
+        assert 2.5 < res["after"] < 10, res
+
+
+def test_a_killed_peer_fails_the_survivors_at_once() -> None:
+    results = _run("killed", 3, cpus=4)
+    assert results[1] is None  # SIGKILLed
+    for rank in (0, 2):
+        res = results[rank]
+        assert res is not None
+        assert res["error"] == "RemoteError", res
+        assert res["after"] < 10, res
+
+
+def test_reused_plans_follow_their_arrays() -> None:
+    for res in _run("plans", 2, cpus=4):
+        assert res is not None
+        assert res["error"] == "InvalidUsage", res
+        assert "read-only" in res["message"] or "writable" in res["message"], res
+
+
+def test_groups_and_concurrent_calls_through_the_lane() -> None:
+    for res in _run("group", 3, cpus=4):
+        assert res is not None and res["ok"] and res["lane_runs"] >= 8, res
