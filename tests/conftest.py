@@ -18,6 +18,12 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
     uvloop = None
 
+# The suite runs with acoll's defaults: settings of the calling shell would change what is
+# tested (ACOLL_IB_DISABLE=1, say, fails the transport selection tests). ACOLL_TIMEOUT (the
+# tests' deadlines) and ACOLL_TEST_* (the suite's own switches) are kept.
+for _name in [k for k in os.environ if k.startswith("ACOLL_")]:
+    if _name != "ACOLL_TIMEOUT" and not _name.startswith("ACOLL_TEST_"):
+        del os.environ[_name]
 # Ranks in tests talk over loopback only; subprocess tests pass their own environment.
 os.environ.setdefault("ACOLL_SOCKET_IFNAME", "=lo")
 os.environ.setdefault("ACOLL_TIMEOUT", "30")
