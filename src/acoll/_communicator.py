@@ -304,7 +304,7 @@ class Communicator:
                                         Awaitable[tuple[Bootstrap, list[bytes]]]],
                     sockaddr: tuple[Any, ...], family: socket.AddressFamily, timeout: float,
                     *, key: bytes, net: str | None, check: bool | None,
-                    mem: MemorySpace | None = None) -> Communicator:
+                    mem: MemorySpace | None = None, nranks: int = 0) -> Communicator:
         """Set up the transports, then ``join`` the bootstrap and learn every rank's info.
 
         ``join(make_info)`` returns the bootstrap and all ranks' info records, in rank order
@@ -313,7 +313,7 @@ class Communicator:
         endpoints: list[tuple[Transport, Listener]] = []
         try:
             for transport in select_transports(sockaddr, family, timeout=timeout, key=key,
-                                               net=net):
+                                               net=net, nranks=nranks):
                 endpoints.append((transport, await transport.listen()))
         except BaseException:
             _release(endpoints)
@@ -940,7 +940,8 @@ class Communicator:
         try:
             mem = HostSpace() if self.device is None else device_space(self.device)
             return await Communicator._form(join, sockaddr, fam, self.timeout, key=nkey,
-                                            net=None, check=self.check, mem=mem)
+                                            net=None, check=self.check, mem=mem,
+                                            nranks=len(members))
         except BaseException:
             sock.close()  # harmless if the bootstrap server already owns and closed it
             raise

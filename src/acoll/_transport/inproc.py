@@ -510,7 +510,7 @@ class InprocTransport(Transport):
         return mine
 
 
-def make_inproc(*, timeout: float, key: bytes) -> InprocTransport | None:
+def make_inproc(*, timeout: float, key: bytes, nranks: int = 0) -> InprocTransport | None:
     """The in-process transport for :func:`~.select.select_transports`, or ``None`` when
     ``ACOLL_INPROC_DISABLE`` turns it off. ``timeout`` is unused (nothing waits)."""
     del timeout

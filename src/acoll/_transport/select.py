@@ -100,12 +100,13 @@ def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
 
 
 def select_transports(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
-                      timeout: float, key: bytes, net: str | None = None
+                      timeout: float, key: bytes, net: str | None = None, nranks: int = 0
                       ) -> list[Transport]:
-    """This rank's transports in preference order (see the module docstring)."""
+    """This rank's transports in preference order (see the module docstring); ``nranks``
+    is the size of the communicator they serve (0: unknown)."""
     out: list[Transport] = []
     for make in _LOCAL:
-        transport = make(timeout=timeout, key=key)
+        transport = make(timeout=timeout, key=key, nranks=nranks)
         if transport is not None:
             out.append(transport)
     out.append(select_transport(sockaddr, family, timeout=timeout, key=key, net=net))
@@ -113,6 +114,6 @@ def select_transports(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *
 
 
 #: Transports for peers on this host or in this process, tried before the network, in
-#: order. Each is called as ``make(timeout=..., key=...)`` and returns ``None`` when it
+#: order. Each is called as ``make(timeout=..., key=..., nranks=...)`` and returns ``None`` when it
 #: is turned off or cannot run here (and logs why at INFO).
 _LOCAL: list[Any] = [make_inproc, make_shm]

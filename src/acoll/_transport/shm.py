@@ -93,7 +93,7 @@ from .copyout import PacedCopies
 from .matching import Matcher, Message
 
 __all__ = ["DISABLE", "LANE_MAX", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
-           "handle_lane", "handle_netns",
+           "auto_lane", "handle_lane", "handle_netns",
            "make_shm", "unsupported"]
 
 log = get_logger("NET")
@@ -105,11 +105,26 @@ RING_SIZE = Setting("SHM_RING_SIZE", parse_size, 2 << 20,
                     "Bytes of messages each direction of a shared-memory connection holds "
                     "(a multiple of 4 KiB, at least 16 KiB); messages larger than a quarter "
                     "of it travel in parts.", "NET")
-LANE_MAX = Setting("SHM_LANE_MAX", parse_size, 64 << 10,
+def _parse_lane(text: str) -> int:
+    return -1 if text.strip().lower() == "auto" else parse_size(text)
+
+
+LANE_MAX = Setting("SHM_LANE_MAX", _parse_lane, -1,
                    "Largest payload per peer of a collective that ranks of one host in "
                    "different processes run through shared mailboxes instead of messages "
-                   "(the lane: busy-polled, used only with a core per local rank); a "
-                   "multiple of 64, at most 1 MiB; 0 turns the lane off.", "COLL")
+                   "(the lane: busy-polled, used only with a core per local rank); auto "
+                   "(-1): 1 MiB / (ranks - 1), at least 64 KiB; else a multiple of 64, at "
+                   "most 1 MiB; 0 turns the lane off.", "COLL")
+#: what the automatic lane size shares out between a rank's peers
+LANE_BUDGET = 1 << 20
+LANE_FLOOR = 64 << 10
+
+
+def auto_lane(nranks: int) -> int:
+    """The lane size (payload bytes per peer) ``ACOLL_SHM_LANE_MAX=auto`` gives a
+    communicator of ``nranks``: an op's work grows with the number of peers it reads."""
+    per_peer = LANE_BUDGET // max(nranks - 1, 1)
+    return max(LANE_FLOOR, min(LANE_BUDGET, per_peer)) & ~63
 MAX_EARLY = Setting("SHM_MAX_EARLY", parse_size, 4 << 30,
                     "Largest shared-memory message kept in memory when it arrives before its "
                     "receive is posted (or drained when its size is wrong); a larger one "
@@ -979,7 +994,7 @@ class ShmTransport(Transport):
     capabilities = Capability.SAME_HOST
 
     def __init__(self, *, key: bytes, ring_size: int | None = None,
-                 timeout: float = 30.0, lane: int | None = None) -> None:
+                 timeout: float = 30.0, lane: int | None = None, nranks: int = 0) -> None:
         if len(key) < 16:
             raise ValueError("ShmTransport needs the job's authentication key")
         self.key = key
@@ -995,6 +1010,8 @@ class ShmTransport(Transport):
 
             raise InvalidUsage(f"ACOLL_SHM_RING_SIZE={self.capacity}: at most {_MAX_RING}")
         self.lane = LANE_MAX.resolve(lane)
+        if self.lane == -1:
+            self.lane = auto_lane(nranks)
         if self.lane % 64 or not 0 <= self.lane <= shmring.MAX_LANE:
             from ..errors import InvalidUsage
 
@@ -1095,7 +1112,7 @@ class ShmTransport(Transport):
                 os.close(fd)
 
 
-def make_shm(*, timeout: float, key: bytes) -> ShmTransport | None:
+def make_shm(*, timeout: float, key: bytes, nranks: int = 0) -> ShmTransport | None:
     """The shared-memory transport for :func:`~.select.select_transports`, or ``None``
     when ``ACOLL_SHM_DISABLE`` turns it off or it cannot run here (logged at INFO)."""
     if DISABLE.resolve():
@@ -1107,7 +1124,7 @@ def make_shm(*, timeout: float, key: bytes) -> ShmTransport | None:
         log.info("NET/SHM: not used (%s); ranks of other processes on this host use the "
                  "network", why)
         return None
-    transport = ShmTransport(key=key, timeout=timeout)
+    transport = ShmTransport(key=key, timeout=timeout, nranks=nranks)
     log.info("NET/SHM: shared memory for ranks in other processes of this host (rings of "
              "%d KiB per direction)", transport.capacity >> 10)
     return transport
