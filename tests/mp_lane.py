@@ -25,22 +25,22 @@ if os.environ.get("ACOLL_TEST_CPUS"):
     os.cpu_count = lambda: _cpus
 
 import numpy as np
-from collective_cases import ALL_DTYPES, ALL_OPS, check_all
 
 import acoll
 from acoll._comm import lane as lane_mod
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all
 
 LANE_RUNS = 0
-_run = lane_mod.LanePlan.run
+_run = lane_mod._LaneCall.run
 
 
-async def _counted(self: lane_mod.LanePlan, seq: int) -> None:
+async def _counted(self: Any, seq: int, *args: Any) -> None:
     global LANE_RUNS
     LANE_RUNS += 1
-    await _run(self, seq)
+    await _run(self, seq, *args)
 
 
-lane_mod.LanePlan.run = _counted  # type: ignore[method-assign]
+lane_mod._LaneCall.run = _counted  # type: ignore[method-assign]
 
 
 async def _outcome(coro: Any) -> dict[str, Any]:
@@ -54,7 +54,7 @@ async def _outcome(coro: Any) -> dict[str, Any]:
 
 
 async def matrix(comm: acoll.Communicator) -> dict[str, Any]:
-    checks = await check_all(comm, [1, 7, 1000, 20000], ALL_DTYPES, ALL_OPS)
+    checks = await check_all(comm, [1, 7, 1000, 20000, 150001], ALL_DTYPES, ALL_OPS)
     return {"checks": checks}
 
 
@@ -129,6 +129,17 @@ async def timeout(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(comm.all_reduce(np.ones(2, np.float32)))
 
 
+async def silent_group(comm: acoll.Communicator) -> dict[str, Any]:
+    if comm.rank == 1:
+        await asyncio.sleep(6)
+        return {"error": "skipped"}
+    async def ops() -> None:
+        async with comm.group():
+            await comm.all_reduce(np.ones(2, np.float32))
+            await comm.barrier()
+    return await _outcome(ops())
+
+
 async def killed(comm: acoll.Communicator) -> dict[str, Any]:
     await comm.all_reduce(np.ones(2, np.float32))  # the lane is warm
     if comm.rank == 1:
@@ -148,7 +159,8 @@ async def plans(comm: acoll.Communicator) -> dict[str, Any]:
     x.dtype = np.int32  # same bytes, another dtype: the plan must not be reused
     x[:] = r + 1
     await comm.all_reduce(x)
-    assert x.dtype == np.int32 and list(x) == [n * (n + 1) // 2] * 4, x
+    assert x.dtype == np.int32
+    assert list(x) == [n * (n + 1) // 2] * 4, x
     y = np.full(4, r + 1, np.float32)
     out = np.empty_like(y)
     await comm.all_reduce(y, out, op="max")
@@ -177,11 +189,93 @@ async def group(comm: acoll.Communicator) -> dict[str, Any]:
     return {"ok": True}
 
 
+async def after_close(comm: acoll.Communicator) -> dict[str, Any]:
+    x = np.ones(2, np.float32)
+    await comm.all_reduce(x)
+    await comm.close()
+    errors = []
+    for call in (lambda: comm.all_reduce(x), lambda: comm.broadcast(x),
+                 lambda: comm.all_gather(x, np.empty(2 * comm.size, np.float32)),
+                 comm.barrier):
+        errors.append((await _outcome(call()))["error"])
+    return {"errors": errors}
+
+
+async def done_then_fail(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 completes an all_reduce, then makes an invalid call at once: rank 0's
+    all_reduce, which every rank completed, must not report rank 1's later error."""
+    x = np.ones(2, np.float32)
+    await comm.all_reduce(x)
+    if comm.rank == 0:
+        await asyncio.sleep(0.05)  # rank 1 is done and failed by now
+        got = await _outcome(comm.all_reduce(x))
+        return {**got, "x": x.tolist()}
+    await comm.all_reduce(x)
+    return {**await _outcome(comm.all_reduce(x, op="bogus")), "x": x.tolist()}
+
+
+async def close_inflight(comm: acoll.Communicator) -> dict[str, Any]:
+    """close() right after starting a lane op waits for it, as for any op."""
+    x = np.ones(2, np.float32)
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        await asyncio.sleep(0.3)
+    task = asyncio.create_task(comm.all_reduce(x))
+    await asyncio.sleep(0)
+    await comm.close()
+    await task
+    return {"x": x.tolist()}
+
+
+async def late_group(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 is 1 s late to a group of 4 lane ops: rank 0 must not burn a core."""
+    xs = [np.ones(2, np.float32) for _ in range(4)]
+    await comm.barrier()
+    if comm.rank == 1:
+        await asyncio.sleep(1.0)
+    cpu = time.process_time()
+    async with comm.group():
+        for x in xs:
+            await comm.all_reduce(x)
+    return {"cpu": time.process_time() - cpu, "x": [x.tolist() for x in xs]}
+
+
+async def arrays(comm: acoll.Communicator) -> dict[str, Any]:
+    """Calls like an earlier one (same dtype, count, op) on other or changed arrays."""
+    n, r = comm.size, comm.rank
+    x = np.full(4, r + 1, np.float32)
+    await comm.all_reduce(x)
+    x.resize(8, refcheck=True)  # nothing of acoll's refers to x any more
+    x[:] = r + 1
+    await comm.all_reduce(x)
+    assert list(x) == [n * (n + 1) / 2] * 8, x
+    x[:] = r + 1
+    out = np.empty(8, np.float32)
+    await comm.all_reduce(x, out)  # a plan made for in place, used out of place
+    assert list(out) == [n * (n + 1) / 2] * 8, out
+    y = np.full((2, 4), r + 1, np.float32)  # same dtype and count, another shape
+    await comm.all_reduce(y)
+    assert (y == n * (n + 1) / 2).all(), y
+    bad = np.empty(8, np.float64)  # the plan's count and send dtype, a wrong recv dtype
+    res = await _outcome(comm.all_reduce(x, bad))
+    return {**res, "x": out.tolist()}
+
+
+async def bad_op(comm: acoll.Communicator) -> dict[str, Any]:
+    x = np.ones(2, np.float32)
+    await comm.all_reduce(x)
+    return await _outcome(comm.all_reduce(x, op=["sum"] if comm.rank == 0 else "sum"))
+
+
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
-    timeout_s = 3.0 if scenario == "timeout" else 60.0
+    timeout_s = 3.0 if scenario in ("timeout", "silent_group") else 60.0
     comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
     result = await globals()[scenario](comm)
+    if scenario in ("after_close", "close_inflight"):  # (closed already)
+        result.update(lane=1, lane_runs=LANE_RUNS, transports=[])
+        print("RESULT " + json.dumps(result), flush=True)
+        return
     result["lane"] = comm._lane.limit if comm._lane is not None else 0
     result["lane_runs"] = LANE_RUNS
     result["transports"] = [comm.transport_name(p) for p in range(n)]

@@ -42,26 +42,33 @@ def test_publish_is_seen_only_for_its_op_and_slot() -> None:
     out, inbox, _ = _pair()
     desc = bytes(range(16))
     assert not inbox.arrived(0)  # fresh memory: nothing published (sequences are op + 1)
-    assert out.free(0) and out.free(1)
+    assert out.free(0)
+    assert out.free(1)
     out.payload(0, 5)[:] = b"hello"
     out.publish(0, head(desc, 5))
-    assert inbox.arrived(0) and not inbox.arrived(1) and not inbox.arrived(2)
+    assert inbox.arrived(0)
+    assert not inbox.arrived(1)
+    assert not inbox.arrived(2)
     assert inbox.head(0) == desc + (5).to_bytes(8, "little")
     assert head_length(inbox.head(0)) == 5
     assert bytes(inbox.payload(0, 5)) == b"hello"
     out.publish(1, head(desc, 0))  # the other slot is free meanwhile
-    assert inbox.arrived(1) and inbox.arrived(0)
+    assert inbox.arrived(1)
+    assert inbox.arrived(0)
 
 
 def test_slot_is_reused_only_after_the_reader_acks() -> None:
     out, inbox, _ = _pair()
     out.publish(0, head(bytes(16), 0))
     out.publish(1, head(bytes(16), 0))
-    assert not out.free(2) and not out.free(3)
+    assert not out.free(2)
+    assert not out.free(3)
     inbox.ack(0)
-    assert out.free(2) and not out.free(3)
+    assert out.free(2)
+    assert not out.free(3)
     out.publish(2, head(bytes(16), 0))
-    assert inbox.arrived(2) and not inbox.arrived(0)  # op 0's slot now holds op 2
+    assert inbox.arrived(2)
+    assert not inbox.arrived(0)
     inbox.ack(1)
     assert out.free(3)
 
@@ -71,7 +78,8 @@ def test_announcement_is_a_seqlock() -> None:
     assert inbox.announced(0) is None
     out.announce(7, b"D" * 16)
     assert inbox.announced(7) == b"D" * 16
-    assert inbox.announced(6) is None and inbox.announced(8) is None
+    assert inbox.announced(6) is None
+    assert inbox.announced(8) is None
     words = mem.cast("Q")
     words[0] = 9  # a writer half way through announcing op 8: begin moved, end did not
     assert inbox.announced(7) is None
@@ -80,7 +88,8 @@ def test_announcement_is_a_seqlock() -> None:
 
 def test_segment_layout_places_mailboxes_after_the_rings() -> None:
     plain, laned = SegmentLayout(4 * PAGE), SegmentLayout(4 * PAGE, 64 << 10)
-    assert plain.lane == 0 and plain.size == PAGE + 2 * plain.span
+    assert plain.lane == 0
+    assert plain.size == PAGE + 2 * plain.span
     assert laned.box == mailbox_span(64 << 10)
     assert laned.box_offset(0) == PAGE + 2 * laned.span
     assert laned.box_offset(1) == laned.box_offset(0) + laned.box_span >= (
@@ -117,8 +126,20 @@ def test_lane_size_needs_one_host_separate_processes_and_every_rank_willing(
     assert lane_size([_info(0), _info(1, netns=6)], True) == 0
     assert lane_size([_info(0), _info(1, lane=0)], True) == 0  # ACOLL_SHM_LANE_MAX=0
     assert lane_size([_info(0), _info(1, shm_handle=False)], True) == 0  # SHM disabled
+    monkeypatch.setattr(os, "cpu_count", lambda: 3)  # the handles decide, not this rank
+    assert lane_size([_info(r) for r in range(4)], True) == 64 << 10
+
+
+def test_lane_size_follows_the_communicator_and_the_cores(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert [shm.auto_lane(n) for n in (2, 3, 4, 8, 9)] == [
+        1 << 20, (1 << 20) // 2, ((1 << 20) // 3) & ~63, ((1 << 20) // 7) & ~63, 0]
+    assert shm.auto_lane(17) == 0
+    assert shm.auto_lane(0) == 1 << 20
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
-    assert lane_size([_info(r) for r in range(4)], True) == 0  # not a core per rank
+    assert shm.ShmTransport(key=bytes(32), nranks=3).lane == 512 << 10
+    assert shm.ShmTransport(key=bytes(32), nranks=4).lane == 0  # no core per rank: none
+    assert shm.ShmTransport(key=bytes(32), nranks=4, lane=4096).lane == 0
 
 
 def test_lane_max_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -126,13 +147,16 @@ def test_lane_max_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(acoll.InvalidUsage, match="ACOLL_SHM_LANE_MAX"):
         shm.ShmTransport(key=bytes(32))
     monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "4K")
-    t = shm.ShmTransport(key=bytes(32))
+    t = shm.ShmTransport(key=bytes(32), nranks=2)
     assert t.lane == 4096
+    monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "auto")
+    assert shm.ShmTransport(key=bytes(32), nranks=2).lane == 1 << 20
 
 
 # --------------------------------------------------------------------------- processes
 def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio",
-         env_extra: dict[str, str] | None = None, wait: float = 120) -> list[dict[str, Any] | None]:
+         env_extra: dict[str, str] | None = None, wait: float = 120,
+         rank_env: dict[int, dict[str, str]] | None = None) -> list[dict[str, Any] | None]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["LANE_LOOP"] = loop
     if cpus is not None:
@@ -140,8 +164,9 @@ def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio
     env.update(env_extra or {})
     uid = bytes(acoll.get_unique_id(ifname="lo")).hex()
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_lane.py"), scenario, uid,
-                               str(r), str(n)], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for r in range(n)]
+                               str(r), str(n)], env={**env, **(rank_env or {}).get(r, {})},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(n)]
     results: list[dict[str, Any] | None] = []
     try:
         for p in procs:
@@ -162,14 +187,14 @@ def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (2, "uvloop"), (3, "debug"),
                                          (4, "asyncio")])
 def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> None:
-    """Counts 1 to 20000 (lane) and 20000 x 8-byte dtypes (over the lane's 64 KiB: the
-    message path) for every collective, op and dtype; in place and not."""
+    """Counts 1 to 20000 (the lane) and 150001 (over the lane's size for most dtypes:
+    the message path) for every collective, op and dtype; in place and not."""
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     results = _run("matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400)
     for res in results:
         assert res is not None
-        assert res["lane"] == 64 << 10
+        assert res["lane"] == shm.auto_lane(n)
         assert res["lane_runs"] > 500, res  # most calls went through the lane
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
         assert sorted(map(str, res["transports"])) == ["None"] + ["shm"] * (n - 1)
@@ -240,4 +265,65 @@ def test_reused_plans_follow_their_arrays() -> None:
 
 def test_groups_and_concurrent_calls_through_the_lane() -> None:
     for res in _run("group", 3, cpus=4):
-        assert res is not None and res["ok"] and res["lane_runs"] >= 8, res
+        assert res is not None
+        assert res["ok"]
+        assert res["lane_runs"] >= 8, res
+
+
+# ------------------------------------------------------------------ found by review
+def test_calls_after_close_raise_closed_error() -> None:
+    for res in _run("after_close", 2, cpus=4):
+        assert res is not None
+        assert res["errors"] == ["ClosedError"] * 4, res
+
+
+def test_an_op_every_rank_completed_succeeds_despite_a_later_failure() -> None:
+    results = _run("done_then_fail", 2, cpus=4)
+    assert results[0] is not None
+    assert results[0]["error"] is None, results
+    assert results[0]["x"] == [4.0, 4.0]
+    assert results[1] is not None
+    assert results[1]["error"] == "InvalidUsage", results
+
+
+def test_close_waits_for_a_lane_op_in_flight() -> None:
+    for res in _run("close_inflight", 2, cpus=4):
+        assert res is not None
+        assert res["x"] == [4.0, 4.0], res
+
+
+def test_waiting_for_a_late_peer_in_a_group_costs_little_cpu() -> None:
+    results = _run("late_group", 2, cpus=4)
+    assert results[0] is not None
+    assert results[0]["cpu"] < 0.5, results[0]  # over 1 s of waiting
+    assert results[0]["x"] == [[2.0, 2.0]] * 4
+
+
+def test_a_reused_plan_never_holds_or_trusts_the_arrays() -> None:
+    for res in _run("arrays", 2, cpus=4):
+        assert res is not None
+        assert res["error"] == "InvalidUsage", res
+        assert "float64" in res["message"], res
+        assert res["x"] == [3.0] * 8
+
+
+def test_a_bad_op_is_named_on_every_rank() -> None:
+    for res in _run("bad_op", 2, cpus=4):
+        assert res is not None
+        assert res["error"] == "InvalidUsage", res
+        assert "['sum']" in res["message"], res
+
+
+def test_ranks_agree_on_no_lane_when_one_lacks_cores() -> None:
+    uid_env = {"ACOLL_TEST_CPUS": "4"}
+    results = _run("group", 3, env_extra=uid_env, rank_env={0: {"ACOLL_TEST_CPUS": "2"}})
+    assert all(r is not None and r["lane"] == 0 and r["ok"] for r in results), results
+
+
+def test_a_silent_rank_in_a_group_is_named() -> None:
+    results = _run("silent_group", 3, cpus=4)
+    for rank in (0, 2):
+        res = results[rank]
+        assert res is not None
+        assert res["error"] == "TimeoutError", res
+        assert "rank 1" in res["message"], res

@@ -48,7 +48,7 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._comm.args import buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
-from ._comm.lane import Lane, LanePlan, lane_size
+from ._comm.lane import AllReducePlan, Lane, LanePlan, lane_size
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
@@ -94,7 +94,7 @@ VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, 64 << 10,
                        "every message; 0 turns that off.", "COLL")
 
 _LANE_RANKS = 8  # the lane connects every pair of ranks (a shared segment each)
-_LANE_PLANS = 16
+_LANE_PLANS = 64
 _LINGER = 5.0
 _FAILED_LINGER = 0.5
 _PROC = os.urandom(8)  # this process, among all processes of the job (see PeerInfo)
@@ -234,7 +234,8 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
 
     try:
         comm = await Communicator._form(join, sockaddr, iface.family, timeout,
-                                        key=uid.job_key, net=net, check=check, mem=mem)
+                                        key=uid.job_key, net=net, check=check, mem=mem,
+                                        nranks=nranks)
     except BaseException:
         if root is not None:  # do not keep the fixed ACOLL_COMM_ID port busy
             root.stop()
@@ -291,9 +292,9 @@ class Communicator:
         self._exec = Executor(self, self._checker)
         limit = lane_size(infos, self.mem.device is None) if self.size <= _LANE_RANKS else 0
         self._lane = Lane(self.rank, self.size, limit) if limit else None
-        # all_reduce plans through the lane for NumPy arrays used again: (id(send), id(recv),
-        # op) -> (send, recv, dtype, size, plan). Holds the arrays (at most _LANE_PLANS).
-        self._lane_plans: dict[tuple[int, int, Any], tuple[Any, Any, Any, int, LanePlan]] = {}
+        # all_reduce plans through the lane, reused by calls on NumPy arrays of the same
+        # (dtype, count, op); they hold views of the mailboxes, never a user's array
+        self._lane_plans: dict[tuple[Any, int, Any], AllReducePlan] = {}
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._checker.on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
@@ -442,6 +443,14 @@ class Communicator:
         self._boot.abort()
         self._links.cancel_tasks()
         self._exec.stop_watchdog()
+        self._release_lane()
+
+    def _release_lane(self) -> None:
+        """Drop the lane's plans and views (once no lane op runs any more)."""
+        self._lane_plans.clear()
+        self._exec.announce = None
+        if self._lane is not None:
+            self._lane.release()
 
     async def close(self) -> None:
         """Orderly close: wait for in-flight ops on every rank, then release everything.
@@ -477,6 +486,7 @@ class Communicator:
         self._links.close_transports()
         await self._boot.close()
         self._exec.stop_watchdog()
+        self._release_lane()
         if failure is not None:
             raise failure
 
@@ -586,38 +596,45 @@ class Communicator:
         return lane is not None and nbytes <= lane.limit
 
     async def _lane_call(self, desc: Descriptor, send: Buffer | None, recv: Buffer | None,
-                         op: ReduceOp = ReduceOp.SUM, root: int = 0) -> LanePlan:
-        """Run a call through the lane (:mod:`acoll._comm.lane`); returns its plan."""
+                         op: ReduceOp = ReduceOp.SUM, root: int = 0) -> None:
+        """Run a call through the lane (:mod:`acoll._comm.lane`)."""
+        self.check_usable()
         assert self._lane is not None
-        plan = LanePlan(self, self._lane, desc, send, recv, op, root)
-        await self._lane_run(plan)
-        return plan
+        await self._lane_run(LanePlan(self, self._lane, desc, send, recv, op, root))
 
-    async def _lane_run(self, plan: LanePlan) -> None:
-        """Run ``plan`` as the next op.
+    async def _lane_run(self, call: LanePlan | AllReducePlan, mine: Any = None,
+                        res: Any = None) -> None:
+        """Run a lane call as the next op (``mine``/``res``: a reused plan's arrays).
 
         Made while the executor is idle (no op running or queued, no group), it runs at
-        once, without the executor's bookkeeping (like an idle P2P call); its waits carry
-        their own deadline."""
-        desc = plan.desc
-        ex = self._exec
-        if ex.in_group or ex.running or ex.lock.locked():
-            await ex.execute(desc, lambda ctx: _PlanAt(plan, ctx.seq), agree=False)
-            return
+        once under the executor's lock (taken without suspending: later calls and close()
+        wait for it) without the rest of the executor's bookkeeping, like an idle P2P call;
+        its waits carry their own deadline."""
         if self._error is not None or self._closed:
             self.check_usable()
-        seq = ex.seq & SEQ_MASK
-        ex.skip()
-        self._checker.issue(seq, desc, in_group=False)
+        desc = call.desc
+        ex = self._exec
+        if ex.in_group or ex.running or ex.lock.locked():
+            full = ex.seq  # (the number execute() gives it, at once)
+            await ex.execute(desc, lambda ctx: _PlanAt(call, full, ctx, mine, res), lane=True)
+            return
+        await ex.lock.acquire()
         try:
-            await plan.run(seq)
-        except asyncio.CancelledError:
-            ex.cancelled(desc.coll.name.lower(), seq)
-            raise
-        except AcollError as exc:
-            first = self._error
-            self.fail(exc)
-            raise (first or exc) from None
+            full = ex.seq
+            seq = full & SEQ_MASK
+            ex.skip()
+            self._checker.issue(seq, desc, in_group=False)
+            try:
+                await call.run(full, None, mine, res)
+            except asyncio.CancelledError:
+                ex.cancelled(desc.coll.name.lower(), seq)
+                raise
+            except AcollError as exc:
+                first = self._error
+                self.fail(exc)
+                raise (first or exc) from None
+        finally:
+            ex.lock.release()
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
@@ -636,12 +653,23 @@ class Communicator:
         is ordered there. Without ``stream=`` the op is ordered after CuPy's current
         stream's work and the await returns when the result can be read.
         """
-        hit = self._lane_plans.get((id(send), id(recv), op))
-        if (hit is not None and hit[0] is send and hit[1] is recv and send.dtype is hit[2]
-                and send.size == hit[3] and stream is None
-                and (send if recv is None else recv).flags.writeable):
-            await self._lane_run(hit[4])  # the same arrays as a recent call: its plan
-            return send if recv is None else recv
+        if (self._lane_plans and stream is None and type(send) is np.ndarray
+                and (type(op) is ReduceOp or type(op) is str)):
+            # A call like a recent one (dtype, count, op): its lane plan, with this call's
+            # arrays, when they pass the checks the general path would make.
+            plan = self._lane_plans.get((send.dtype, send.size, op))
+            if plan is not None and send.flags.c_contiguous:
+                if recv is None or recv is send:
+                    if send.flags.writeable:
+                        flat = send if send.ndim == 1 else send.reshape(-1)
+                        await self._lane_run(plan, flat, flat)
+                        return send
+                elif (type(recv) is np.ndarray and recv.dtype == send.dtype
+                      and recv.size == send.size and recv.flags.c_contiguous
+                      and recv.flags.writeable and not np.may_share_memory(send, recv)):
+                    await self._lane_run(plan, send if send.ndim == 1 else send.reshape(-1),
+                                         recv if recv.ndim == 1 else recv.reshape(-1))
+                    return recv
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
@@ -654,12 +682,14 @@ class Communicator:
             await self._local_copy(r, s, order)
             return out
         if self._lane_fits(s.nbytes):
-            plan = await self._lane_call(desc, s, r, rop)
-            if type(send) is np.ndarray and (recv is None or type(recv) is np.ndarray):
-                if len(self._lane_plans) >= _LANE_PLANS:
-                    self._lane_plans.clear()
-                self._lane_plans[(id(send), id(recv), op)] = (send, recv, send.dtype,
-                                                              send.size, plan)
+            self.check_usable()
+            assert self._lane is not None
+            plan = AllReducePlan(self, self._lane, desc, s.dtype, s.count, rop)
+            if type(send) is np.ndarray and (type(op) is ReduceOp or type(op) is str):
+                if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
+                    del self._lane_plans[next(iter(self._lane_plans))]
+                self._lane_plans[(send.dtype, send.size, op)] = plan
+            await self._lane_run(plan, s.array, r.array if r is not s else s.array)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
@@ -1028,13 +1058,14 @@ class _OnStream:
 
 
 class _PlanAt:
-    """A lane plan run by the executor as op ``seq``."""
+    """A lane call run by the executor as op ``seq`` (not wrapped)."""
 
-    def __init__(self, plan: LanePlan, seq: int) -> None:
-        self.plan, self.seq = plan, seq
+    def __init__(self, call: LanePlan | AllReducePlan, seq: int, ctx: OpContext, mine: Any,
+                 res: Any) -> None:
+        self.call, self.seq, self.ctx, self.mine, self.res = call, seq, ctx, mine, res
 
     async def run(self) -> None:
-        await self.plan.run(self.seq)
+        await self.call.run(self.seq, self.ctx, self.mine, self.res)
 
 
 class _ViaHost:

@@ -59,15 +59,15 @@ class Executor:
         self.seq = 0
         self._loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
-        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool]] | None = None
+        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]] | None = None
         self.running: set[OpContext] = set()
         # One timer for every running op's deadline (re-armed for the next deadline when
         # it fires) instead of a timer per op: the per-op cost was a measurable part of a
         # small op's time. It holds the executor weakly: a communicator dropped or closed
         # while it is armed is not kept alive until it fires.
         self._watchdog: asyncio.TimerHandle | None = None
-        #: called with each collective's number and descriptor as it starts (the lane's
-        #: announcement, :mod:`.lane`), once the communicator has a lane
+        #: called with each collective's number (not wrapped at SEQ_MASK) and descriptor as
+        #: it starts, except lane ops: the lane's announcement (:mod:`.lane`)
         self.announce: Callable[[int, Descriptor], None] | None = None
 
     @property
@@ -89,19 +89,20 @@ class Executor:
         self.seq += 1
 
     async def execute(self, desc: Descriptor, make: MakeAlgorithm,
-                      tag_base: int | None = None, *, agree: bool = True) -> None:
+                      tag_base: int | None = None, *, lane: bool = False) -> None:
         """Number (unless ``tag_base`` is given: point-to-point), then run or enqueue.
 
-        ``agree=False``: the op checks on its own that every rank runs it (no agreement
-        exchange for rooted or empty ops)."""
+        ``lane=True``: a lane op (:mod:`.lane`), which checks on its own that every rank
+        runs it: no agreement exchange, no announcement."""
         self.host.check_usable()
+        full = self.seq
         if tag_base is None:
             seq = self.seq & SEQ_MASK
             tag_base = seq << 32
             self.seq += 1
             self.checker.issue(seq, desc, in_group=self._group is not None)
         if self._group is not None:
-            self._group.append((tag_base >> 32, desc, tag_base, make, agree))
+            self._group.append((tag_base >> 32, desc, tag_base, make, lane, full))
             return
         try:
             await self.lock.acquire()
@@ -112,7 +113,7 @@ class Executor:
         try:
             self.host.check_usable()
             await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make,
-                            agree)
+                            lane, full)
         finally:
             self.lock.release()
 
@@ -121,17 +122,18 @@ class Executor:
         self.host.fail(RemoteError(f"rank {rank} cancelled {name} #{seq}; the "
                                    "communicator was aborted", rank))
 
-    async def _run(self, ctx: OpContext, make: MakeAlgorithm, agree: bool = True) -> None:
+    async def _run(self, ctx: OpContext, make: MakeAlgorithm, lane: bool = False,
+                   full: int = 0) -> None:
         host = self.host
-        if self.announce is not None and ctx.desc.coll != Coll.SEND_RECV:
-            self.announce(ctx.seq, ctx.desc)
+        if self.announce is not None and not lane and ctx.desc.coll != Coll.SEND_RECV:
+            self.announce(full, ctx.desc)
         ctx.deadline = self._loop.time() + host.timeout
         self.running.add(ctx)
         if self._watchdog is None:
             self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
-            if agree and ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
+            if not lane and ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
                     ctx.desc.count == 0 and ctx.desc.coll not in _NO_DATA)):
                 check = await start_agreement(ctx)
             await make(ctx).run()
@@ -228,8 +230,8 @@ class Executor:
         try:
             self.host.check_usable()
             results = await asyncio.gather(
-                *(self._run(OpContext(self.host, seq, desc, True, tag), make, agree)
-                  for seq, desc, tag, make, agree in ops), return_exceptions=True)
+                *(self._run(OpContext(self.host, seq, desc, True, tag), make, lane, full)
+                  for seq, desc, tag, make, lane, full in ops), return_exceptions=True)
         finally:
             self.lock.release()
         for res in results:

@@ -9,18 +9,28 @@ computes its result straight from them: one copy in, one pass out, no record, no
 matching, no future and no wake-up on the way. An all_reduce combines the contributions
 in rank order on every rank, so every rank gets the same bits.
 
-- Who uses it is decided from the formation records alone (:func:`lane_size`), so every
-  rank agrees; which calls use it depends only on the call (its kind and size), so every
-  rank takes the same path for the same call.
-- Waiting: a busy-poll of the communicator's spin budget without yielding, then polls
-  between loop iterations (``asyncio.sleep(0)``) for ``_YIELD_POLL_S``, then polls every
-  ``_SLEEP_S``: the loop keeps running, and a peer that is late by more than a couple of
-  milliseconds costs little CPU. Ops that find every peer ready complete without
+- Who uses it is decided from the formation records alone (:func:`lane_size`: each
+  rank's shared-memory handle says how large a lane it offers, 0 when it has no core per
+  rank), so every rank agrees; which calls use it depends only on the call (its kind and
+  size), so every rank takes the same path for the same call.
+- A lane op made while the executor is idle runs at once, holding the executor's lock
+  (taken without suspending), so that later calls, groups and ``close()`` wait for it as
+  for any op; otherwise the executor runs it in its turn.
+- Waiting (for peers, for a slot, for an earlier lane op): a busy-poll of the
+  communicator's spin budget without yielding (peers only), then polls between loop
+  iterations (``asyncio.sleep(0)``) for ``_YIELD_POLL_S``, then polls every ``_SLEEP_S``:
+  the loop keeps running, and a peer that is late by more than a couple of milliseconds
+  costs little CPU. What a wait waits for is looked at before the communicator's state,
+  so an op its peers completed completes here too. Ops that find every peer ready complete without
   sleeping; a run of them yields to the loop once per ``STEP_NS`` (0.25 ms), as every op
   step does.
 - Disagreements are found on every rank: each lane op publishes its descriptor with its
   data, and an op that runs off the lane announces its number and descriptor in the
-  mailboxes, so a rank waiting in the lane sees at once that a peer called something else.
+  mailboxes, so a rank waiting in the lane sees at once that a peer called something else
+  (or the same call off the lane). Op numbers in shared memory are not wrapped.
+- Memory: the lane owns its views of the segments; they are released when the
+  communicator closes or aborts and no lane op is running any more, so a view is never
+  used after it was released.
 - Failures: the communicator's failure (a peer's death seen by its shared-memory
   connection, an abort, a timeout) ends every wait; a wait has the communicator's
   deadline of its own.
@@ -29,7 +39,7 @@ in rank order on every rank, so every rank gets the same bits.
 from __future__ import annotations
 
 import asyncio
-import os
+import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -45,7 +55,7 @@ from .._transport.shmlane import Inbox, Outbox, head, head_length
 from ..errors import AcollError, InvalidUsage, ProtocolError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 
-__all__ = ["Lane", "LanePlan", "lane_size"]
+__all__ = ["AllReducePlan", "Lane", "LanePlan", "lane_size"]
 
 _YIELD_POLL_S = 2e-3
 _SLEEP_S = 5e-4
@@ -57,7 +67,7 @@ def lane_size(infos: Sequence[PeerInfo], host_memory: bool) -> int:
     from .._transport import shm
 
     n = len(infos)
-    if not host_memory or n < 2 or n > (os.cpu_count() or 1) or shm.unsupported():
+    if not host_memory or n < 2 or shm.unsupported():
         return 0
     first = infos[0]
     if len({info.proc for info in infos}) != n:
@@ -80,7 +90,7 @@ def _unwrap(conn: Connection) -> Any:
 
 
 class Lane:
-    """One communicator's lane: its mailboxes to every peer, set up on first use."""
+    """One communicator's lane: its mailboxes to every peer (see the module docstring)."""
 
     def __init__(self, rank: int, size: int, limit: int) -> None:
         self.rank = rank
@@ -89,16 +99,16 @@ class Lane:
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []
         self.inboxes: list[Inbox | None] = []  # by rank (None: this rank)
+        self._conns: list[Any] = []
         #: when a run of lane ops that never slept next yields to the loop (STEP_NS)
         self.yield_at = 0
         #: op numbers of the lane ops that have not published yet, in the order they
         #: started: they publish in that order, so that two ops waiting for one slot (op
         #: ``s`` and ``s + 2`` of a group) take it in turn
         self.turns: deque[int] = deque()
-
-    @property
-    def ready(self) -> bool:
-        return bool(self.outboxes)
+        self.inflight = 0  # lane ops running now
+        self._release_pending = False
+        self.released = False
 
     async def setup(self, comm: Any) -> None:
         """Connect to every peer and take the mailboxes of each connection.
@@ -106,29 +116,196 @@ class Lane:
         Raises:
             TransportError: a connection has no mailbox (the ranks disagree on the lane).
         """
-        outs: list[Outbox] = []
-        ins: list[Inbox | None] = [None] * self.size
         for peer in self.peers:
             conn = _unwrap(await comm.connection(peer))
-            out, inbox = getattr(conn, "outbox", None), getattr(conn, "inbox", None)
-            if out is None or inbox is None or out.lane < self.limit:
+            boxes = conn.mailboxes() if hasattr(conn, "mailboxes") else None
+            if boxes is None or boxes[0].lane < self.limit:
                 raise TransportError(f"rank {self.rank}: the connection to rank {peer} has "
                                      "no shared-memory mailbox for the lane")
-            outs.append(out)
-            ins[peer] = inbox
-        if not self.outboxes:
-            self.outboxes, self.inboxes = outs, ins
+            self._conns.append(conn)
+            self.outboxes.append(boxes[0])
+            if not self.inboxes:
+                self.inboxes = [None] * self.size
+            self.inboxes[peer] = boxes[1]
 
     def announce(self, seq: int, desc: Descriptor) -> None:
-        """Op ``seq`` runs off the lane (called by the executor for every op it runs)."""
+        """Op ``seq`` runs off the lane (called by the executor for every such op)."""
         for out in self.outboxes:
             out.announce(seq, desc.packed)
 
+    def release(self) -> None:
+        """Release the mailbox views once no lane op runs (now, or when the last ends).
+        The communicator drops its plans first."""
+        if self.inflight:
+            self._release_pending = True
+            return
+        if self.released:
+            return
+        self.released = True
+        for box in [*self.outboxes, *(i for i in self.inboxes if i is not None)]:
+            box.release()
+        for conn in self._conns:
+            conn.unmap_if_released()
 
-class LanePlan:
-    """One collective call's moves through the lane, worked out once (see the module
-    docstring); :meth:`run` it for each op number. A plan may be kept and run again for
-    the same buffers (the communicator does so for repeated all_reduce calls).
+    def enter(self) -> None:
+        self.inflight += 1
+
+    def leave(self) -> None:
+        self.inflight -= 1
+        if not self.inflight and self._release_pending:
+            self.release()
+
+
+class _LaneCall:
+    """What every lane call does (see the module docstring): subclasses say what goes
+    into each outbox (``_fill``) and how the result is made (``_finish``)."""
+
+    comm: Any
+    lane: Lane
+    desc: Descriptor
+    heads: list[tuple[Outbox, int, bytes]]  # (outbox, its peer, the head published there)
+    reads: list[tuple[int, Inbox, bytes]]  # (peer, its inbox, the head expected there)
+
+    def _fill(self, index: int, slot: int, mine: Any) -> None:
+        """Copy this rank's payload for outbox ``index`` into its slot ``slot``."""
+
+    def _finish(self, slot: int, mine: Any, res: Any) -> None:
+        """Make this rank's result from the inboxes' slot ``slot``."""
+
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
+        """Run the call as op number ``seq`` (not wrapped): publish, wait for every peer,
+        check, combine, give the peers' slots back. ``ctx``: the executor's op context
+        (it then learns whom the op waits for); ``mine``/``res``: the arrays of a reused
+        plan."""
+        lane = self.lane
+        lane.enter()
+        try:
+            await self._run(seq, ctx, mine, res)
+        finally:
+            lane.leave()
+
+    async def _run(self, seq: int, ctx: Any, mine: Any, res: Any) -> None:
+        lane = self.lane
+        turns = lane.turns
+        turns.append(seq)  # (before any await: ops publish in the order they start)
+        try:
+            if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                # Another lane op (of a group, or of another task) publishes first; and
+                # ops that all find their peers ready never sleep: bound the loop's step.
+                await self._turn(seq)
+            slot = seq & 1
+            for index, (out, peer, top) in enumerate(self.heads):
+                if not out.free(seq):
+                    await self._wait_free(out, peer, seq)
+                self._fill(index, slot, mine)
+                out.publish(seq, top)
+        finally:
+            turns.remove(seq)
+        for _, inbox, _ in self.reads:
+            if not inbox.arrived(seq):
+                await self._wait(seq, ctx)
+                break
+        for peer, inbox, expect in self.reads:
+            got = inbox.head(seq)
+            if got != expect:
+                raise self._disagree(peer, got, expect)
+        self._finish(slot, mine, res)
+        for _, inbox, _ in self.reads:
+            inbox.ack(seq)
+
+    def _disagree(self, peer: int, got: bytes, expect: bytes) -> AcollError:
+        if got[:16] != expect[:16]:
+            return InvalidUsage(self.desc.describe_difference(Descriptor.unpack(got[:16]),
+                                                              self.lane.rank, peer))
+        return ProtocolError(f"lane: rank {peer} published {head_length(got)} bytes for "
+                             f"{self.desc.coll.name.lower()}, {head_length(expect)} were "
+                             "expected")
+
+    async def _poll(self, seq: int, done: Callable[[], bool], spin: int,
+                    timed_out: Callable[[], AcollError], pending: Callable[[], None]) -> None:
+        """Until ``done()``: spin ``spin`` ns, then poll between loop iterations (see the
+        module doc). ``pending()`` checks for disagreements between polls."""
+        if spin:
+            end = time.perf_counter_ns() + spin
+            while time.perf_counter_ns() < end:
+                if done():
+                    return
+        comm = self.comm
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + comm.timeout
+        while True:
+            pending()
+            now = loop.time()
+            if now >= deadline:
+                raise timed_out()
+            await asyncio.sleep(0 if now - start < _YIELD_POLL_S else _SLEEP_S)
+            self.lane.yield_at = time.perf_counter_ns() + STEP_NS
+            if done():  # (first: an op that completed everywhere completes here too)
+                return
+            comm.check_usable()
+
+    async def _wait(self, seq: int, ctx: Any) -> None:
+        """Until every peer published op ``seq``."""
+        inboxes = self.lane.inboxes
+        pending = [peer for peer, inbox, _ in self.reads if not inbox.arrived(seq)]
+
+        def done() -> bool:
+            pending[:] = [p for p in pending
+                          if not inboxes[p].arrived(seq)]  # type: ignore[union-attr]
+            if ctx is not None and pending:
+                ctx.waiting_on = pending[0]
+                ctx.heard.update(p for p in self.lane.peers if p not in pending)
+            return not pending
+
+        if done():
+            return
+        await self._poll(seq, done, self.comm.spin_ns[pending[0]],
+                         lambda: self._timed_out(seq, pending),
+                         lambda: self._check_announced(seq, pending))
+
+    async def _wait_free(self, out: Outbox, peer: int, seq: int) -> None:
+        """Until ``peer`` read what this rank last wrote in the slot op ``seq`` needs."""
+        await self._poll(seq, lambda: out.free(seq), 0,
+                         lambda: self._timed_out(seq, [peer]), lambda: None)
+
+    async def _turn(self, seq: int) -> None:
+        """Yield to the loop, then until the lane ops started before this one published."""
+        lane = self.lane
+        await asyncio.sleep(0)
+        lane.yield_at = time.perf_counter_ns() + STEP_NS
+        if lane.turns[0] == seq:
+            return
+        self.comm.check_usable()
+        await self._poll(seq, lambda: lane.turns[0] == seq, 0, lambda: AcollTimeoutError(
+            f"{self.desc.coll.name.lower()} #{seq} waited {self.comm.timeout:g} s for "
+            f"earlier lane ops on rank {lane.rank}"), lambda: None)
+
+    def _check_announced(self, seq: int, pending: list[int]) -> None:
+        for p in pending:
+            got = self.lane.inboxes[p].announced(seq)  # type: ignore[union-attr]
+            if got is None:
+                continue
+            if got != self.desc.packed:
+                raise InvalidUsage(self.desc.describe_difference(
+                    Descriptor.unpack(got), self.lane.rank, p))
+            raise InvalidUsage(
+                f"rank {p} runs {self.desc.coll.name.lower()} #{seq} off the shared-memory "
+                f"lane while rank {self.lane.rank} runs it through the lane (do the ranks' "
+                "ACOLL_SHM_LANE_MAX settings differ?)")
+
+    def _timed_out(self, seq: int, pending: list[int]) -> AcollError:
+        name = self.desc.coll.name.lower()
+        many = len(pending) > 1
+        return AcollTimeoutError(
+            f"{name} #{seq} did not complete within {self.comm.timeout:g} s on rank "
+            f"{self.lane.rank}; it was waiting for rank{'s' if many else ''} "
+            f"{', '.join(map(str, pending))}, which did not reach this call",
+            None if many else pending[0])
+
+
+class LanePlan(_LaneCall):
+    """One call's moves through the lane, for its buffers (built per call).
 
     ``send``/``recv`` are host buffers (``recv`` may be ``send``; either is ``None`` for a
     barrier, ``recv`` for a reduce's non-root ranks)."""
@@ -164,33 +341,43 @@ class LanePlan:
             return chunk
 
         packed = desc.packed
-        self.writes: list[tuple[Outbox, int, memoryview | None, list[memoryview], bytes]] = []
+        self.heads = []
+        self._copies: list[tuple[memoryview, list[memoryview]] | None] = []
         for i, peer in enumerate(lane.peers):
             out = lane.outboxes[i]
             src = to(peer)
             size = 0 if src is None else src.nbytes
-            dst = [out.payload(slot, size) for slot in (0, 1)] if size else []
-            self.writes.append((out, peer, src if size else None, dst, head(packed, size)))
-        self.reads: list[tuple[int, Inbox, bytes, int]] = []
+            self._copies.append((src, [out.payload(slot, size) for slot in (0, 1)])
+                                if src is not None and size else None)
+            self.heads.append((out, peer, head(packed, size)))
+        self.reads = []
+        self._sizes: dict[int, int] = {}
         for peer in lane.peers:
             inbox = lane.inboxes[peer]
             assert inbox is not None
             size = length_from(peer)
-            self.reads.append((peer, inbox, head(packed, size), size))
-        self.inboxes = [inbox for _, inbox, _, _ in self.reads]
-        self._finish = self._result(send, recv, op, root, chunk)
+            self._sizes[peer] = size
+            self.reads.append((peer, inbox, head(packed, size)))
+        self._result = self._make_result(send, recv, op, root)
 
-    def _result(self, send: Buffer | None, recv: Buffer | None, op: ReduceOp, root: int,
-                chunk: int) -> Callable[[int], None]:
+    def _fill(self, index: int, slot: int, mine: Any) -> None:
+        copy = self._copies[index]
+        if copy is not None:
+            copy[1][slot][:] = copy[0]
+
+    def _finish(self, slot: int, mine: Any, res: Any) -> None:
+        self._result(slot)
+
+    def _make_result(self, send: Buffer | None, recv: Buffer | None, op: ReduceOp,
+                     root: int) -> Callable[[int], None]:
         """The step that makes this rank's result from the mailboxes of slot ``slot``."""
         coll, lane = self.desc.coll, self.lane
         rank, n = lane.rank, lane.size
-        sizes = {peer: size for peer, _, _, size in self.reads}
 
         def incoming(peer: int) -> list[memoryview]:
             inbox = lane.inboxes[peer]
             assert inbox is not None
-            return [inbox.payload(slot, sizes[peer]) for slot in (0, 1)]
+            return [inbox.payload(slot, self._sizes[peer]) for slot in (0, 1)]
 
         if coll == Coll.BARRIER or (coll == Coll.BROADCAST and rank == root) or (
                 coll == Coll.REDUCE and rank != root):
@@ -221,144 +408,63 @@ class LanePlan:
             return gather
         # ALL_REDUCE, REDUCE (root), REDUCE_SCATTER: combine in rank order on every rank
         res = recv.array
-        dtype = res.dtype
         mine = send.array
         if coll == Coll.REDUCE_SCATTER:
             mine = mine[rank * res.size:(rank + 1) * res.size]
-        keep = rank >= 2 and bool(np.may_share_memory(res, mine))
-        if keep:  # the first combinations would overwrite this rank's input before its turn
-            saved = np.empty_like(mine)
-            ours = [saved, saved]
-        else:
-            ours = [mine, mine]
-        parts = [ours if k == rank else [np.frombuffer(v, dtype) for v in incoming(k)]
+        parts = [None if k == rank else [np.frombuffer(v, res.dtype) for v in incoming(k)]
                  for k in range(n)]
-        ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
-        avg = op == ReduceOp.AVG
-        first, second, rest = parts[0], parts[1], parts[2:]
+        saved = np.empty_like(mine) if rank >= 2 and np.may_share_memory(res, mine) else None
+        return functools.partial(_combine, parts, rank, op, mine, res, saved)
 
-        def combine(slot: int) -> None:
-            if keep:
-                np.copyto(saved, mine)
-            ufunc(first[slot], second[slot], out=res)
-            for part in rest:
-                ufunc(res, part[slot], out=res)
-            if avg:
-                finish_avg(res, n)
 
-        return combine
+class AllReducePlan(_LaneCall):
+    """An all_reduce of ``count`` x ``dtype`` under ``op`` through the lane, for any
+    arrays: the communicator keeps these per (dtype, count, op) and passes each call's
+    arrays to :meth:`run` (flat, contiguous; ``res`` may be ``mine``)."""
 
-    async def run(self, seq: int) -> None:
-        """Run the call as op number ``seq``: publish, wait for every peer, combine, give
-        the peers' slots back."""
-        lane = self.lane
-        turns = lane.turns
-        turns.append(seq)  # (before any await: ops publish in the order they start)
-        try:
-            if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
-                # Another lane op (of a group, or of another task) publishes first; and
-                # ops that all find their peers ready never sleep: bound the loop's step.
-                await self._turn(seq)
-            slot = seq & 1
-            for out, peer, src, dst, top in self.writes:
-                if not out.free(seq):
-                    await self._wait_free(out, peer, seq)
-                if src is not None:
-                    dst[slot][:] = src
-                out.publish(seq, top)
-        finally:
-            turns.remove(seq)
-        for inbox in self.inboxes:
-            if not inbox.arrived(seq):
-                await self._wait(seq)
-                break
-        for peer, inbox, expect, _size in self.reads:
-            got = inbox.head(seq)
-            if got != expect:
-                raise self._disagree(peer, got, expect)
-        self._finish(slot)
-        for inbox in self.inboxes:
-            inbox.ack(seq)
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
+                 op: ReduceOp) -> None:
+        self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
+        nbytes = count * dtype.itemsize
+        top = head(desc.packed, nbytes)
+        self.heads = [(out, peer, top) for out, peer in zip(lane.outboxes, lane.peers,
+                                                            strict=True)]
+        self._dst = [[np.frombuffer(out.payload(slot, nbytes), dtype) for slot in (0, 1)]
+                     for out in lane.outboxes]
+        self.reads = []
+        for peer in lane.peers:
+            inbox = lane.inboxes[peer]
+            assert inbox is not None
+            self.reads.append((peer, inbox, top))
+        self._saved = np.empty(count, dtype) if lane.rank >= 2 else None
+        self._parts = [None if k == lane.rank else
+                       [np.frombuffer(lane.inboxes[k].payload(slot, nbytes),  # type: ignore[union-attr]
+                                      dtype) for slot in (0, 1)]
+                       for k in range(lane.size)]
 
-    def _disagree(self, peer: int, got: bytes, expect: bytes) -> AcollError:
-        if got[:16] != expect[:16]:
-            return InvalidUsage(self.desc.describe_difference(Descriptor.unpack(got[:16]),
-                                                              self.lane.rank, peer))
-        return ProtocolError(f"lane: rank {peer} published {head_length(got)} bytes for "
-                             f"{self.desc.coll.name.lower()}, {head_length(expect)} were "
-                             "expected")
+    def _fill(self, index: int, slot: int, mine: Any) -> None:
+        self._dst[index][slot][...] = mine
 
-    async def _wait(self, seq: int) -> None:
-        """Until every peer published op ``seq`` (see the module doc)."""
-        comm = self.comm
-        pending = [peer for peer, inbox, _, _ in self.reads if not inbox.arrived(seq)]
-        if not pending:
-            return
-        spin = comm.spin_ns[pending[0]]
-        if spin:
-            end = time.perf_counter_ns() + spin
-            while time.perf_counter_ns() < end:
-                pending = [p for p in pending
-                           if not self.lane.inboxes[p].arrived(seq)]  # type: ignore[union-attr]
-                if not pending:
-                    return
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + comm.timeout
-        while True:
-            self._check_announced(seq, pending)
-            now = loop.time()
-            if now >= deadline:
-                raise self._timed_out(seq, pending)
-            await asyncio.sleep(0 if now - start < _YIELD_POLL_S else _SLEEP_S)
-            self.lane.yield_at = time.perf_counter_ns() + STEP_NS
-            comm.check_usable()
-            pending = [p for p in pending
-                       if not self.lane.inboxes[p].arrived(seq)]  # type: ignore[union-attr]
-            if not pending:
-                return
+    def _finish(self, slot: int, mine: Any, res: Any) -> None:
+        _combine(self._parts, self.lane.rank, self.op, mine, res,
+                 self._saved if mine is res else None, slot)
 
-    async def _turn(self, seq: int) -> None:
-        """Yield to the loop, then until the lane ops started before this one published."""
-        lane, comm = self.lane, self.comm
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + comm.timeout
-        while True:
-            await asyncio.sleep(0)
-            lane.yield_at = time.perf_counter_ns() + STEP_NS
-            comm.check_usable()
-            if lane.turns[0] == seq:
-                return
-            if loop.time() >= deadline:
-                raise AcollTimeoutError(f"{self.desc.coll.name.lower()} #{seq} waited "
-                                        f"{comm.timeout:g} s for earlier lane ops on rank "
-                                        f"{lane.rank}")
 
-    async def _wait_free(self, out: Outbox, peer: int, seq: int) -> None:
-        """Until ``peer`` read what this rank last wrote in the slot op ``seq`` needs."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.comm.timeout
-        while not out.free(seq):
-            if loop.time() >= deadline:
-                raise self._timed_out(seq, [peer])
-            await asyncio.sleep(0)
-            self.comm.check_usable()
-
-    def _check_announced(self, seq: int, pending: list[int]) -> None:
-        for p in pending:
-            got = self.lane.inboxes[p].announced(seq)  # type: ignore[union-attr]
-            if got is not None and got != self.desc.packed:
-                raise InvalidUsage(self.desc.describe_difference(
-                    Descriptor.unpack(got), self.lane.rank, p))
-
-    def _timed_out(self, seq: int, pending: list[int]) -> AcollError:
-        name = self.desc.coll.name.lower()
-        many = len(pending) > 1
-        return AcollTimeoutError(
-            f"{name} #{seq} did not complete within {self.comm.timeout:g} s on rank "
-            f"{self.lane.rank}; it was waiting for rank{'s' if many else ''} "
-            f"{', '.join(map(str, pending))}, which did not reach this call",
-            None if many else pending[0])
+def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, res: Any,
+             saved: Any, slot: int) -> None:
+    """``res`` = the rank-ordered combination of every rank's part of slot ``slot``
+    (``mine`` for this rank's); ``saved``: where to keep ``mine`` first, when ``res``
+    overlaps it and the first combinations would overwrite it before its turn."""
+    if saved is not None:
+        np.copyto(saved, mine)
+        mine = saved
+    ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+    operands = [mine if p is None else p[slot] for p in parts]
+    ufunc(operands[0], operands[1], out=res)
+    for part in operands[2:]:
+        ufunc(res, part, out=res)
+    if op == ReduceOp.AVG:
+        finish_avg(res, len(parts))
 
 
 def _nothing(slot: int) -> None:

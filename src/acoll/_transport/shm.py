@@ -122,7 +122,10 @@ LANE_FLOOR = 64 << 10
 
 def auto_lane(nranks: int) -> int:
     """The lane size (payload bytes per peer) ``ACOLL_SHM_LANE_MAX=auto`` gives a
-    communicator of ``nranks``: an op's work grows with the number of peers it reads."""
+    communicator of ``nranks``: an op's work grows with the number of peers it reads.
+    Communicators of more than 8 ranks get none (each pair would need a segment)."""
+    if nranks > 8:
+        return 0
     per_peer = LANE_BUDGET // max(nranks - 1, 1)
     return max(LANE_FLOOR, min(LANE_BUDGET, per_peer)) & ~63
 MAX_EARLY = Setting("SHM_MAX_EARLY", parse_size, 4 << 30,
@@ -254,13 +257,8 @@ class ShmConnection(Connection):
         self._tx_ring = shmring.Ring(self._mem, layout, 1 - rx_index)
         self._rx = shmring.Consumer(self._rx_ring)
         self._tx = shmring.Producer(self._tx_ring)
-        #: the mailboxes of the communicator's lane (:mod:`.shmlane`), if the segment has them
-        self.outbox: shmlane.Outbox | None = None
-        self.inbox: shmlane.Inbox | None = None
-        if layout.lane:
-            out_at, in_at = layout.box_offset(1 - rx_index), layout.box_offset(rx_index)
-            self.outbox = shmlane.Outbox(self._mem[out_at:out_at + layout.box], layout.lane)
-            self.inbox = shmlane.Inbox(self._mem[in_at:in_at + layout.box], layout.lane)
+        self._layout = layout
+        self._rx_index = rx_index
         # parts are a multiple of 64 bytes, so every part of a message keeps its alignment
         self._part = layout.capacity // 4
         self.peer = peer
@@ -296,6 +294,28 @@ class ShmConnection(Connection):
     @property
     def failed(self) -> ConnectionLost | None:
         return self._failed
+
+    def mailboxes(self) -> tuple[shmlane.Outbox, shmlane.Inbox] | None:
+        """This end's mailboxes for the communicator's lane (:mod:`.shmlane`): views of the
+        segment that the caller owns (they stay valid after the connection closes, until
+        the caller releases them and calls :meth:`unmap_if_released`). ``None`` when the
+        segment has none or the connection is already released."""
+        layout = self._layout
+        if not layout.lane or self._fd < 0:
+            return None
+        whole = memoryview(self._mm)
+        out_at, in_at = layout.box_offset(1 - self._rx_index), layout.box_offset(self._rx_index)
+        boxes = (shmlane.Outbox(whole[out_at:out_at + layout.box], layout.lane),
+                 shmlane.Inbox(whole[in_at:in_at + layout.box], layout.lane))
+        whole.release()
+        return boxes
+
+    def unmap_if_released(self) -> None:
+        """Unmap the segment if the connection is released and nothing maps it any more
+        (the lane released its mailboxes after the connection closed)."""
+        if self._fd < 0:
+            with contextlib.suppress(BufferError):
+                self._mm.close()
 
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._on_failure = callback
@@ -456,9 +476,6 @@ class ShmConnection(Connection):
             self._cur = self._cur_msg = None  # (holds a view of the ring)
             self._rx_ring.release()
             self._tx_ring.release()
-            if self.outbox is not None and self.inbox is not None:
-                self.outbox.release()
-                self.inbox.release()
             self._mem.release()
             with contextlib.suppress(BufferError):  # a view still alive: unmapped by GC
                 self._mm.close()
@@ -1012,6 +1029,10 @@ class ShmTransport(Transport):
         self.lane = LANE_MAX.resolve(lane)
         if self.lane == -1:
             self.lane = auto_lane(nranks)
+        if nranks > (os.cpu_count() or 1):
+            # The lane busy-polls: it needs a core per rank. Said in the handle, so that
+            # every rank's decision rests on the same records.
+            self.lane = 0
         if self.lane % 64 or not 0 <= self.lane <= shmring.MAX_LANE:
             from ..errors import InvalidUsage
 
