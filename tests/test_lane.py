@@ -16,7 +16,15 @@ import acoll
 from acoll._comm.lane import lane_size
 from acoll._transport import shm
 from acoll._transport.base import PeerInfo
-from acoll._transport.shmlane import HEAD_SIZE, Inbox, Outbox, head, head_length, mailbox_span
+from acoll._transport.shmlane import (
+    HEAD_SIZE,
+    Inbox,
+    Outbox,
+    head,
+    head_desc,
+    head_length,
+    mailbox_span,
+)
 from acoll._transport.shmring import PAGE, SegmentLayout
 from acoll.errors import ProtocolError
 
@@ -39,7 +47,7 @@ def test_mailbox_span_and_size_checks() -> None:
 
 
 def test_publish_is_seen_only_for_its_op_and_slot() -> None:
-    out, inbox, _ = _pair()
+    out, inbox, mem = _pair()
     desc = bytes(range(16))
     assert not inbox.arrived(0)  # fresh memory: nothing published (sequences are op + 1)
     assert out.free(0)
@@ -49,8 +57,10 @@ def test_publish_is_seen_only_for_its_op_and_slot() -> None:
     assert inbox.arrived(0)
     assert not inbox.arrived(1)
     assert not inbox.arrived(2)
-    assert inbox.head(0) == desc + (5).to_bytes(8, "little")
+    assert inbox.head(0) == head(desc, 5)
     assert head_length(inbox.head(0)) == 5
+    assert head_desc(inbox.head(0)) == desc
+    assert bytes(mem[128 + 8:128 + 32]) == desc + (5).to_bytes(8, "little")  # the layout
     assert bytes(inbox.payload(0, 5)) == b"hello"
     out.publish(1, head(desc, 0))  # the other slot is free meanwhile
     assert inbox.arrived(1)

@@ -658,9 +658,10 @@ class Communicator:
             # A call like a recent one (dtype, count, op): its lane plan, with this call's
             # arrays, when they pass the checks the general path would make.
             plan = self._lane_plans.get((send.dtype, send.size, op))
-            if plan is not None and send.flags.c_contiguous:
+            flags = send.flags
+            if plan is not None and flags.c_contiguous:
                 if recv is None or recv is send:
-                    if send.flags.writeable:
+                    if flags.writeable:
                         flat = send if send.ndim == 1 else send.reshape(-1)
                         await self._lane_run(plan, flat, flat)
                         return send

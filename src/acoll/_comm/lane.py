@@ -51,7 +51,7 @@ from .._coll.base import STEP_NS, Coll, Descriptor
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer
 from .._transport.base import Connection, PeerInfo
-from .._transport.shmlane import Inbox, Outbox, head, head_length
+from .._transport.shmlane import Head, Inbox, Outbox, head, head_desc, head_length
 from ..errors import AcollError, InvalidUsage, ProtocolError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 
@@ -107,7 +107,7 @@ class Lane:
         #: ``s`` and ``s + 2`` of a group) take it in turn
         self.turns: deque[int] = deque()
         self.inflight = 0  # lane ops running now
-        self._release_pending = False
+        self.release_pending = False
         self.released = False
 
     async def setup(self, comm: Any) -> None:
@@ -137,7 +137,7 @@ class Lane:
         """Release the mailbox views once no lane op runs (now, or when the last ends).
         The communicator drops its plans first."""
         if self.inflight:
-            self._release_pending = True
+            self.release_pending = True
             return
         if self.released:
             return
@@ -147,14 +147,6 @@ class Lane:
         for conn in self._conns:
             conn.unmap_if_released()
 
-    def enter(self) -> None:
-        self.inflight += 1
-
-    def leave(self) -> None:
-        self.inflight -= 1
-        if not self.inflight and self._release_pending:
-            self.release()
-
 
 class _LaneCall:
     """What every lane call does (see the module docstring): subclasses say what goes
@@ -163,11 +155,10 @@ class _LaneCall:
     comm: Any
     lane: Lane
     desc: Descriptor
-    heads: list[tuple[Outbox, int, bytes]]  # (outbox, its peer, the head published there)
-    reads: list[tuple[int, Inbox, bytes]]  # (peer, its inbox, the head expected there)
-
-    def _fill(self, index: int, slot: int, mine: Any) -> None:
-        """Copy this rank's payload for outbox ``index`` into its slot ``slot``."""
+    #: (outbox, its peer, the head published there, its two slots' payload views or None,
+    #: what goes there or None for the ``mine`` of the call)
+    heads: list[tuple[Outbox, int, Head, Any, Any]]
+    reads: list[tuple[int, Inbox, Head]]  # (peer, its inbox, the head expected there)
 
     def _finish(self, slot: int, mine: Any, res: Any) -> None:
         """Make this rank's result from the inboxes' slot ``slot``."""
@@ -178,45 +169,45 @@ class _LaneCall:
         (it then learns whom the op waits for); ``mine``/``res``: the arrays of a reused
         plan."""
         lane = self.lane
-        lane.enter()
-        try:
-            await self._run(seq, ctx, mine, res)
-        finally:
-            lane.leave()
-
-    async def _run(self, seq: int, ctx: Any, mine: Any, res: Any) -> None:
-        lane = self.lane
+        lane.inflight += 1
         turns = lane.turns
         turns.append(seq)  # (before any await: ops publish in the order they start)
         try:
-            if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
-                # Another lane op (of a group, or of another task) publishes first; and
-                # ops that all find their peers ready never sleep: bound the loop's step.
-                await self._turn(seq)
-            slot = seq & 1
-            for index, (out, peer, top) in enumerate(self.heads):
-                if not out.free(seq):
-                    await self._wait_free(out, peer, seq)
-                self._fill(index, slot, mine)
-                out.publish(seq, top)
+            try:
+                if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                    # Another lane op (of a group, or of another task) publishes first;
+                    # and ops that all find their peers ready never sleep: bound the
+                    # loop's step.
+                    await self._turn(seq)
+                slot = seq & 1
+                for out, peer, top, dst, src in self.heads:
+                    if not out.free(seq):
+                        await self._wait_free(out, peer, seq)
+                    if dst is not None:
+                        dst[slot][:] = mine if src is None else src
+                    out.publish(seq, top)
+            finally:
+                turns.remove(seq)
+            for _, inbox, _ in self.reads:
+                if not inbox.arrived(seq):
+                    await self._wait(seq, ctx)
+                    break
+            for peer, inbox, expect in self.reads:
+                got = inbox.head(seq)
+                if got != expect:
+                    raise self._disagree(peer, got, expect)
+            self._finish(slot, mine, res)
+            for _, inbox, _ in self.reads:
+                inbox.ack(seq)
         finally:
-            turns.remove(seq)
-        for _, inbox, _ in self.reads:
-            if not inbox.arrived(seq):
-                await self._wait(seq, ctx)
-                break
-        for peer, inbox, expect in self.reads:
-            got = inbox.head(seq)
-            if got != expect:
-                raise self._disagree(peer, got, expect)
-        self._finish(slot, mine, res)
-        for _, inbox, _ in self.reads:
-            inbox.ack(seq)
+            lane.inflight -= 1
+            if not lane.inflight and lane.release_pending:
+                lane.release()
 
-    def _disagree(self, peer: int, got: bytes, expect: bytes) -> AcollError:
-        if got[:16] != expect[:16]:
-            return InvalidUsage(self.desc.describe_difference(Descriptor.unpack(got[:16]),
-                                                              self.lane.rank, peer))
+    def _disagree(self, peer: int, got: Head, expect: Head) -> AcollError:
+        if got[:2] != expect[:2]:
+            return InvalidUsage(self.desc.describe_difference(
+                Descriptor.unpack(head_desc(got)), self.lane.rank, peer))
         return ProtocolError(f"lane: rank {peer} published {head_length(got)} bytes for "
                              f"{self.desc.coll.name.lower()}, {head_length(expect)} were "
                              "expected")
@@ -342,14 +333,12 @@ class LanePlan(_LaneCall):
 
         packed = desc.packed
         self.heads = []
-        self._copies: list[tuple[memoryview, list[memoryview]] | None] = []
         for i, peer in enumerate(lane.peers):
             out = lane.outboxes[i]
             src = to(peer)
             size = 0 if src is None else src.nbytes
-            self._copies.append((src, [out.payload(slot, size) for slot in (0, 1)])
-                                if src is not None and size else None)
-            self.heads.append((out, peer, head(packed, size)))
+            dst = [out.payload(slot, size) for slot in (0, 1)] if size else None
+            self.heads.append((out, peer, head(packed, size), dst, src))
         self.reads = []
         self._sizes: dict[int, int] = {}
         for peer in lane.peers:
@@ -359,11 +348,6 @@ class LanePlan(_LaneCall):
             self._sizes[peer] = size
             self.reads.append((peer, inbox, head(packed, size)))
         self._result = self._make_result(send, recv, op, root)
-
-    def _fill(self, index: int, slot: int, mine: Any) -> None:
-        copy = self._copies[index]
-        if copy is not None:
-            copy[1][slot][:] = copy[0]
 
     def _finish(self, slot: int, mine: Any, res: Any) -> None:
         self._result(slot)
@@ -427,10 +411,9 @@ class AllReducePlan(_LaneCall):
         self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
         nbytes = count * dtype.itemsize
         top = head(desc.packed, nbytes)
-        self.heads = [(out, peer, top) for out, peer in zip(lane.outboxes, lane.peers,
-                                                            strict=True)]
-        self._dst = [[np.frombuffer(out.payload(slot, nbytes), dtype) for slot in (0, 1)]
-                     for out in lane.outboxes]
+        self.heads = [(out, peer, top,
+                       [np.frombuffer(out.payload(slot, nbytes), dtype) for slot in (0, 1)],
+                       None) for out, peer in zip(lane.outboxes, lane.peers, strict=True)]
         self.reads = []
         for peer in lane.peers:
             inbox = lane.inboxes[peer]
@@ -441,11 +424,20 @@ class AllReducePlan(_LaneCall):
                        [np.frombuffer(lane.inboxes[k].payload(slot, nbytes),  # type: ignore[union-attr]
                                       dtype) for slot in (0, 1)]
                        for k in range(lane.size)]
-
-    def _fill(self, index: int, slot: int, mine: Any) -> None:
-        self._dst[index][slot][...] = mine
+        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+        self._avg = op == ReduceOp.AVG
+        self._peer = lane.peers[0]  # (2 ranks: the other one)
 
     def _finish(self, slot: int, mine: Any, res: Any) -> None:
+        if self.lane.size == 2:  # the common case, without the general loop
+            other = self._parts[self._peer][slot]  # type: ignore[index]
+            if self._peer:
+                self._ufunc(mine, other, out=res)
+            else:
+                self._ufunc(other, mine, out=res)
+            if self._avg:
+                finish_avg(res, 2)
+            return
         _combine(self._parts, self.lane.rank, self.op, mine, res,
                  self._saved if mine is res else None, slot)
 

@@ -35,14 +35,16 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEAD_SIZE", "Inbox", "Outbox", "head", "head_length", "mailbox_span"]
+__all__ = ["HEAD_SIZE", "Head", "Inbox", "Outbox", "head", "head_desc", "head_length",
+           "mailbox_span"]
 
 ALIGN = 64
 _SLOT = struct.Struct("<Q16sQ32x")
 assert _SLOT.size == ALIGN
 _SLOTS_AT = 2 * ALIGN
-_Q = struct.Struct("<Q")
+_QQ = struct.Struct("<QQ")
 HEAD_SIZE = 24
+Head = tuple[int, int, int]
 
 
 def _slot_span(lane: int) -> int:
@@ -83,21 +85,21 @@ class Outbox(_Box):
     def __init__(self, mem: memoryview, lane: int) -> None:
         super().__init__(mem, lane)
         self._last = [0, 0]  # the sequence last written to each slot
-        self._heads = [_SLOTS_AT + i * self._span + 8 for i in (0, 1)]
 
     def free(self, seq: int) -> bool:
         """Whether the slot of op ``seq`` may be written (its last op was read)."""
         slot = seq & 1
         return self._words[self._ack_word[slot]] == self._last[slot]
 
-    def publish(self, seq: int, head: bytes) -> None:
+    def publish(self, seq: int, head: Head) -> None:
         """Publish op ``seq``: ``head`` (:func:`head`) after the payload, which the caller
         copied into ``payload(seq % 2, n)`` first. Call only when :meth:`free` says so."""
         slot = seq & 1
-        at = self._heads[slot]
-        self.mem[at:at + HEAD_SIZE] = head
+        w = self._words
+        at = self._seq_word[slot]
+        w[at + 1], w[at + 2], w[at + 3] = head
         self._last[slot] = seq + 1
-        self._words[self._seq_word[slot]] = seq + 1  # publish: the last store
+        w[at] = seq + 1  # publish: the last store
 
     def announce(self, seq: int, desc: bytes) -> None:
         """Say that op ``seq`` (with ``desc``) runs off the lane."""
@@ -110,18 +112,15 @@ class Outbox(_Box):
 class Inbox(_Box):
     """The reading side of a mailbox (from one peer)."""
 
-    def __init__(self, mem: memoryview, lane: int) -> None:
-        super().__init__(mem, lane)
-        self._heads = [_SLOTS_AT + i * self._span + 8 for i in (0, 1)]
-
     def arrived(self, seq: int) -> bool:
         """Whether the peer published op ``seq`` in its slot."""
         return self._words[self._seq_word[seq & 1]] == seq + 1
 
-    def head(self, seq: int) -> bytes:
+    def head(self, seq: int) -> Head:
         """The head (descriptor and payload length) the peer published for op ``seq``."""
-        at = self._heads[seq & 1]
-        return bytes(self.mem[at:at + HEAD_SIZE])
+        w = self._words
+        at = self._seq_word[seq & 1]
+        return w[at + 1], w[at + 2], w[at + 3]
 
     def ack(self, seq: int) -> None:
         """Give op ``seq``'s slot back to the writer (after copying from it)."""
@@ -138,12 +137,18 @@ class Inbox(_Box):
         return desc if w[0] == end else None
 
 
-def head(desc: bytes, nbytes: int) -> bytes:
+def head(desc: bytes, nbytes: int) -> Head:
     """What a slot says besides its payload: the op's 16-byte descriptor and the payload's
-    length."""
-    return desc + _Q.pack(nbytes)
+    length, as the three 64-bit words that follow the slot's sequence word."""
+    a, b = _QQ.unpack(desc)
+    return a, b, nbytes
 
 
-def head_length(raw: bytes) -> int:
+def head_desc(h: Head) -> bytes:
+    """The 16-byte descriptor in a head."""
+    return _QQ.pack(h[0], h[1])
+
+
+def head_length(h: Head) -> int:
     """The payload length in a head."""
-    return int(_Q.unpack_from(raw, 16)[0])
+    return h[2]
