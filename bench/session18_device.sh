@@ -13,9 +13,9 @@ if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile
   --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
 export PYTHONPATH="$PWD/src:$SITE" PATH="$SITE/bin:$PATH"
 mpirun --version 2>&1 | head -1 >>"$W/machine.txt"
-sweep="-b 8 -e 64K -f 2 -n 2000 -w 200"
+sweep="${SWEEP:--b 8 -e 64K -f 2 -n 2000 -w 200}"
 export ACOLL_IB_DISABLE=1  # (benchmarks only: the suite runs with defaults)
-for n in 2 4 8; do
+for n in ${RANKS:-2 4 8}; do
   CUDA_VISIBLE_DEVICES= timeout 150 python3 -m acoll.perf all_reduce -N $n $sweep --vs mpi \
     --no-progress >"$W/lane_vs_mpi_${n}.txt" 2>&1
   echo "== lane vs mpi, $n ranks: exit $?" | tee -a "$W/lane_vs_mpi_${n}.txt"
@@ -24,11 +24,19 @@ for n in 2 4 8; do
   echo "== no lane, $n ranks: exit $?" | tee -a "$W/nolane_${n}.txt"
 done
 echo "== benchmarks done after $((SECONDS - t0)) s"
+if [ -n "${WIDE:-}" ]; then
+  for n in ${RANKS:-2 4 8}; do
+    CUDA_VISIBLE_DEVICES= timeout 200 python3 -m acoll.perf all_reduce -N $n -b 8 -e 16M -f 4 -n 50 -w 5 \
+      --vs mpi --no-progress >"$W/wide_vs_mpi_${n}.txt" 2>&1
+    echo "== wide sweep vs mpi, $n ranks: exit $?" | tee -a "$W/wide_vs_mpi_${n}.txt"
+    sed -n '/acoll vs mpi/,$p' "$W/wide_vs_mpi_${n}.txt"
+  done
+fi
 unset ACOLL_IB_DISABLE
 device_suite "$W"
 tar czf "$OUT/session18.tgz" -C "$W" .
 cp "$W/suite.txt" "$W/machine.txt" "$OUT/"
-for n in 2 4 8; do
+for n in ${RANKS:-2 4 8}; do
   echo "== $n ranks: acoll vs mpi"; sed -n '/acoll vs mpi/,$p' "$W/lane_vs_mpi_${n}.txt"
   echo "== $n ranks: no lane"; grep -E "^ +[0-9]+ " "$W/nolane_${n}.txt"
 done >"$OUT/lane_summary.txt"

@@ -270,7 +270,12 @@ async def bad_op(comm: acoll.Communicator) -> dict[str, Any]:
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
     timeout_s = 3.0 if scenario in ("timeout", "silent_group") else 60.0
-    comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
+    try:
+        comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
+    except acoll.AcollError as exc:  # a peer that formed first failed already (on purpose)
+        print("RESULT " + json.dumps({"error": type(exc).__name__, "message": str(exc),
+                                      "after": 0.0, "in_init": True}), flush=True)
+        return
     result = await globals()[scenario](comm)
     if scenario in ("after_close", "close_inflight"):  # (closed already)
         result.update(lane=1, lane_runs=LANE_RUNS, transports=[])

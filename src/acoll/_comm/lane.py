@@ -52,8 +52,9 @@ from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer
 from .._transport.base import Connection, PeerInfo
 from .._transport.shmlane import Head, Inbox, Outbox, head, head_desc, head_length
-from ..errors import AcollError, InvalidUsage, ProtocolError, TransportError
+from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
+from .peers import error_for_lost
 
 __all__ = ["AllReducePlan", "Lane", "LanePlan", "lane_size"]
 
@@ -119,6 +120,12 @@ class Lane:
         for peer in self.peers:
             conn = _unwrap(await comm.connection(peer))
             boxes = conn.mailboxes() if hasattr(conn, "mailboxes") else None
+            if boxes is None and getattr(conn, "failed", None) is not None:
+                # The peer failed (or closed) already, perhaps on a disagreement found by
+                # a rank that formed first: its error, not a missing mailbox.
+                comm.check_usable()
+                raise error_for_lost(peer, conn.failed) or RemoteError(
+                    f"rank {peer} closed the communicator", peer)
             if boxes is None or boxes[0].lane < self.limit:
                 raise TransportError(f"rank {self.rank}: the connection to rank {peer} has "
                                      "no shared-memory mailbox for the lane")
