@@ -14,7 +14,7 @@ out=${1:-bench/results/lane_2core.txt}
 rounds=${2:-3}
 py=${PYTHON:-.venv/bin/python}
 mpirun=${MPIRUN:-mpirun}
-sweep="-b 8 -e 64K -f 8 -n 2000 -w 200"
+sweep="-b 8 -e 64K -f 2 -n 2000 -w 200"
 {
     echo "# issue 11: 2-rank all_reduce, float32 sum, host buffers, small sizes"
     echo "# date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
@@ -32,5 +32,9 @@ sweep="-b 8 -e 64K -f 8 -n 2000 -w 200"
         $mpirun --allow-run-as-root --oversubscribe -np 2 $py bench/mpi_allreduce.py $sweep 2>&1 | grep -v '^# Out\|^# Avg\|^#$'
         r=$((r + 1))
     done
+    echo
+    echo "## wide: 8 B to 16 MiB, acoll (lane up to its size, rings above) and MPI in one run"
+    echo "# command: acoll-perf all_reduce -N 2 -b 8 -e 16M -f 4 -n 50 -w 5 --vs mpi"
+    $py -m acoll.perf all_reduce -N 2 -b 8 -e 16M -f 4 -n 50 -w 5 --vs mpi --no-progress 2>&1 | sed -n '/acoll vs mpi/,$p'
 } >"$out"
 echo "wrote $out"
