@@ -142,12 +142,12 @@ def test_lane_size_needs_one_host_separate_processes_and_every_rank_willing(
 
 def test_lane_size_follows_the_communicator_and_the_cores(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    assert [shm.auto_lane(n) for n in (2, 3, 4, 8, 9)] == [
-        1 << 20, (1 << 20) // 2, ((1 << 20) // 3) & ~63, ((1 << 20) // 7) & ~63, 0]
+    assert [shm.auto_lane(n) for n in (2, 3, 4, 5, 8, 9)] == [
+        1 << 20, 1 << 20, 1 << 20, 1 << 20, ((4 << 20) // 7) & ~63, 0]
     assert shm.auto_lane(17) == 0
     assert shm.auto_lane(0) == 1 << 20
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
-    assert shm.ShmTransport(key=bytes(32), nranks=3).lane == 512 << 10
+    assert shm.ShmTransport(key=bytes(32), nranks=3).lane == 1 << 20
     assert shm.ShmTransport(key=bytes(32), nranks=4).lane == 0  # no core per rank: none
     assert shm.ShmTransport(key=bytes(32), nranks=4, lane=4096).lane == 0
 

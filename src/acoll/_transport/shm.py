@@ -113,11 +113,12 @@ LANE_MAX = Setting("SHM_LANE_MAX", _parse_lane, -1,
                    "Largest payload per peer of a collective that ranks of one host in "
                    "different processes run through shared mailboxes instead of messages "
                    "(the lane: busy-polled, used only with a core per local rank); auto "
-                   "(-1): 1 MiB / (ranks - 1), at least 64 KiB; else a multiple of 64, at "
-                   "most 1 MiB; 0 turns the lane off.", "COLL")
-#: what the automatic lane size shares out between a rank's peers
-LANE_BUDGET = 1 << 20
+                   "(-1): 4 MiB / (ranks - 1), from 64 KiB to 1 MiB; else a multiple of 64, "
+                   "at most 1 MiB; 0 turns the lane off.", "COLL")
+#: what the automatic lane size shares out between a rank's peers, and its bounds
+LANE_BUDGET = 4 << 20
 LANE_FLOOR = 64 << 10
+LANE_CEILING = 1 << 20
 
 
 def auto_lane(nranks: int) -> int:
@@ -127,7 +128,7 @@ def auto_lane(nranks: int) -> int:
     if nranks > 8:
         return 0
     per_peer = LANE_BUDGET // max(nranks - 1, 1)
-    return max(LANE_FLOOR, min(LANE_BUDGET, per_peer)) & ~63
+    return max(LANE_FLOOR, min(LANE_CEILING, per_peer)) & ~63
 MAX_EARLY = Setting("SHM_MAX_EARLY", parse_size, 4 << 30,
                     "Largest shared-memory message kept in memory when it arrives before its "
                     "receive is posted (or drained when its size is wrong); a larger one "
