@@ -2,6 +2,7 @@
 #   device_machine DIR   what ran where (GPUs, cores, Python, tree)
 #   device_suite DIR     the whole suite on the device's Python (make test-gpu)
 #   device_p2p DIR ITERS the P2P path against NCCL, one process and two (bench/p2p_bench.py)
+#   device_site          install the carried wheels into $SITE and put src/ and $SITE first
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
 
@@ -27,4 +28,10 @@ device_p2p() {
       >"$1/p2p_$where.txt" 2>&1
     echo "== p2p $where: exit $?" >>"$1/p2p_$where.txt"
   done
+}
+
+device_site() {
+  if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
+    --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
+  export PYTHONPATH="$PWD/src:$SITE" PATH="$SITE/bin:$PATH"
 }

@@ -9,9 +9,7 @@ mkdir -p "$OUT"
 W=$(mktemp -d)
 t0=$SECONDS
 device_machine "$W"
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH="$PWD/src:$SITE" PATH="$SITE/bin:$PATH"
+device_site
 mpirun --version 2>&1 | head -1 >>"$W/machine.txt"
 sweep="${SWEEP:--b 8 -e 64K -f 2 -n 2000 -w 200}"
 export ACOLL_IB_DISABLE=1  # (benchmarks only: the suite runs with defaults)

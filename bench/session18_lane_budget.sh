@@ -5,10 +5,9 @@
 set -u
 OUT=${OUT:-$PWD/session18_lane_budget}
 mkdir -p "$OUT"
-SITE=${GPU_SITE:-/tmp/acoll-site}
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH="$PWD/src:$SITE" PATH="$SITE/bin:$PATH" CUDA_VISIBLE_DEVICES= ACOLL_IB_DISABLE=1
+. bench/device_steps.sh
+device_site
+export CUDA_VISIBLE_DEVICES= ACOLL_IB_DISABLE=1
 for pair in "4 1048576" "8 599168"; do
   set -- $pair
   ACOLL_SHM_LANE_MAX=$2 timeout 200 python3 -m acoll.perf all_reduce -N $1 -b 8 -e 16M -f 4 -n 50 \

@@ -6,10 +6,9 @@
 set -u
 OUT=${OUT:-$PWD/session18_netns}
 mkdir -p "$OUT"
-SITE=${GPU_SITE:-/tmp/acoll-site}
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH="$PWD/src:$SITE" PATH="$PWD/${NETBIN:-.netbin}:$SITE/bin:$PATH" CUDA_VISIBLE_DEVICES=
+. bench/device_steps.sh
+device_site
+export PATH="$PWD/${NETBIN:-.netbin}:$PATH" CUDA_VISIBLE_DEVICES=
 { date -u; nproc; python3 --version; ip -V; tc -V; uname -r
   python3 -c "import torch; print('torch', torch.__version__)"; } >"$OUT/machine.txt" 2>&1
 t0=$SECONDS

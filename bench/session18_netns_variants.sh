@@ -4,10 +4,9 @@
 set -u
 OUT=${OUT:-$PWD/session18_netns_variants}
 mkdir -p "$OUT"
-SITE=${GPU_SITE:-/tmp/acoll-site}
-if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-  --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
-export PYTHONPATH="$PWD/src:$SITE" PATH="$PWD/${NETBIN:-.netbin}:$SITE/bin:$PATH" CUDA_VISIBLE_DEVICES=
+. bench/device_steps.sh
+device_site
+export PATH="$PWD/${NETBIN:-.netbin}:$PATH" CUDA_VISIBLE_DEVICES=
 t0=$SECONDS
 for v in "ACOLL_SOCKET_NSOCKS=1" "ACOLL_SOCKET_NSOCKS=2" "ACOLL_CHUNK_SIZE=2M" "ACOLL_SOCKET_SEND_THREADS=0"; do
   name=$(echo "$v" | tr '=' '_')

@@ -476,7 +476,6 @@ class Communicator:
                 await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
             self._p2p.close()
         self._closed = True
-        self._lane_plans.clear()
         self._links.stop(None)
         # A failed communicator queued its failure notice when it failed: give it a
         # moment to leave, but never wait for a peer that stopped reading.
@@ -580,15 +579,7 @@ class Communicator:
             return
         self.check_usable()
         ex.skip()
-        try:
-            await p2p.run()
-        except asyncio.CancelledError:
-            ex.cancelled(desc.coll.name.lower(), ex.seq - 1)
-            raise
-        except AcollError as exc:
-            first = self._error
-            self.fail(exc)
-            raise (first or exc) from None
+        await ex.run_now(desc.coll.name.lower(), ex.seq - 1, p2p.run())
 
     def _lane_fits(self, nbytes: int) -> bool:
         """Whether a call moving ``nbytes`` to each peer runs through the lane."""
@@ -624,15 +615,7 @@ class Communicator:
             seq = full & SEQ_MASK
             ex.skip()
             self._checker.issue(seq, desc, in_group=False)
-            try:
-                await call.run(full, None, mine, res)
-            except asyncio.CancelledError:
-                ex.cancelled(desc.coll.name.lower(), seq)
-                raise
-            except AcollError as exc:
-                first = self._error
-                self.fail(exc)
-                raise (first or exc) from None
+            await ex.run_now(desc.coll.name.lower(), seq, call.run(full, None, mine, res))
         finally:
             ex.lock.release()
 
@@ -653,11 +636,11 @@ class Communicator:
         is ordered there. Without ``stream=`` the op is ordered after CuPy's current
         stream's work and the await returns when the result can be read.
         """
-        if (self._lane_plans and stream is None and type(send) is np.ndarray
-                and (type(op) is ReduceOp or type(op) is str)):
+        key = _plan_key(send, op) if self._lane_plans and stream is None else None
+        if key is not None:
             # A call like a recent one (dtype, count, op): its lane plan, with this call's
             # arrays, when they pass the checks the general path would make.
-            plan = self._lane_plans.get((send.dtype, send.size, op))
+            plan = self._lane_plans.get(key)
             flags = send.flags
             if plan is not None and flags.c_contiguous:
                 if recv is None or recv is send:
@@ -686,10 +669,11 @@ class Communicator:
             self.check_usable()
             assert self._lane is not None
             plan = AllReducePlan(self, self._lane, desc, s.dtype, s.count, rop)
-            if type(send) is np.ndarray and (type(op) is ReduceOp or type(op) is str):
+            key = _plan_key(send, op)
+            if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
                     del self._lane_plans[next(iter(self._lane_plans))]
-                self._lane_plans[(send.dtype, send.size, op)] = plan
+                self._lane_plans[key] = plan
             await self._lane_run(plan, s.array, r.array if r is not s else s.array)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
@@ -1056,6 +1040,14 @@ class _OnStream:
         self.order.finish()
         if self.order.settle:
             await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
+
+
+def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
+    """The key of the lane plans an all_reduce of ``send`` under ``op`` may reuse: NumPy
+    arrays and ops given as ReduceOp or name only (others take the general path)."""
+    if type(send) is np.ndarray and (type(op) is ReduceOp or type(op) is str):
+        return send.dtype, send.size, op
+    return None
 
 
 class _PlanAt:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
@@ -116,6 +116,19 @@ class Executor:
                             lane, full)
         finally:
             self.lock.release()
+
+    async def run_now(self, name: str, seq: int, op: Awaitable[None]) -> None:
+        """Await ``op``, numbered ``seq`` but run outside the queue (an idle P2P or lane
+        call): a cancellation or an error fails the communicator, as in the queue."""
+        try:
+            await op
+        except asyncio.CancelledError:
+            self.cancelled(name, seq)
+            raise
+        except AcollError as exc:
+            first = self.host.error
+            self.host.fail(exc)
+            raise (first or exc) from None
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
