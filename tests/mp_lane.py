@@ -42,6 +42,18 @@ async def _counted(self: Any, seq: int, *args: Any) -> None:
 
 lane_mod._LaneCall.run = _counted  # type: ignore[method-assign]
 
+STEP_RUNS = 0
+_run_steps = lane_mod.StepPlan.run
+
+
+async def _counted_steps(self: Any, seq: int, *args: Any) -> None:
+    global STEP_RUNS
+    STEP_RUNS += 1
+    await _run_steps(self, seq, *args)
+
+
+lane_mod.StepPlan.run = _counted_steps  # type: ignore[method-assign]
+
 
 async def _outcome(coro: Any) -> dict[str, Any]:
     t0 = time.monotonic()
@@ -58,15 +70,49 @@ async def matrix(comm: acoll.Communicator) -> dict[str, Any]:
     return {"checks": checks}
 
 
+async def steps_matrix(comm: acoll.Communicator) -> dict[str, Any]:
+    """Sizes over the (small) lane: every collective in steps."""
+    counts = [1000, 4099, 65537] if comm.size == 2 else [1000, 4099]
+    checks = await check_all(comm, counts, ALL_DTYPES, ALL_OPS)
+    return {"checks": checks}
+
+
 async def mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:
     x = np.ones(4 if comm.rank == 0 else 5, np.float32)
     return await _outcome(comm.all_reduce(x))
 
 
 async def mismatch_path(comm: acoll.Communicator) -> dict[str, Any]:
-    """Rank 0 runs a lane-sized all_reduce, the others one of 4 MiB (the message path)."""
+    """Rank 0 runs a lane-sized all_reduce, the others a reduce of 4 MiB (off the lane:
+    the message path)."""
     x = np.ones(2 if comm.rank == 0 else 1 << 20, np.float32)
+    return await _outcome(comm.all_reduce(x) if comm.rank == 0 else comm.reduce(x))
+
+
+async def mismatch_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """All ranks run all_reduces too large for one slot (in steps), of different counts."""
+    x = np.ones((1 << 20) + (comm.rank == 0), np.float32)
     return await _outcome(comm.all_reduce(x))
+
+
+async def step_group(comm: acoll.Communicator) -> dict[str, Any]:
+    """Ops in steps mixed with one-slot ops, in a group and as concurrent tasks."""
+    n, r = comm.size, comm.rank
+    big = np.full(300_001, r + 1, np.float32)
+    small = np.full(3, r, np.int64)
+    gathered = np.zeros(n * 300_000, np.int32)
+    async with comm.group():
+        await comm.all_reduce(big)
+        await comm.all_reduce(small)
+        await comm.all_gather(np.full(300_000, r, np.int32), gathered)
+    assert np.all(big == n * (n + 1) / 2), big
+    assert list(small) == [n * (n - 1) // 2] * 3, small
+    assert np.array_equal(gathered, np.repeat(np.arange(n, dtype=np.int32), 300_000))
+    xs = [np.full(250_000 + k, r * 10 + k, np.float64) for k in range(3)]
+    await asyncio.gather(*(comm.all_reduce(x) for x in xs), comm.all_reduce(small))
+    for k, x in enumerate(xs):
+        assert np.all(x == sum(q * 10 + k for q in range(n))), (k, x)
+    return {"ok": True}
 
 
 async def mismatch_root(comm: acoll.Communicator) -> dict[str, Any]:
@@ -146,6 +192,20 @@ async def killed(comm: acoll.Communicator) -> dict[str, Any]:
         await asyncio.sleep(0.2)
         os.kill(os.getpid(), signal.SIGKILL)
     return await _outcome(comm.all_reduce(np.ones(2, np.float32)))
+
+
+async def killed_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed while every rank runs all_reduces in steps."""
+    x = np.ones(1 << 22, np.float32)  # 16 MiB: many steps
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGKILL)
+
+    async def forever() -> None:
+        while True:
+            await comm.all_reduce(x)
+
+    return await _outcome(forever())
 
 
 async def plans(comm: acoll.Communicator) -> dict[str, Any]:
@@ -283,6 +343,7 @@ async def main() -> None:
         return
     result["lane"] = comm._lane.limit if comm._lane is not None else 0
     result["lane_runs"] = LANE_RUNS
+    result["step_runs"] = STEP_RUNS
     result["transports"] = [comm.transport_name(p) for p in range(n)]
     print("RESULT " + json.dumps(result), flush=True)
     if comm.error is None:

@@ -210,6 +210,30 @@ def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> N
         assert sorted(map(str, res["transports"])) == ["None"] + ["shm"] * (n - 1)
 
 
+@pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (3, "uvloop"), (4, "debug")])
+def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
+                                                                       loop: str) -> None:
+    """A 4 KiB lane: all_reduce (two-shot), reduce_scatter, all_gather, broadcast and
+    all_to_all of 1000 to 65537 elements (4099 with more ranks) run in many steps, uneven last chunks included;
+    every op and dtype, in place and not, bit for bit against NumPy."""
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")
+    results = _run("steps_matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400,
+                   env_extra={"ACOLL_SHM_LANE_MAX": "4096"})
+    for res in results:
+        assert res is not None
+        assert res["lane"] == 4096
+        assert res["step_runs"] > 200, res  # most calls went in steps
+        assert res["checks"] == results[0]["checks"]  # type: ignore[index]
+
+
+def test_ops_in_steps_mix_with_one_slot_ops_in_groups_and_tasks() -> None:
+    for res in _run("step_group", 3, cpus=4):
+        assert res is not None
+        assert res["ok"]
+        assert res["step_runs"] >= 5, res
+
+
 def test_no_lane_without_a_core_per_rank_nor_when_turned_off() -> None:
     res = _run("group", 3, cpus=2)
     assert all(r is not None and r["lane"] == 0 and r["lane_runs"] == 0 for r in res), res
@@ -219,14 +243,15 @@ def test_no_lane_without_a_core_per_rank_nor_when_turned_off() -> None:
     assert all(r is not None and r["lane"] == 0 for r in res), res
 
 
-@pytest.mark.parametrize("scenario", ["mismatch_count", "mismatch_path", "mismatch_root"])
+@pytest.mark.parametrize("scenario", ["mismatch_count", "mismatch_path", "mismatch_root",
+                                      "mismatch_steps"])
 def test_disagreements_are_named_on_every_rank_at_once(scenario: str) -> None:
     results = _run(scenario, 3, cpus=4)
     for res in results:
         assert res is not None
         assert res["error"] == "InvalidUsage", res
         assert res["after"] < 10, res  # not the 60 s deadline
-    if scenario == "mismatch_count":
+    if scenario in ("mismatch_count", "mismatch_steps"):
         assert all("count" in r["message"] for r in results if r), results
 
 
@@ -258,8 +283,9 @@ def test_a_silent_peer_times_out_naming_it(scenario: str) -> None:
         assert 2.5 < res["after"] < 10, res
 
 
-def test_a_killed_peer_fails_the_survivors_at_once() -> None:
-    results = _run("killed", 3, cpus=4)
+@pytest.mark.parametrize("scenario", ["killed", "killed_in_steps"])
+def test_a_killed_peer_fails_the_survivors_at_once(scenario: str) -> None:
+    results = _run(scenario, 3, cpus=4)
     assert results[1] is None  # SIGKILLed
     for rank in (0, 2):
         res = results[rank]

@@ -48,7 +48,19 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._comm.args import buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
-from ._comm.lane import AllReducePlan, Lane, LanePlan, lane_size
+from ._comm.lane import (
+    AllReducePlan,
+    Lane,
+    LanePlan,
+    StepPlan,
+    all_gather_steps,
+    all_reduce_steps,
+    all_to_all_steps,
+    broadcast_steps,
+    lane_size,
+    one_shot_max,
+    reduce_scatter_steps,
+)
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
@@ -294,7 +306,7 @@ class Communicator:
         self._lane = Lane(self.rank, self.size, limit) if limit else None
         # all_reduce plans through the lane, reused by calls on NumPy arrays of the same
         # (dtype, count, op); they hold views of the mailboxes, never a user's array
-        self._lane_plans: dict[tuple[Any, int, Any], AllReducePlan] = {}
+        self._lane_plans: dict[tuple[Any, int, Any], AllReducePlan | StepPlan] = {}
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._checker.on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
@@ -593,7 +605,18 @@ class Communicator:
         assert self._lane is not None
         await self._lane_run(LanePlan(self, self._lane, desc, send, recv, op, root))
 
-    async def _lane_run(self, call: LanePlan | AllReducePlan, mine: Any = None,
+    async def _lane_bytes(self, desc: Descriptor, send: Buffer, recv: Buffer,
+                          steps: list[Any], local: tuple[int, int, int] | None = None) -> None:
+        """Run a moving (not combining) collective's steps through the lane, on the
+        buffers' bytes (:class:`~acoll._comm.lane.StepPlan`)."""
+        self.check_usable()
+        assert self._lane is not None
+        mine = np.frombuffer(send.view(), np.uint8)
+        res = mine if recv is send else np.frombuffer(recv.view(), np.uint8)
+        await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps,
+                                      local=local), mine, res)
+
+    async def _lane_run(self, call: LanePlan | AllReducePlan | StepPlan, mine: Any = None,
                         res: Any = None) -> None:
         """Run a lane call as the next op (``mine``/``res``: a reused plan's arrays).
 
@@ -665,16 +688,21 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        if self._lane_fits(s.nbytes):
+        lane = self._lane
+        if lane is not None:
             self.check_usable()
-            assert self._lane is not None
-            plan = AllReducePlan(self, self._lane, desc, s.dtype, s.count, rop)
+            made: AllReducePlan | StepPlan
+            if s.nbytes <= one_shot_max(lane):
+                made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
+            else:
+                made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
+                    lane, s.count, lane.limit // s.itemsize), rop)
             key = _plan_key(send, op)
             if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
                     del self._lane_plans[next(iter(self._lane_plans))]
-                self._lane_plans[key] = plan
-            await self._lane_run(plan, s.array, r.array if r is not s else s.array)
+                self._lane_plans[key] = made
+            await self._lane_run(made, s.array, r.array if r is not s else s.array)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
@@ -709,6 +737,10 @@ class Communicator:
             return buf
         if self._lane_fits(b.nbytes):
             await self._lane_call(desc, b, b, root=root)
+            return buf
+        if self._lane is not None:
+            await self._lane_bytes(desc, b, b, broadcast_steps(
+                self._lane, b.nbytes, self._lane.limit, root))
             return buf
         make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
         await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, b, root), order))
@@ -765,6 +797,11 @@ class Communicator:
         if self._lane_fits(s.nbytes):
             await self._lane_call(desc, s, r)
             return out
+        if self._lane is not None:
+            block = s.nbytes
+            await self._lane_bytes(desc, s, r, all_gather_steps(
+                self._lane, block, self._lane.limit), (0, self.rank * block, block))
+            return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
@@ -786,6 +823,12 @@ class Communicator:
             return out
         if self._lane_fits(r.nbytes):
             await self._lane_call(desc, s, r, rop)
+            return out
+        if self._lane is not None:
+            self.check_usable()
+            lane = self._lane
+            await self._lane_run(StepPlan(self, lane, desc, r.dtype, reduce_scatter_steps(
+                lane, r.count, lane.limit // r.itemsize), rop), s.array, r.array)
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
@@ -809,6 +852,11 @@ class Communicator:
             return out
         if self._lane_fits(s.nbytes // self.size):
             await self._lane_call(desc, s, r)
+            return out
+        if self._lane is not None:
+            block = s.nbytes // self.size
+            await self._lane_bytes(desc, s, r, all_to_all_steps(
+                self._lane, block, self._lane.limit), (self.rank * block,) * 2 + (block,))
             return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)
@@ -1053,8 +1101,8 @@ def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
 class _PlanAt:
     """A lane call run by the executor as op ``seq`` (not wrapped)."""
 
-    def __init__(self, call: LanePlan | AllReducePlan, seq: int, ctx: OpContext, mine: Any,
-                 res: Any) -> None:
+    def __init__(self, call: LanePlan | AllReducePlan | StepPlan, seq: int,
+                 ctx: OpContext, mine: Any, res: Any) -> None:
         self.call, self.seq, self.ctx, self.mine, self.res = call, seq, ctx, mine, res
 
     async def run(self) -> None:

@@ -43,7 +43,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -51,12 +51,14 @@ from .._coll.base import STEP_NS, Coll, Descriptor
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer
 from .._transport.base import Connection, PeerInfo
-from .._transport.shmlane import Head, Inbox, Outbox, head, head_desc, head_length
+from .._transport.shmlane import Head, Inbox, Outbox, head, head_desc, head_length, stamp
 from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
-__all__ = ["AllReducePlan", "Lane", "LanePlan", "lane_size"]
+__all__ = ["AllReducePlan", "Lane", "LanePlan", "StepPlan", "all_gather_steps", "all_reduce_steps",
+           "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
+           "reduce_scatter_steps"]
 
 _YIELD_POLL_S = 2e-3
 _SLEEP_S = 5e-4
@@ -243,14 +245,15 @@ class _LaneCall:
                 return
             comm.check_usable()
 
-    async def _wait(self, seq: int, ctx: Any) -> None:
-        """Until every peer published op ``seq``."""
+    async def _wait(self, seq: int, ctx: Any, step: int = 0) -> None:
+        """Until every peer published step ``step`` of op ``seq``."""
         inboxes = self.lane.inboxes
-        pending = [peer for peer, inbox, _ in self.reads if not inbox.arrived(seq)]
+        slot, value = (seq + step) & 1, stamp(seq, step)
+        pending = [peer for peer, inbox, _ in self.reads if not inbox.arrived_at(slot, value)]
 
         def done() -> bool:
             pending[:] = [p for p in pending
-                          if not inboxes[p].arrived(seq)]  # type: ignore[union-attr]
+                          if not inboxes[p].arrived_at(slot, value)]  # type: ignore[union-attr]
             if ctx is not None and pending:
                 ctx.waiting_on = pending[0]
                 ctx.heard.update(p for p in self.lane.peers if p not in pending)
@@ -262,9 +265,11 @@ class _LaneCall:
                          lambda: self._timed_out(seq, pending),
                          lambda: self._check_announced(seq, pending))
 
-    async def _wait_free(self, out: Outbox, peer: int, seq: int) -> None:
-        """Until ``peer`` read what this rank last wrote in the slot op ``seq`` needs."""
-        await self._poll(seq, lambda: out.free(seq), 0,
+    async def _wait_free(self, out: Outbox, peer: int, seq: int, step: int = 0) -> None:
+        """Until ``peer`` read what this rank last wrote in the slot step ``step`` of op
+        ``seq`` needs."""
+        slot = (seq + step) & 1
+        await self._poll(seq, lambda: out.free_at(slot), 0,
                          lambda: self._timed_out(seq, [peer]), lambda: None)
 
     async def _turn(self, seq: int) -> None:
@@ -447,6 +452,219 @@ class AllReducePlan(_LaneCall):
             return
         _combine(self._parts, self.lane.rank, self.op, mine, res,
                  self._saved if mine is res else None, slot)
+
+
+def one_shot_max(lane: Lane) -> int:
+    """The largest all_reduce (bytes) the lane runs in one shot (:class:`AllReducePlan`:
+    every rank reads every peer's whole contribution); larger ones run in two-shot steps
+    (:func:`all_reduce_steps`). A function of the lane alone, so every rank picks alike."""
+    if lane.size == 2:
+        return lane.limit
+    return min(lane.limit, _ONE_SHOT_BYTES // (lane.size - 1))
+
+
+#: what the one-shot all_reduce reads from its peers at most (bytes, all peers together)
+_ONE_SHOT_BYTES = 256 << 10
+
+
+class _Step(NamedTuple):
+    """One step of a :class:`StepPlan`, in elements of the call's flat arrays."""
+
+    #: per outbox (``lane.peers`` order): (from ``res``, not ``mine``; start; end)
+    sends: list[tuple[bool, int, int]]
+    #: per peer (``lane.peers`` order): (elements it sends; where they go in ``res``, -1:
+    #: they are combined, or there are none)
+    recvs: list[tuple[int, int]]
+    #: a combining step: (start of this rank's operand in ``mine``, start in ``res``, count)
+    combine: tuple[int, int, int] | None = None
+
+
+class StepPlan(_LaneCall):
+    """A collective too large for one mailbox slot, in steps of at most a slot per peer
+    (the builders below say which; cached like :class:`AllReducePlan` for all_reduce).
+    In each step a rank writes into its slot towards every peer, waits until every peer
+    wrote, then either copies what its peers sent into ``res`` or combines it, in rank
+    order, with its own operand.
+
+    Step ``k`` of op ``s`` uses slot ``(s + k) % 2`` (stamped :func:`stamp`), so a step
+    writes while the peers may still read the one before. The op keeps the lane's turn
+    until it published its last step: a later lane op (of a group) cannot take a slot one
+    of its steps needs."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any,
+                 steps: list[_Step], op: ReduceOp = ReduceOp.SUM,
+                 local: tuple[int, int, int] | None = None) -> None:
+        self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
+        self.steps = steps
+        self._local = local  # (start in mine, start in res, count): copied at the end
+        item = dtype.itemsize
+        per = max(lane.limit // item, 1)
+        self._item = item
+        top = head(desc.packed, 0)
+        self._words = top[:2]
+        self.heads = []
+        self._outs = [(out, peer, [np.frombuffer(out.payload(slot, per * item), dtype)
+                                   for slot in (0, 1)])
+                      for out, peer in zip(lane.outboxes, lane.peers, strict=True)]
+        self.reads = []
+        self._ins: list[list[Any] | None] = [None] * lane.size
+        for peer in lane.peers:
+            inbox = lane.inboxes[peer]
+            assert inbox is not None
+            self.reads.append((peer, inbox, top))
+            self._ins[peer] = [np.frombuffer(inbox.payload(slot, per * item), dtype)
+                               for slot in (0, 1)]
+        combining = any(step.combine for step in steps)
+        self._saved = np.empty(per, dtype) if combining and lane.rank >= 2 else None
+        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
+        """Run the steps from ``mine`` into ``res`` (flat arrays of the plan's dtype; may be
+        one array) as op ``seq``."""
+        lane = self.lane
+        lane.inflight += 1
+        turns = lane.turns
+        turns.append(seq)  # (before any await, as in _LaneCall.run)
+        held = True
+        try:
+            try:
+                if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                    await self._turn(seq)
+                item, reads, ins = self._item, self.reads, self._ins
+                word_a, word_b = self._words
+                inplace = mine is res or np.may_share_memory(mine, res)
+                last = len(self.steps) - 1
+                for k, step in enumerate(self.steps):
+                    if k and time.perf_counter_ns() >= lane.yield_at:
+                        await asyncio.sleep(0)
+                        lane.yield_at = time.perf_counter_ns() + STEP_NS
+                        self.comm.check_usable()
+                    slot, value = (seq + k) & 1, stamp(seq, k)
+                    for (out, peer, views), (from_res, a, b) in zip(self._outs, step.sends,
+                                                                    strict=True):
+                        if not out.free_at(slot):
+                            await self._wait_free(out, peer, seq, k)
+                        if b > a:
+                            views[slot][:b - a] = (res if from_res else mine)[a:b]
+                        out.publish_at(slot, value, (word_a, word_b, (b - a) * item))
+                    if k == last:
+                        turns.remove(seq)
+                        held = False
+                    for _, inbox, _ in reads:
+                        if not inbox.arrived_at(slot, value):
+                            await self._wait(seq, ctx, k)
+                            break
+                    for (peer, inbox, _), (m, _) in zip(reads, step.recvs, strict=True):
+                        got = inbox.head_at(slot)
+                        if got != (word_a, word_b, m * item):
+                            raise self._disagree(peer, got, (word_a, word_b, m * item))
+                    if step.combine is not None:
+                        self._reduce(slot, mine, res, step.combine, inplace)
+                    else:
+                        for (peer, _, _), (m, at) in zip(reads, step.recvs, strict=True):
+                            if m and at >= 0:
+                                res[at:at + m] = ins[peer][slot][:m]  # type: ignore[index]
+                    for _, inbox, _ in reads:
+                        inbox.ack_at(slot, value)
+                if self._local is not None:
+                    a, at, m = self._local
+                    src, dst = mine[a:a + m], res[at:at + m]
+                    if not np.may_share_memory(src, dst):
+                        dst[...] = src
+            finally:
+                if held:
+                    turns.remove(seq)
+        finally:
+            lane.inflight -= 1
+            if not lane.inflight and lane.release_pending:
+                lane.release()
+
+    def _reduce(self, slot: int, mine: Any, res: Any, where: tuple[int, int, int],
+                inplace: bool) -> None:
+        """Combine this rank's operand with its peers' (in rank order) into ``res``."""
+        a, at, m = where
+        if not m:
+            return
+        rank, n = self.lane.rank, self.lane.size
+        own, out = mine[a:a + m], res[at:at + m]
+        if self._saved is not None and inplace:
+            saved = self._saved[:m]
+            np.copyto(saved, own)
+            own = saved
+        operands = [own if k == rank else self._ins[k][slot][:m]  # type: ignore[index]
+                    for k in range(n)]
+        ufunc = self._ufunc
+        ufunc(operands[0], operands[1], out=out)
+        for part in operands[2:]:
+            ufunc(out, part, out=out)
+        if self.op == ReduceOp.AVG:
+            finish_avg(out, n)
+
+
+def _pieces(total: int, per: int) -> list[tuple[int, int]]:
+    return [(lo, min(lo + per, total)) for lo in range(0, total, per)]
+
+
+def _split(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in ``n`` parts, the first ``(hi - lo) % n`` one longer."""
+    base, rem = divmod(hi - lo, n)
+    bounds, at = [], lo
+    for k in range(n):
+        end = at + base + (k < rem)
+        bounds.append((at, end))
+        at = end
+    return bounds
+
+
+def all_reduce_steps(lane: Lane, count: int, per: int) -> list[_Step]:
+    """Two-shot all_reduce of ``count`` elements, ``per`` at most per peer per step: per
+    chunk of up to ``size * per``, a reduce-scatter step (rank ``k`` combines part ``k``)
+    then an all-gather step."""
+    n, rank, peers = lane.size, lane.rank, lane.peers
+    steps = []
+    for lo, hi in _pieces(count, per * n):
+        parts = _split(lo, hi, n)
+        a, b = parts[rank]
+        steps.append(_Step([(False, *parts[p]) for p in peers], [(b - a, -1)] * len(peers),
+                           (a, a, b - a)))
+        steps.append(_Step([(True, a, b)] * len(peers),
+                           [(parts[p][1] - parts[p][0], parts[p][0]) for p in peers]))
+    return steps
+
+
+def reduce_scatter_steps(lane: Lane, block: int, per: int) -> list[_Step]:
+    """reduce_scatter of blocks of ``block`` elements, ``per`` at most per step."""
+    rank, peers = lane.rank, lane.peers
+    return [_Step([(False, p * block + lo, p * block + hi) for p in peers],
+                  [(hi - lo, -1)] * len(peers), (rank * block + lo, lo, hi - lo))
+            for lo, hi in _pieces(block, per)]
+
+
+def all_gather_steps(lane: Lane, block: int, per: int) -> list[_Step]:
+    """all_gather of blocks of ``block`` bytes (``mine`` is this rank's block)."""
+    peers = lane.peers
+    return [_Step([(False, lo, hi)] * len(peers), [(hi - lo, p * block + lo) for p in peers])
+            for lo, hi in _pieces(block, per)]
+
+
+def broadcast_steps(lane: Lane, nbytes: int, per: int, root: int) -> list[_Step]:
+    """broadcast of ``nbytes`` from ``root`` (``mine`` and ``res``: the one buffer)."""
+    peers = lane.peers
+    if lane.rank == root:
+        return [_Step([(False, lo, hi)] * len(peers), [(0, -1)] * len(peers))
+                for lo, hi in _pieces(nbytes, per)]
+    return [_Step([(False, 0, 0)] * len(peers),
+                  [(hi - lo, lo) if p == root else (0, -1) for p in peers])
+            for lo, hi in _pieces(nbytes, per)]
+
+
+def all_to_all_steps(lane: Lane, block: int, per: int) -> list[_Step]:
+    """all_to_all of blocks of ``block`` bytes (this rank's own block is copied at the
+    end, see :class:`StepPlan`'s ``local``)."""
+    peers = lane.peers
+    return [_Step([(False, p * block + lo, p * block + hi) for p in peers],
+                  [(hi - lo, p * block + lo) for p in peers])
+            for lo, hi in _pieces(block, per)]
 
 
 def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, res: Any,

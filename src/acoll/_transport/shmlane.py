@@ -15,6 +15,10 @@ Mailbox layout (little endian), written by one side only except where noted::
     ...   slot 1: the same
 
 Sequence numbers are the communicator's op numbers plus one (0 means "never written").
+An op that moves its data in several steps (a large all_reduce: a reduce-scatter step then
+an all-gather step per chunk) writes step ``k`` with the *stamp* ``s + 1 + k * 2**44``
+(:func:`stamp`, modulo 2**64) in slot ``(s + k) % 2``: the value a slot holds differs from
+the one written there before, which is all a reader and a writer compare against.
 
 - A lane op numbered ``s`` uses slot ``s % 2``. The writer copies the payload, then the
   *head* (descriptor and payload length), then stores ``seq``; the reader loads ``seq``
@@ -36,7 +40,7 @@ from __future__ import annotations
 import struct
 
 __all__ = ["HEAD_SIZE", "Head", "Inbox", "Outbox", "head", "head_desc", "head_length",
-           "mailbox_span"]
+           "mailbox_span", "stamp"]
 
 ALIGN = 64
 _SLOT = struct.Struct("<Q16sQ32x")
@@ -45,6 +49,13 @@ _SLOTS_AT = 2 * ALIGN
 _QQ = struct.Struct("<QQ")
 HEAD_SIZE = 24
 Head = tuple[int, int, int]
+_STEP_SHIFT = 44
+_WORD = (1 << 64) - 1
+
+
+def stamp(seq: int, step: int) -> int:
+    """What step ``step`` of op ``seq`` writes in its slot's sequence word (never 0)."""
+    return (seq + 1 + (step << _STEP_SHIFT)) & _WORD
 
 
 def _slot_span(lane: int) -> int:
@@ -101,6 +112,18 @@ class Outbox(_Box):
         self._last[slot] = seq + 1
         w[at] = seq + 1  # publish: the last store
 
+    def free_at(self, slot: int) -> bool:
+        """Whether ``slot`` may be written (what this side last wrote there was read)."""
+        return self._words[self._ack_word[slot]] == self._last[slot]
+
+    def publish_at(self, slot: int, value: int, head: Head) -> None:
+        """:meth:`publish` for a step of a multi-step op: ``value`` is its :func:`stamp`."""
+        w = self._words
+        at = self._seq_word[slot]
+        w[at + 1], w[at + 2], w[at + 3] = head
+        self._last[slot] = value
+        w[at] = value
+
     def announce(self, seq: int, desc: bytes) -> None:
         """Say that op ``seq`` (with ``desc``) runs off the lane."""
         w = self._words
@@ -125,6 +148,20 @@ class Inbox(_Box):
     def ack(self, seq: int) -> None:
         """Give op ``seq``'s slot back to the writer (after copying from it)."""
         self._words[self._ack_word[seq & 1]] = seq + 1
+
+    def arrived_at(self, slot: int, value: int) -> bool:
+        """Whether the peer published the step stamped ``value`` in ``slot``."""
+        return self._words[self._seq_word[slot]] == value
+
+    def head_at(self, slot: int) -> Head:
+        """The head the peer published last in ``slot``."""
+        w = self._words
+        at = self._seq_word[slot]
+        return w[at + 1], w[at + 2], w[at + 3]
+
+    def ack_at(self, slot: int, value: int) -> None:
+        """Give ``slot`` back after copying the step stamped ``value`` from it."""
+        self._words[self._ack_word[slot]] = value
 
     def announced(self, seq: int) -> bytes | None:
         """The descriptor the peer announced for op ``seq`` (it ran off the lane), or
