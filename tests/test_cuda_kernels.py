@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import gc
 import hashlib
 import os
 import shutil
@@ -592,6 +593,7 @@ def test_wait_cancelled_cleanly_and_many_concurrent_waits(method: str) -> None:
 
     async def main() -> int:
         streams = [cp.cuda.Stream(non_blocking=True) for _ in range(8)]
+        gc.collect()  # (earlier tests' garbage closing its descriptors now would skew the count)
         fds = len(os.listdir("/proc/self/fd"))
         spin(0.1, streams[0])
         stuck = asyncio.create_task(wait_stream(streams[0], method=method))
@@ -612,4 +614,5 @@ def test_wait_cancelled_cleanly_and_many_concurrent_waits(method: str) -> None:
         await asyncio.sleep(0.01)  # the cancelled wait's host function has run by now
         return len(os.listdir("/proc/self/fd")) - fds
 
-    assert _run(main()) == 0
+    # None left open (fewer is possible: an earlier test's objects may close theirs)
+    assert _run(main()) <= 0
