@@ -111,8 +111,10 @@ def _parse_lane(text: str) -> int:
 
 LANE_MAX = Setting("SHM_LANE_MAX", _parse_lane, -1,
                    "Largest payload per peer of a collective that ranks of one host in "
-                   "different processes run through shared mailboxes instead of messages "
-                   "(the lane: busy-polled, used only with a core per local rank); auto "
+                   "different processes run through shared mailboxes in one step instead "
+                   "of messages (the lane: busy-polled, used only with a core per local "
+                   "rank; larger collectives but reduce go through it in steps of this "
+                   "size); auto "
                    "(-1): 4 MiB / (ranks - 1), from 64 KiB to 1 MiB; else a multiple of 64, "
                    "at most 1 MiB; 0 turns the lane off.", "COLL")
 #: what the automatic lane size shares out between a rank's peers, and its bounds
