@@ -208,6 +208,65 @@ async def killed_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(forever())
 
 
+async def alias(comm: acoll.Communicator) -> dict[str, Any]:
+    """recv given as the same memory as send in other objects (the same array, a view of
+    it, memoryviews), first calls (no cached plan) and later ones, one slot and steps."""
+    n, r = comm.size, comm.rank
+    want = sum(10.0 ** q for q in range(n))  # (rank r gives 10**r: a wrong sum shows)
+    for count in (3, 100, 5000, 300_001):
+        x = np.full(count, 10.0 ** r)
+        await comm.all_reduce(x, x)
+        assert np.all(x == want), (count, x[:4])
+        y = np.full(count, 10.0 ** r)
+        await comm.all_reduce(y, y[:])
+        assert np.all(y == want), (count, y[:4])
+        z = np.full(count, 10.0 ** r)
+        await comm.all_reduce(memoryview(z), memoryview(z))
+        assert np.all(z == want), (count, z[:4])
+    return {"ok": True}
+
+
+async def gather_lag(comm: acoll.Communicator) -> dict[str, Any]:
+    """The loop's worst lag while 128 MiB blocks are all_gathered out of place (this
+    rank's own block is copied a piece per step, not in one go)."""
+    n, r = comm.size, comm.rank
+    block = 64 << 20
+    send = np.full(block // 4, r, np.int32)
+    recv = np.zeros(n * block // 4, np.int32)
+    await comm.all_gather(send, recv)
+    lags: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            t = loop.time()
+            await asyncio.sleep(0.001)
+            lags.append(loop.time() - t - 0.001)
+
+    tick = asyncio.create_task(ticker())
+    for _ in range(3):
+        await comm.all_gather(send, recv)
+    stop = True
+    await tick
+    assert np.array_equal(recv[::1 << 20], np.repeat(np.arange(n, dtype=np.int32), 16)), recv
+    return {"ticks": len(lags), "worst_lag": max(lags)}
+
+
+async def stalled_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1's loop stalls for 6 s in the middle of all_reduces in steps (deadline 3 s)."""
+    x = np.ones(1 << 22, np.float32)
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        asyncio.get_running_loop().call_later(0.3, time.sleep, 6)
+
+    async def forever() -> None:
+        while True:
+            await comm.all_reduce(x)
+
+    return await _outcome(forever())
+
+
 async def plans(comm: acoll.Communicator) -> dict[str, Any]:
     """Repeated calls on one array reuse a plan; a changed array is not fooled by it."""
     n, r = comm.size, comm.rank
@@ -329,7 +388,7 @@ async def bad_op(comm: acoll.Communicator) -> dict[str, Any]:
 
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
-    timeout_s = 3.0 if scenario in ("timeout", "silent_group") else 60.0
+    timeout_s = 3.0 if scenario in ("timeout", "silent_group", "stalled_in_steps") else 60.0
     try:
         comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
     except acoll.AcollError as exc:  # a peer that formed first failed already (on purpose)

@@ -214,8 +214,9 @@ def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> N
 def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
                                                                        loop: str) -> None:
     """A 4 KiB lane: all_reduce (two-shot), reduce_scatter, all_gather, broadcast and
-    all_to_all of 1000 to 65537 elements (4099 with more ranks) run in many steps, uneven last chunks included;
-    every op and dtype, in place and not, bit for bit against NumPy."""
+    all_to_all of 1000 to 65537 elements (4099 with more ranks) run in many steps, uneven
+    last chunks included; every op and dtype, in place and not, bit for bit against
+    NumPy."""
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     results = _run("steps_matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400,
@@ -232,6 +233,34 @@ def test_ops_in_steps_mix_with_one_slot_ops_in_groups_and_tasks() -> None:
         assert res is not None
         assert res["ok"]
         assert res["step_runs"] >= 5, res
+
+
+def test_recv_aliasing_send_in_other_objects_is_in_place() -> None:
+    """Found by review: with 3 ranks, all_reduce(x, x) on a first call gave rank 2 a wrong
+    sum (its input was overwritten before its turn)."""
+    for res in _run("alias", 3, cpus=4):
+        assert res is not None
+        assert res["ok"], res
+
+
+def test_all_gather_in_steps_keeps_the_loop_responsive() -> None:
+    """Found by review: the own 64 MiB block was copied in one go at the end (about
+    20 to 60 ms without a yield)."""
+    for res in _run("gather_lag", 2, cpus=4):
+        assert res is not None
+        assert res["ticks"] > 20, res
+        assert res["worst_lag"] < 0.015, res
+
+
+def test_a_stall_in_the_middle_of_steps_is_named_with_the_step() -> None:
+    results = _run("stalled_in_steps", 3, cpus=4)
+    for rank in (0, 2):
+        res = results[rank]
+        assert res is not None
+        assert res["error"] == "TimeoutError", res
+        assert "rank 1" in res["message"], res
+        assert "step" in res["message"], res
+        assert res["after"] < 10, res
 
 
 def test_no_lane_without_a_core_per_rank_nor_when_turned_off() -> None:

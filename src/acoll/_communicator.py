@@ -53,6 +53,7 @@ from ._comm.lane import (
     Lane,
     LanePlan,
     StepPlan,
+    Steps,
     all_gather_steps,
     all_reduce_steps,
     all_to_all_steps,
@@ -606,15 +607,15 @@ class Communicator:
         await self._lane_run(LanePlan(self, self._lane, desc, send, recv, op, root))
 
     async def _lane_bytes(self, desc: Descriptor, send: Buffer, recv: Buffer,
-                          steps: list[Any], local: tuple[int, int, int] | None = None) -> None:
+                          steps: Steps) -> None:
         """Run a moving (not combining) collective's steps through the lane, on the
         buffers' bytes (:class:`~acoll._comm.lane.StepPlan`)."""
         self.check_usable()
         assert self._lane is not None
         mine = np.frombuffer(send.view(), np.uint8)
         res = mine if recv is send else np.frombuffer(recv.view(), np.uint8)
-        await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps,
-                                      local=local), mine, res)
+        await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps),
+                             mine, res)
 
     async def _lane_run(self, call: LanePlan | AllReducePlan | StepPlan, mine: Any = None,
                         res: Any = None) -> None:
@@ -702,7 +703,8 @@ class Communicator:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
                     del self._lane_plans[next(iter(self._lane_plans))]
                 self._lane_plans[key] = made
-            await self._lane_run(made, s.array, r.array if r is not s else s.array)
+            await self._lane_run(made, s.array,
+                                 s.array if r is s or self.mem.same(r, s) else r.array)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
@@ -800,7 +802,7 @@ class Communicator:
         if self._lane is not None:
             block = s.nbytes
             await self._lane_bytes(desc, s, r, all_gather_steps(
-                self._lane, block, self._lane.limit), (0, self.rank * block, block))
+                self._lane, block, self._lane.limit))
             return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
         await self._execute(desc, make, self._ordered(
@@ -856,7 +858,7 @@ class Communicator:
         if self._lane is not None:
             block = s.nbytes // self.size
             await self._lane_bytes(desc, s, r, all_to_all_steps(
-                self._lane, block, self._lane.limit), (self.rank * block,) * 2 + (block,))
+                self._lane, block, self._lane.limit))
             return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)

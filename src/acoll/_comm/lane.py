@@ -56,7 +56,8 @@ from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, Trans
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
-__all__ = ["AllReducePlan", "Lane", "LanePlan", "StepPlan", "all_gather_steps", "all_reduce_steps",
+__all__ = ["AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps", "all_gather_steps",
+           "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
            "reduce_scatter_steps"]
 
@@ -112,6 +113,15 @@ class Lane:
         self.inflight = 0  # lane ops running now
         self.release_pending = False
         self.released = False
+        self._scratch = np.empty(0, np.uint8)
+
+    def scratch(self, nbytes: int) -> Any:
+        """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
+        operand; shared by the lane's ops (a combination never yields, so two never use it
+        at once)."""
+        if self._scratch.nbytes < nbytes:
+            self._scratch = np.empty(nbytes, np.uint8)
+        return self._scratch
 
     async def setup(self, comm: Any) -> None:
         """Connect to every peer and take the mailboxes of each connection.
@@ -180,6 +190,12 @@ class _LaneCall:
         lane = self.lane
         lane.inflight += 1
         turns = lane.turns
+        try:
+            # (failed or closed since the caller checked: the views may be released)
+            self.comm.check_usable()
+        except BaseException:
+            lane.inflight -= 1
+            raise
         turns.append(seq)  # (before any await: ops publish in the order they start)
         try:
             try:
@@ -262,7 +278,7 @@ class _LaneCall:
         if done():
             return
         await self._poll(seq, done, self.comm.spin_ns[pending[0]],
-                         lambda: self._timed_out(seq, pending),
+                         lambda: self._timed_out(seq, pending, step),
                          lambda: self._check_announced(seq, pending))
 
     async def _wait_free(self, out: Outbox, peer: int, seq: int, step: int = 0) -> None:
@@ -270,7 +286,8 @@ class _LaneCall:
         ``seq`` needs."""
         slot = (seq + step) & 1
         await self._poll(seq, lambda: out.free_at(slot), 0,
-                         lambda: self._timed_out(seq, [peer]), lambda: None)
+                         lambda: self._timed_out(seq, [peer], step, reading=True),
+                         lambda: None)
 
     async def _turn(self, seq: int) -> None:
         """Yield to the loop, then until the lane ops started before this one published."""
@@ -297,14 +314,24 @@ class _LaneCall:
                 f"lane while rank {self.lane.rank} runs it through the lane (do the ranks' "
                 "ACOLL_SHM_LANE_MAX settings differ?)")
 
-    def _timed_out(self, seq: int, pending: list[int]) -> AcollError:
+    def _timed_out(self, seq: int, pending: list[int], step: int = 0,
+                   reading: bool = False) -> AcollError:
+        """The error of a wait that ran out of time: for peers to publish ``step`` (0: to
+        reach the call), or (``reading``) for a peer to read what this rank wrote before."""
         name = self.desc.coll.name.lower()
         many = len(pending) > 1
+        who = f"rank{'s' if many else ''} {', '.join(map(str, pending))}"
+        if reading:
+            why = (f"for {who} to read what it wrote before step {step + 1} of this call "
+                   "(the peer stopped in this call or an earlier one)")
+        elif step:
+            why = (f"at step {step + 1} of this call for {who}, which did not finish "
+                   "the step before")
+        else:
+            why = f"for {who}, which did not reach this call"
         return AcollTimeoutError(
             f"{name} #{seq} did not complete within {self.comm.timeout:g} s on rank "
-            f"{self.lane.rank}; it was waiting for rank{'s' if many else ''} "
-            f"{', '.join(map(str, pending))}, which did not reach this call",
-            None if many else pending[0])
+            f"{self.lane.rank}; it was waiting {why}", None if many else pending[0])
 
 
 class LanePlan(_LaneCall):
@@ -451,7 +478,8 @@ class AllReducePlan(_LaneCall):
                 finish_avg(res, 2)
             return
         _combine(self._parts, self.lane.rank, self.op, mine, res,
-                 self._saved if mine is res else None, slot)
+                 self._saved if mine is res or np.may_share_memory(mine, res) else None,
+                 slot)
 
 
 def one_shot_max(lane: Lane) -> int:
@@ -477,29 +505,170 @@ class _Step(NamedTuple):
     recvs: list[tuple[int, int]]
     #: a combining step: (start of this rank's operand in ``mine``, start in ``res``, count)
     combine: tuple[int, int, int] | None = None
+    #: this rank's own piece: (start in ``mine``, start in ``res``, count), copied unless
+    #: the call is in place
+    own: tuple[int, int, int] | None = None
+
+
+class Steps:
+    """A collective's steps through the lane, made one at a time when the op runs (a large
+    op through a small slot has many): ``steps[k]`` for ``k < len(steps)``. Subclasses
+    are the collectives' algorithms; every rank makes the same number of steps from the
+    call alone."""
+
+    #: (start in ``mine``, start in ``res``, count) of this rank's own block, or None
+    local: tuple[int, int, int] | None = None
+
+    def __init__(self, lane: Lane, total: int, per: int, span: int) -> None:
+        self.rank, self.size, self.peers = lane.rank, lane.size, lane.peers
+        self.total, self.per, self.span = total, per, span
+        self._len = -(-total // span)  # (pieces of ``span``; ceil)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def piece(self, k: int) -> tuple[int, int]:
+        lo = k * self.span
+        return lo, min(lo + self.span, self.total)
+
+    def __getitem__(self, k: int) -> _Step:
+        raise NotImplementedError
+
+
+class _AllReduceSteps(Steps):
+    """Two-shot all_reduce: per chunk of up to ``size * per`` elements, a reduce-scatter
+    step (rank ``k`` combines part ``k`` of the chunk) then an all-gather step."""
+
+    def __init__(self, lane: Lane, count: int, per: int) -> None:
+        super().__init__(lane, count, per, per * lane.size)
+        self._len *= 2  # (two steps per chunk)
+
+    def __getitem__(self, k: int) -> _Step:
+        parts = _split(*self.piece(k >> 1), self.size)
+        a, b = parts[self.rank]
+        if not k & 1:
+            return _Step([(False, *parts[p]) for p in self.peers],
+                         [(b - a, -1)] * len(self.peers), (a, a, b - a))
+        return _Step([(True, a, b)] * len(self.peers),
+                     [(parts[p][1] - parts[p][0], parts[p][0]) for p in self.peers])
+
+
+class _ReduceScatterSteps(Steps):
+    """reduce_scatter of blocks of ``total`` elements, a piece of each block per step."""
+
+    def __init__(self, lane: Lane, block: int, per: int) -> None:
+        super().__init__(lane, block, per, per)
+
+    def __getitem__(self, k: int) -> _Step:
+        lo, hi = self.piece(k)
+        b = self.total
+        return _Step([(False, p * b + lo, p * b + hi) for p in self.peers],
+                     [(hi - lo, -1)] * len(self.peers), (self.rank * b + lo, lo, hi - lo))
+
+
+class _AllGatherSteps(Steps):
+    """all_gather of blocks of ``total`` bytes (``mine`` is this rank's block)."""
+
+    def __init__(self, lane: Lane, block: int, per: int) -> None:
+        super().__init__(lane, block, per, per)
+        self.local = (0, self.rank * block, block)
+
+    def __getitem__(self, k: int) -> _Step:
+        lo, hi = self.piece(k)
+        b = self.total
+        return _Step([(False, lo, hi)] * len(self.peers),
+                     [(hi - lo, p * b + lo) for p in self.peers],
+                     own=(lo, self.rank * b + lo, hi - lo))
+
+
+class _BroadcastSteps(Steps):
+    """broadcast of ``total`` bytes from ``root`` (``mine`` and ``res``: one buffer)."""
+
+    def __init__(self, lane: Lane, nbytes: int, per: int, root: int) -> None:
+        super().__init__(lane, nbytes, per, per)
+        self.root = root
+
+    def __getitem__(self, k: int) -> _Step:
+        lo, hi = self.piece(k)
+        n = len(self.peers)
+        if self.rank == self.root:
+            return _Step([(False, lo, hi)] * n, [(0, -1)] * n)
+        return _Step([(False, 0, 0)] * n,
+                     [(hi - lo, lo) if p == self.root else (0, -1) for p in self.peers])
+
+
+class _AllToAllSteps(Steps):
+    """all_to_all of blocks of ``total`` bytes."""
+
+    def __init__(self, lane: Lane, block: int, per: int) -> None:
+        super().__init__(lane, block, per, per)
+        self.local = (self.rank * block, self.rank * block, block)
+
+    def __getitem__(self, k: int) -> _Step:
+        lo, hi = self.piece(k)
+        b, r = self.total, self.rank
+        return _Step([(False, p * b + lo, p * b + hi) for p in self.peers],
+                     [(hi - lo, p * b + lo) for p in self.peers],
+                     own=(r * b + lo, r * b + lo, hi - lo))
+
+
+def _split(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
+    """``[lo, hi)`` in ``n`` parts, the first ``(hi - lo) % n`` one longer."""
+    base, rem = divmod(hi - lo, n)
+    bounds, at = [], lo
+    for k in range(n):
+        end = at + base + (k < rem)
+        bounds.append((at, end))
+        at = end
+    return bounds
+
+
+def all_reduce_steps(lane: Lane, count: int, per: int) -> Steps:
+    """Two-shot all_reduce of ``count`` elements, ``per`` at most per peer per step."""
+    return _AllReduceSteps(lane, count, per)
+
+
+def reduce_scatter_steps(lane: Lane, block: int, per: int) -> Steps:
+    """reduce_scatter of blocks of ``block`` elements, ``per`` at most per step."""
+    return _ReduceScatterSteps(lane, block, per)
+
+
+def all_gather_steps(lane: Lane, block: int, per: int) -> Steps:
+    """all_gather of blocks of ``block`` bytes (``mine`` is this rank's block)."""
+    return _AllGatherSteps(lane, block, per)
+
+
+def broadcast_steps(lane: Lane, nbytes: int, per: int, root: int) -> Steps:
+    """broadcast of ``nbytes`` from ``root`` (``mine`` and ``res``: the one buffer)."""
+    return _BroadcastSteps(lane, nbytes, per, root)
+
+
+def all_to_all_steps(lane: Lane, block: int, per: int) -> Steps:
+    """all_to_all of blocks of ``block`` bytes (this rank's own block is copied piece by
+    piece with the steps, unless in place)."""
+    return _AllToAllSteps(lane, block, per)
 
 
 class StepPlan(_LaneCall):
     """A collective too large for one mailbox slot, in steps of at most a slot per peer
-    (the builders below say which; cached like :class:`AllReducePlan` for all_reduce).
+    (:class:`Steps` says which; cached like :class:`AllReducePlan` for all_reduce).
     In each step a rank writes into its slot towards every peer, waits until every peer
     wrote, then either copies what its peers sent into ``res`` or combines it, in rank
-    order, with its own operand.
+    order, with its own operand; a step also copies this rank's own piece where the
+    collective has one and the call is not in place.
 
     Step ``k`` of op ``s`` uses slot ``(s + k) % 2`` (stamped :func:`stamp`), so a step
     writes while the peers may still read the one before. The op keeps the lane's turn
     until it published its last step: a later lane op (of a group) cannot take a slot one
     of its steps needs."""
 
-    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any,
-                 steps: list[_Step], op: ReduceOp = ReduceOp.SUM,
-                 local: tuple[int, int, int] | None = None) -> None:
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, steps: Steps,
+                 op: ReduceOp = ReduceOp.SUM) -> None:
         self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
         self.steps = steps
-        self._local = local  # (start in mine, start in res, count): copied at the end
         item = dtype.itemsize
         per = max(lane.limit // item, 1)
-        self._item = item
+        self._item, self._dtype = item, dtype
         top = head(desc.packed, 0)
         self._words = top[:2]
         self.heads = []
@@ -514,8 +683,6 @@ class StepPlan(_LaneCall):
             self.reads.append((peer, inbox, top))
             self._ins[peer] = [np.frombuffer(inbox.payload(slot, per * item), dtype)
                                for slot in (0, 1)]
-        combining = any(step.combine for step in steps)
-        self._saved = np.empty(per, dtype) if combining and lane.rank >= 2 else None
         self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
@@ -523,6 +690,11 @@ class StepPlan(_LaneCall):
         one array) as op ``seq``."""
         lane = self.lane
         lane.inflight += 1
+        try:
+            self.comm.check_usable()  # (failed or closed since the caller checked)
+        except BaseException:
+            lane.inflight -= 1
+            raise
         turns = lane.turns
         turns.append(seq)  # (before any await, as in _LaneCall.run)
         held = True
@@ -530,15 +702,19 @@ class StepPlan(_LaneCall):
             try:
                 if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
                     await self._turn(seq)
-                item, reads, ins = self._item, self.reads, self._ins
+                item, reads, ins, steps = self._item, self.reads, self._ins, self.steps
                 word_a, word_b = self._words
                 inplace = mine is res or np.may_share_memory(mine, res)
-                last = len(self.steps) - 1
-                for k, step in enumerate(self.steps):
+                local = steps.local
+                copy_own = local is not None and not np.may_share_memory(
+                    mine[local[0]:local[0] + local[2]], res[local[1]:local[1] + local[2]])
+                last = len(steps) - 1
+                for k in range(last + 1):
                     if k and time.perf_counter_ns() >= lane.yield_at:
                         await asyncio.sleep(0)
                         lane.yield_at = time.perf_counter_ns() + STEP_NS
                         self.comm.check_usable()
+                    step = steps[k]
                     slot, value = (seq + k) & 1, stamp(seq, k)
                     for (out, peer, views), (from_res, a, b) in zip(self._outs, step.sends,
                                                                     strict=True):
@@ -550,6 +726,9 @@ class StepPlan(_LaneCall):
                     if k == last:
                         turns.remove(seq)
                         held = False
+                    if copy_own and step.own is not None:
+                        a, at, m = step.own
+                        res[at:at + m] = mine[a:a + m]
                     for _, inbox, _ in reads:
                         if not inbox.arrived_at(slot, value):
                             await self._wait(seq, ctx, k)
@@ -566,11 +745,6 @@ class StepPlan(_LaneCall):
                                 res[at:at + m] = ins[peer][slot][:m]  # type: ignore[index]
                     for _, inbox, _ in reads:
                         inbox.ack_at(slot, value)
-                if self._local is not None:
-                    a, at, m = self._local
-                    src, dst = mine[a:a + m], res[at:at + m]
-                    if not np.may_share_memory(src, dst):
-                        dst[...] = src
             finally:
                 if held:
                     turns.remove(seq)
@@ -587,8 +761,8 @@ class StepPlan(_LaneCall):
             return
         rank, n = self.lane.rank, self.lane.size
         own, out = mine[a:a + m], res[at:at + m]
-        if self._saved is not None and inplace:
-            saved = self._saved[:m]
+        if rank >= 2 and inplace:  # (the first combinations would overwrite it)
+            saved = self.lane.scratch(m * self._item)[:m * self._item].view(self._dtype)
             np.copyto(saved, own)
             own = saved
         operands = [own if k == rank else self._ins[k][slot][:m]  # type: ignore[index]
@@ -599,72 +773,6 @@ class StepPlan(_LaneCall):
             ufunc(out, part, out=out)
         if self.op == ReduceOp.AVG:
             finish_avg(out, n)
-
-
-def _pieces(total: int, per: int) -> list[tuple[int, int]]:
-    return [(lo, min(lo + per, total)) for lo in range(0, total, per)]
-
-
-def _split(lo: int, hi: int, n: int) -> list[tuple[int, int]]:
-    """``[lo, hi)`` in ``n`` parts, the first ``(hi - lo) % n`` one longer."""
-    base, rem = divmod(hi - lo, n)
-    bounds, at = [], lo
-    for k in range(n):
-        end = at + base + (k < rem)
-        bounds.append((at, end))
-        at = end
-    return bounds
-
-
-def all_reduce_steps(lane: Lane, count: int, per: int) -> list[_Step]:
-    """Two-shot all_reduce of ``count`` elements, ``per`` at most per peer per step: per
-    chunk of up to ``size * per``, a reduce-scatter step (rank ``k`` combines part ``k``)
-    then an all-gather step."""
-    n, rank, peers = lane.size, lane.rank, lane.peers
-    steps = []
-    for lo, hi in _pieces(count, per * n):
-        parts = _split(lo, hi, n)
-        a, b = parts[rank]
-        steps.append(_Step([(False, *parts[p]) for p in peers], [(b - a, -1)] * len(peers),
-                           (a, a, b - a)))
-        steps.append(_Step([(True, a, b)] * len(peers),
-                           [(parts[p][1] - parts[p][0], parts[p][0]) for p in peers]))
-    return steps
-
-
-def reduce_scatter_steps(lane: Lane, block: int, per: int) -> list[_Step]:
-    """reduce_scatter of blocks of ``block`` elements, ``per`` at most per step."""
-    rank, peers = lane.rank, lane.peers
-    return [_Step([(False, p * block + lo, p * block + hi) for p in peers],
-                  [(hi - lo, -1)] * len(peers), (rank * block + lo, lo, hi - lo))
-            for lo, hi in _pieces(block, per)]
-
-
-def all_gather_steps(lane: Lane, block: int, per: int) -> list[_Step]:
-    """all_gather of blocks of ``block`` bytes (``mine`` is this rank's block)."""
-    peers = lane.peers
-    return [_Step([(False, lo, hi)] * len(peers), [(hi - lo, p * block + lo) for p in peers])
-            for lo, hi in _pieces(block, per)]
-
-
-def broadcast_steps(lane: Lane, nbytes: int, per: int, root: int) -> list[_Step]:
-    """broadcast of ``nbytes`` from ``root`` (``mine`` and ``res``: the one buffer)."""
-    peers = lane.peers
-    if lane.rank == root:
-        return [_Step([(False, lo, hi)] * len(peers), [(0, -1)] * len(peers))
-                for lo, hi in _pieces(nbytes, per)]
-    return [_Step([(False, 0, 0)] * len(peers),
-                  [(hi - lo, lo) if p == root else (0, -1) for p in peers])
-            for lo, hi in _pieces(nbytes, per)]
-
-
-def all_to_all_steps(lane: Lane, block: int, per: int) -> list[_Step]:
-    """all_to_all of blocks of ``block`` bytes (this rank's own block is copied at the
-    end, see :class:`StepPlan`'s ``local``)."""
-    peers = lane.peers
-    return [_Step([(False, p * block + lo, p * block + hi) for p in peers],
-                  [(hi - lo, p * block + lo) for p in peers])
-            for lo, hi in _pieces(block, per)]
 
 
 def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, res: Any,
