@@ -44,8 +44,10 @@ for c in ${OTHERS-all_gather reduce_scatter}; do
   done
 done
 unset ACOLL_IB_DISABLE CUDA_VISIBLE_DEVICES
-[ -n "${TESTS:-}" ] && timeout 240 python3 -m pytest tests/test_lane.py tests/test_transport_shm.py -q -p no:randomly \
-  -p no:benchmark --timeout 200 >"$OUT/tests.txt" 2>&1
-echo "== lane and shm tests: exit $?"; tail -n 3 "$OUT/tests.txt"
+if [ -n "${TESTS:-}" ]; then
+  timeout 300 make test-gpu PYTEST_ARGS="tests/test_lane.py tests/test_transport_shm.py -q -n 4 \
+    -p no:randomly -p no:benchmark --timeout 200" >"$OUT/tests.txt" 2>&1
+  echo "== lane and shm tests: exit $?"; tail -n 3 "$OUT/tests.txt"
+fi
 echo "== batch done after $((SECONDS - t0)) s"
 tar czf "$OUT.tgz" -C "$OUT" . && rm -rf "$OUT" && mkdir -p "$OUT" && mv "$OUT.tgz" "$OUT/all.tgz"
