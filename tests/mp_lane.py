@@ -54,6 +54,13 @@ async def _counted_steps(self: Any, seq: int, *args: Any) -> None:
 
 lane_mod.StepPlan.run = _counted_steps  # type: ignore[method-assign]
 
+if os.environ.get("LANE_NO_BOARD_RANK") == sys.argv[3]:  # this rank cannot map boards
+
+    def _refuse(pid: int, fd: int, span: int) -> Any:
+        raise OSError("refused by the test")
+
+    lane_mod.open_board = _refuse
+
 
 async def _outcome(coro: Any) -> dict[str, Any]:
     t0 = time.monotonic()
@@ -93,6 +100,15 @@ async def mismatch_steps(comm: acoll.Communicator) -> dict[str, Any]:
     """All ranks run all_reduces too large for one slot (in steps), of different counts."""
     x = np.ones((1 << 20) + (comm.rank == 0), np.float32)
     return await _outcome(comm.all_reduce(x))
+
+
+async def mismatch_board(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0 all_gathers a block that fits a slot (one step, mailboxes); the others one
+    larger than a slot (in steps, on the boards)."""
+    n = comm.size
+    block = 8 if comm.rank == 0 else (comm._lane.limit // 4) + 8
+    return await _outcome(comm.all_gather(np.ones(block, np.int32),
+                                          np.zeros(n * block, np.int32)))
 
 
 async def step_group(comm: acoll.Communicator) -> dict[str, Any]:
@@ -254,17 +270,22 @@ async def gather_lag(comm: acoll.Communicator) -> dict[str, Any]:
 
 
 async def stalled_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
-    """Rank 1's loop stalls for 6 s in the middle of all_reduces in steps (deadline 3 s)."""
+    """Rank 1's loop stalls for 6 s in the middle of an all_reduce in steps (deadline 3 s)."""
     x = np.ones(1 << 22, np.float32)
     await comm.all_reduce(x)
-    if comm.rank == 1:
-        asyncio.get_running_loop().call_later(0.3, time.sleep, 6)
+    if comm.rank == 1:  # (inside the op: at its second combining step)
+        calls = 0
+        reduce = lane_mod.StepPlan._reduce
 
-    async def forever() -> None:
-        while True:
-            await comm.all_reduce(x)
+        def stalling(*args: Any) -> None:
+            nonlocal calls
+            calls += 1
+            if calls == 2:
+                time.sleep(6)
+            reduce(*args)
 
-    return await _outcome(forever())
+        lane_mod.StepPlan._reduce = stalling  # type: ignore[method-assign]
+    return await _outcome(comm.all_reduce(x))
 
 
 async def plans(comm: acoll.Communicator) -> dict[str, Any]:
@@ -403,6 +424,7 @@ async def main() -> None:
     result["lane"] = comm._lane.limit if comm._lane is not None else 0
     result["lane_runs"] = LANE_RUNS
     result["step_runs"] = STEP_RUNS
+    result["boards"] = comm._lane is not None and comm._lane.boards is not None
     result["transports"] = [comm.transport_name(p) for p in range(n)]
     print("RESULT " + json.dumps(result), flush=True)
     if comm.error is None:

@@ -224,7 +224,19 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
     for res in results:
         assert res is not None
         assert res["lane"] == 4096
+        assert res["boards"], res  # (all-gather steps went through the boards)
         assert res["step_runs"] > 200, res  # most calls went in steps
+        assert res["checks"] == results[0]["checks"]  # type: ignore[index]
+
+
+def test_steps_without_boards_when_one_rank_cannot_map_them() -> None:
+    """Every rank falls back to the mailboxes together, and the results still match."""
+    results = _run("steps_matrix", 3, cpus=4, env_extra={"ACOLL_SHM_LANE_MAX": "4096",
+                                                         "LANE_NO_BOARD_RANK": "1"})
+    for res in results:
+        assert res is not None
+        assert not res["boards"], res
+        assert res["step_runs"] > 200, res
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
 
 
@@ -273,7 +285,7 @@ def test_no_lane_without_a_core_per_rank_nor_when_turned_off() -> None:
 
 
 @pytest.mark.parametrize("scenario", ["mismatch_count", "mismatch_path", "mismatch_root",
-                                      "mismatch_steps"])
+                                      "mismatch_steps", "mismatch_board"])
 def test_disagreements_are_named_on_every_rank_at_once(scenario: str) -> None:
     results = _run(scenario, 3, cpus=4)
     for res in results:

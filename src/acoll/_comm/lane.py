@@ -39,19 +39,34 @@ in rank order on every rank, so every rank gets the same bits.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
+import msgpack
 import numpy as np
 
 from .._coll.base import STEP_NS, Coll, Descriptor
+from .._config import get_logger
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer
 from .._transport.base import Connection, PeerInfo
-from .._transport.shmlane import Head, Inbox, Outbox, head, head_desc, head_length, stamp
+from .._transport.shmlane import (
+    Board,
+    Head,
+    Inbox,
+    Outbox,
+    board_span,
+    head,
+    head_desc,
+    head_length,
+    stamp,
+)
 from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
@@ -63,6 +78,7 @@ __all__ = ["AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps", "all_gather
 
 _YIELD_POLL_S = 2e-3
 _SLEEP_S = 5e-4
+log = get_logger("COLL")
 
 
 def lane_size(infos: Sequence[PeerInfo], host_memory: bool) -> int:
@@ -85,6 +101,17 @@ def lane_size(infos: Sequence[PeerInfo], host_memory: bool) -> int:
             return 0
         lanes.append(shm.handle_lane(handle))
     return min(lanes)
+
+
+def open_board(pid: int, fd: int, span: int) -> mmap.mmap:
+    """Map another process's board (its memfd ``fd``, through ``/proc``)."""
+    bfd = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if os.fstat(bfd).st_size < span:
+            raise ValueError(f"the board holds {os.fstat(bfd).st_size} bytes, not {span}")
+        return mmap.mmap(bfd, span)
+    finally:
+        os.close(bfd)
 
 
 def _unwrap(conn: Connection) -> Any:
@@ -114,6 +141,10 @@ class Lane:
         self.release_pending = False
         self.released = False
         self._scratch = np.empty(0, np.uint8)
+        #: every rank's board by rank (this rank's own included), when every rank mapped
+        #: every board (:meth:`setup`); else None and steps go through the mailboxes
+        self.boards: list[Board] | None = None
+        self._board_maps: list[mmap.mmap] = []
 
     def scratch(self, nbytes: int) -> Any:
         """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
@@ -146,6 +177,51 @@ class Lane:
             if not self.inboxes:
                 self.inboxes = [None] * self.size
             self.inboxes[peer] = boxes[1]
+        await self._setup_boards(comm._boot)
+
+    async def _setup_boards(self, boot: Any) -> None:
+        """Make this rank's board and map every peer's (over ``/proc/PID/fd``, checked by a
+        random token), agreeing over the bootstrap: every rank uses boards, or none does
+        (a rank that cannot open a peer's descriptor, e.g. in another PID namespace, says
+        why and every rank logs it)."""
+        n, span = self.size, board_span(self.size, self.limit)
+        token = os.urandom(16)
+        fd, why = -1, ""
+        maps: dict[int, mmap.mmap] = {}
+        try:
+            try:
+                fd = os.memfd_create("acoll-board", os.MFD_CLOEXEC)
+                os.ftruncate(fd, span)
+                maps[self.rank] = mmap.mmap(fd, span)
+                maps[self.rank][:16] = token
+            except OSError as exc:
+                why = f"rank {self.rank} cannot make its board: {exc}"
+            records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(
+                {"pid": os.getpid(), "fd": fd, "token": token, "why": why}))]
+            why = next((r["why"] for r in records if r["why"]), "")
+            for k, rec in enumerate(records):
+                if why or k == self.rank:
+                    continue
+                try:
+                    maps[k] = open_board(rec["pid"], rec["fd"], span)
+                except (OSError, ValueError) as exc:
+                    why = f"rank {self.rank} cannot map rank {k}'s board: {exc}"
+                    break
+                if maps[k][:16] != rec["token"]:
+                    why = f"rank {self.rank} mapped a stranger's board for rank {k}"
+            verdicts = [msgpack.unpackb(v) for v in await boot.allgather(msgpack.packb(why))]
+        finally:
+            if fd >= 0:
+                os.close(fd)  # (every rank mapped it, or gave up)
+        why = next((v for v in verdicts if v), "")
+        if why:
+            log.info("lane: steps go through the mailboxes, not boards: %s", why)
+            for mm in maps.values():
+                mm.close()
+            return
+        self._board_maps = [maps[k] for k in range(n)]
+        self.boards = [Board(memoryview(maps[k]), n, self.limit, k, self.rank)
+                       for k in range(n)]
 
     def announce(self, seq: int, desc: Descriptor) -> None:
         """Op ``seq`` runs off the lane (called by the executor for every such op)."""
@@ -161,8 +237,12 @@ class Lane:
         if self.released:
             return
         self.released = True
-        for box in [*self.outboxes, *(i for i in self.inboxes if i is not None)]:
+        for box in [*self.outboxes, *(i for i in self.inboxes if i is not None),
+                    *(self.boards or ())]:
             box.release()
+        for mm in self._board_maps:
+            with contextlib.suppress(BufferError):  # (else unmapped once collected)
+                mm.close()
         for conn in self._conns:
             conn.unmap_if_released()
 
@@ -261,15 +341,17 @@ class _LaneCall:
                 return
             comm.check_usable()
 
-    async def _wait(self, seq: int, ctx: Any, step: int = 0) -> None:
-        """Until every peer published step ``step`` of op ``seq``."""
-        inboxes = self.lane.inboxes
+    async def _wait(self, seq: int, ctx: Any, step: int = 0, boxes: Any = None) -> None:
+        """Until every peer published step ``step`` of op ``seq`` in its mailbox towards
+        this rank, or (``boxes``: the lane's boards) on its board."""
+        inboxes: Any = self.lane.inboxes if boxes is None else boxes
         slot, value = (seq + step) & 1, stamp(seq, step)
-        pending = [peer for peer, inbox, _ in self.reads if not inbox.arrived_at(slot, value)]
+        pending = [peer for peer, _, _ in self.reads
+                   if not inboxes[peer].arrived_at(slot, value)]
 
         def done() -> bool:
             pending[:] = [p for p in pending
-                          if not inboxes[p].arrived_at(slot, value)]  # type: ignore[union-attr]
+                          if not inboxes[p].arrived_at(slot, value)]
             if ctx is not None and pending:
                 ctx.waiting_on = pending[0]
                 ctx.heard.update(p for p in self.lane.peers if p not in pending)
@@ -277,9 +359,41 @@ class _LaneCall:
 
         if done():
             return
+        def disagreements() -> None:
+            self._check_announced(seq, pending)
+            self._check_crossed(seq, step, pending, boxes is not None)
+
         await self._poll(seq, done, self.comm.spin_ns[pending[0]],
-                         lambda: self._timed_out(seq, pending, step),
-                         lambda: self._check_announced(seq, pending))
+                         lambda: self._timed_out(seq, pending, step), disagreements)
+
+    def _check_crossed(self, seq: int, step: int, pending: list[int], on_boards: bool
+                       ) -> None:
+        """A peer that published this step where this rank does not look for it (its
+        board, or its mailbox) runs another call: name the difference."""
+        boards = self.lane.boards
+        if boards is None:
+            return
+        slot, value = (seq + step) & 1, stamp(seq, step)
+        for p in pending:
+            other = self.lane.inboxes[p] if on_boards else boards[p]
+            if other is None or not other.arrived_at(slot, value):
+                continue
+            got = head_desc(other.head_at(slot))
+            if got != self.desc.packed:
+                raise InvalidUsage(self.desc.describe_difference(
+                    Descriptor.unpack(got), self.lane.rank, p))
+            raise ProtocolError(f"lane: rank {p} published step {step + 1} of "
+                                f"{self.desc.coll.name.lower()} #{seq} where rank "
+                                f"{self.lane.rank} does not read it")
+
+    async def _wait_board(self, seq: int, step: int) -> None:
+        """Until every peer read what this rank last wrote on its board in the slot step
+        ``step`` of op ``seq`` needs."""
+        board = self.lane.boards[self.lane.rank]  # type: ignore[index]
+        slot = (seq + step) & 1
+        await self._poll(seq, lambda: board.free_at(slot), 0,
+                         lambda: self._timed_out(seq, board.unread(slot) or [-1], step,
+                                                 reading=True), lambda: None)
 
     async def _wait_free(self, out: Outbox, peer: int, seq: int, step: int = 0) -> None:
         """Until ``peer`` read what this rank last wrote in the slot step ``step`` of op
@@ -508,6 +622,8 @@ class _Step(NamedTuple):
     #: this rank's own piece: (start in ``mine``, start in ``res``, count), copied unless
     #: the call is in place
     own: tuple[int, int, int] | None = None
+    #: every peer gets the same bytes: the lane's boards carry them where it has some
+    board: bool = False
 
 
 class Steps:
@@ -550,7 +666,8 @@ class _AllReduceSteps(Steps):
             return _Step([(False, *parts[p]) for p in self.peers],
                          [(b - a, -1)] * len(self.peers), (a, a, b - a))
         return _Step([(True, a, b)] * len(self.peers),
-                     [(parts[p][1] - parts[p][0], parts[p][0]) for p in self.peers])
+                     [(parts[p][1] - parts[p][0], parts[p][0]) for p in self.peers],
+                     board=True)
 
 
 class _ReduceScatterSteps(Steps):
@@ -578,7 +695,7 @@ class _AllGatherSteps(Steps):
         b = self.total
         return _Step([(False, lo, hi)] * len(self.peers),
                      [(hi - lo, p * b + lo) for p in self.peers],
-                     own=(lo, self.rank * b + lo, hi - lo))
+                     own=(lo, self.rank * b + lo, hi - lo), board=True)
 
 
 class _BroadcastSteps(Steps):
@@ -592,9 +709,10 @@ class _BroadcastSteps(Steps):
         lo, hi = self.piece(k)
         n = len(self.peers)
         if self.rank == self.root:
-            return _Step([(False, lo, hi)] * n, [(0, -1)] * n)
+            return _Step([(False, lo, hi)] * n, [(0, -1)] * n, board=True)
         return _Step([(False, 0, 0)] * n,
-                     [(hi - lo, lo) if p == self.root else (0, -1) for p in self.peers])
+                     [(hi - lo, lo) if p == self.root else (0, -1) for p in self.peers],
+                     board=True)
 
 
 class _AllToAllSteps(Steps):
@@ -683,6 +801,10 @@ class StepPlan(_LaneCall):
             self.reads.append((peer, inbox, top))
             self._ins[peer] = [np.frombuffer(inbox.payload(slot, per * item), dtype)
                                for slot in (0, 1)]
+        #: every rank's board payloads (own included), by rank then slot
+        self._boards = None if lane.boards is None else [
+            [np.frombuffer(board.payload(slot, per * item), dtype) for slot in (0, 1)]
+            for board in lane.boards]
         self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
@@ -702,7 +824,8 @@ class StepPlan(_LaneCall):
             try:
                 if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
                     await self._turn(seq)
-                item, reads, ins, steps = self._item, self.reads, self._ins, self.steps
+                item, ins, steps = self._item, self._ins, self.steps
+                rank, peers, inboxes, boards = lane.rank, lane.peers, lane.inboxes, lane.boards
                 word_a, word_b = self._words
                 inplace = mine is res or np.may_share_memory(mine, res)
                 local = steps.local
@@ -716,35 +839,50 @@ class StepPlan(_LaneCall):
                         self.comm.check_usable()
                     step = steps[k]
                     slot, value = (seq + k) & 1, stamp(seq, k)
-                    for (out, peer, views), (from_res, a, b) in zip(self._outs, step.sends,
-                                                                    strict=True):
-                        if not out.free_at(slot):
-                            await self._wait_free(out, peer, seq, k)
+                    on_boards = step.board and boards is not None
+                    if on_boards:  # (written once, for every peer)
+                        assert boards is not None
+                        board = boards[rank]
+                        if not board.free_at(slot):
+                            await self._wait_board(seq, k)
+                        from_res, a, b = step.sends[0]
                         if b > a:
-                            views[slot][:b - a] = (res if from_res else mine)[a:b]
-                        out.publish_at(slot, value, (word_a, word_b, (b - a) * item))
+                            self._boards[rank][slot][:b - a] = (  # type: ignore[index]
+                                res if from_res else mine)[a:b]
+                        board.publish_at(slot, value, (word_a, word_b, (b - a) * item))
+                        boxes: Any = boards
+                        views_in: Any = self._boards
+                    else:
+                        for (out, peer, views), (from_res, a, b) in zip(
+                                self._outs, step.sends, strict=True):
+                            if not out.free_at(slot):
+                                await self._wait_free(out, peer, seq, k)
+                            if b > a:
+                                views[slot][:b - a] = (res if from_res else mine)[a:b]
+                            out.publish_at(slot, value, (word_a, word_b, (b - a) * item))
+                        boxes, views_in = inboxes, ins
                     if k == last:
                         turns.remove(seq)
                         held = False
                     if copy_own and step.own is not None:
                         a, at, m = step.own
                         res[at:at + m] = mine[a:a + m]
-                    for _, inbox, _ in reads:
-                        if not inbox.arrived_at(slot, value):
-                            await self._wait(seq, ctx, k)
+                    for peer in peers:
+                        if not boxes[peer].arrived_at(slot, value):
+                            await self._wait(seq, ctx, k, boards if on_boards else None)
                             break
-                    for (peer, inbox, _), (m, _) in zip(reads, step.recvs, strict=True):
-                        got = inbox.head_at(slot)
+                    for peer, (m, _) in zip(peers, step.recvs, strict=True):
+                        got = boxes[peer].head_at(slot)
                         if got != (word_a, word_b, m * item):
                             raise self._disagree(peer, got, (word_a, word_b, m * item))
                     if step.combine is not None:
                         self._reduce(slot, mine, res, step.combine, inplace)
                     else:
-                        for (peer, _, _), (m, at) in zip(reads, step.recvs, strict=True):
+                        for peer, (m, at) in zip(peers, step.recvs, strict=True):
                             if m and at >= 0:
-                                res[at:at + m] = ins[peer][slot][:m]  # type: ignore[index]
-                    for _, inbox, _ in reads:
-                        inbox.ack_at(slot, value)
+                                res[at:at + m] = views_in[peer][slot][:m]
+                    for peer in peers:
+                        boxes[peer].ack_at(slot, value)
             finally:
                 if held:
                     turns.remove(seq)

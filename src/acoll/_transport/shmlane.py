@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEAD_SIZE", "Head", "Inbox", "Outbox", "head", "head_desc", "head_length",
-           "mailbox_span", "stamp"]
+__all__ = ["HEAD_SIZE", "Board", "Head", "Inbox", "Outbox", "board_span", "head", "head_desc",
+           "head_length", "mailbox_span", "stamp"]
 
 ALIGN = 64
 _SLOT = struct.Struct("<Q16sQ32x")
@@ -189,3 +189,86 @@ def head_desc(h: Head) -> bytes:
 def head_length(h: Head) -> int:
     """The payload length in a head."""
     return h[2]
+
+
+# ----------------------------------------------------------------------------- boards
+
+def board_span(nranks: int, lane: int) -> int:
+    """Bytes of a board for ``nranks`` ranks whose slots hold ``lane`` payload bytes."""
+    return ALIGN + nranks * ALIGN + 2 * _slot_span(lane)
+
+
+class Board:
+    """A rank's *board*: one shared area its owner writes and every peer reads, for steps
+    that send the same bytes to every peer (an all-gather step: written once instead of
+    once per peer). Layout (little endian)::
+
+        0                  16s token (the owner's, checked by whoever maps it)
+        64 + 64 k          ack line of reader k: Q ack of slot 0 | Q ack of slot 1
+        64 + 64 n          slot 0: Q stamp | 16s descriptor | Q payload length | 32x,
+                           then ``lane`` bytes
+        ...                slot 1: the same
+
+    The owner reuses a slot once every reader acknowledged the stamp it last wrote there;
+    a reader loads the stamp first, copies, then acknowledges in its own line. ``me`` is
+    the rank using this view (the owner, or a reader)."""
+
+    def __init__(self, mem: memoryview, nranks: int, lane: int, owner: int, me: int) -> None:
+        if mem.nbytes < board_span(nranks, lane):
+            raise ValueError(f"board of {mem.nbytes} bytes for {nranks} ranks and a lane "
+                             f"of {lane}")
+        self.mem, self.lane, self.owner, self.me = mem, lane, owner, me
+        self._words = mem.cast("Q")
+        self._span = _slot_span(lane)
+        slots_at = ALIGN + nranks * ALIGN
+        self._slots_at = slots_at
+        self._seq_word = [(slots_at + i * self._span) // 8 for i in (0, 1)]
+        self._readers = [(k, (ALIGN + k * ALIGN) // 8) for k in range(nranks) if k != owner]
+        self._acks = [word for _, word in self._readers]
+        self._my_ack = (ALIGN + me * ALIGN) // 8
+        self._last = [0, 0]
+
+    def token(self) -> bytes:
+        return bytes(self.mem[:16])
+
+    def set_token(self, token: bytes) -> None:
+        self.mem[:16] = token
+
+    def payload(self, slot: int, nbytes: int) -> memoryview:
+        start = self._slots_at + slot * self._span + ALIGN
+        return self.mem[start:start + nbytes]
+
+    # owner side
+    def free_at(self, slot: int) -> bool:
+        """Whether every reader acknowledged what the owner last wrote in ``slot``."""
+        w, last = self._words, self._last[slot]
+        return all(w[a + slot] == last for a in self._acks)
+
+    def unread(self, slot: int) -> list[int]:
+        """The readers that did not acknowledge what the owner last wrote in ``slot``."""
+        w, last = self._words, self._last[slot]
+        return [k for k, a in self._readers if w[a + slot] != last]
+
+    def publish_at(self, slot: int, value: int, head: Head) -> None:
+        """Publish a step stamped ``value`` whose payload was copied first."""
+        w = self._words
+        at = self._seq_word[slot]
+        w[at + 1], w[at + 2], w[at + 3] = head
+        self._last[slot] = value
+        w[at] = value
+
+    # reader side
+    def arrived_at(self, slot: int, value: int) -> bool:
+        return self._words[self._seq_word[slot]] == value
+
+    def head_at(self, slot: int) -> Head:
+        w = self._words
+        at = self._seq_word[slot]
+        return w[at + 1], w[at + 2], w[at + 3]
+
+    def ack_at(self, slot: int, value: int) -> None:
+        self._words[self._my_ack + slot] = value
+
+    def release(self) -> None:
+        self._words.release()
+        self.mem.release()
