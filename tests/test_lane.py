@@ -13,17 +13,20 @@ from typing import Any
 import pytest
 
 import acoll
-from acoll._comm.lane import lane_size
+from acoll._comm.lane import _new_board, lane_size, open_board
 from acoll._transport import shm
 from acoll._transport.base import PeerInfo
 from acoll._transport.shmlane import (
     HEAD_SIZE,
+    Board,
     Inbox,
     Outbox,
+    board_span,
     head,
     head_desc,
     head_length,
     mailbox_span,
+    stamp,
 )
 from acoll._transport.shmring import PAGE, SegmentLayout
 from acoll.errors import ProtocolError
@@ -81,6 +84,63 @@ def test_slot_is_reused_only_after_the_reader_acks() -> None:
     assert not inbox.arrived(0)
     inbox.ack(1)
     assert out.free(3)
+
+
+def test_stamps_differ_from_the_slots_previous_values() -> None:
+    assert stamp(5, 0) == 6  # (step 0: the op number plus one, as one-slot ops write)
+    seen = {stamp(s, k) for s in range(50) for k in range(50)}
+    assert len(seen) == 2500
+    assert 0 not in seen
+    assert stamp((1 << 64) - 2, 0) != 0
+
+
+def test_a_board_slot_is_reused_only_after_every_reader_acks() -> None:
+    mem = memoryview(bytearray(board_span(3, 256)))
+    owner = Board(mem, 3, 256, owner=1, me=1)
+    r0, r2 = Board(mem, 3, 256, owner=1, me=0), Board(mem, 3, 256, owner=1, me=2)
+    owner.payload(0, 4)[:] = b"abcd"
+    owner.publish_at(0, stamp(7, 0), head(bytes(16), 4))
+    assert r0.arrived_at(0, stamp(7, 0))
+    assert not r0.arrived_at(0, stamp(7, 2))
+    assert head_length(r2.head_at(0)) == 4
+    assert bytes(r2.payload(0, 4)) == b"abcd"
+    assert not owner.free_at(0)
+    assert owner.unread(0) == [0, 2]
+    r0.ack_at(0, stamp(7, 0))
+    assert not owner.free_at(0)
+    assert owner.unread(0) == [2]
+    r2.ack_at(0, stamp(7, 0))
+    assert owner.free_at(0)
+    assert owner.free_at(1)  # (never written)
+
+
+def test_only_a_sealed_board_of_the_right_size_is_mapped() -> None:
+    span = board_span(2, 4096)
+    fd, mm = _new_board(span)
+    try:
+        theirs = open_board(os.getpid(), fd, span)
+        theirs[:4] = b"same"
+        assert mm[:4] == b"same"  # (one memory)
+        theirs.close()
+        with pytest.raises(ValueError, match="bytes"):
+            open_board(os.getpid(), fd, span + 64)
+    finally:
+        mm.close()
+        os.close(fd)
+    other = os.memfd_create("something-else")
+    try:
+        os.ftruncate(other, span)
+        with pytest.raises(ValueError, match="not a board"):
+            open_board(os.getpid(), other, span)
+    finally:
+        os.close(other)
+    unsealed = os.memfd_create("acoll-board", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(unsealed, span)
+        with pytest.raises(ValueError, match="sealed"):
+            open_board(os.getpid(), unsealed, span)
+    finally:
+        os.close(unsealed)
 
 
 def test_announcement_is_a_seqlock() -> None:

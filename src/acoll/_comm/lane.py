@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import mmap
 import os
@@ -103,15 +104,52 @@ def lane_size(infos: Sequence[PeerInfo], host_memory: bool) -> int:
     return min(lanes)
 
 
-def open_board(pid: int, fd: int, span: int) -> mmap.mmap:
-    """Map another process's board (its memfd ``fd``, through ``/proc``)."""
-    bfd = os.open(f"/proc/{int(pid)}/fd/{int(fd)}", os.O_RDWR | os.O_CLOEXEC)
+_BOARD_NAME = "acoll-board"
+_BOARD_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+                if hasattr(fcntl, "F_SEAL_SHRINK") else 0)
+
+
+def _new_board(span: int) -> tuple[int, mmap.mmap]:
+    """This rank's board: a memfd of ``span`` bytes, its pages reserved, sealed against
+    resizing (a peer cannot shrink it under a reader: no SIGBUS), mapped."""
+    fd = os.memfd_create(_BOARD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
-        if os.fstat(bfd).st_size < span:
-            raise ValueError(f"the board holds {os.fstat(bfd).st_size} bytes, not {span}")
+        os.ftruncate(fd, span)
+        os.posix_fallocate(fd, 0, span)
+        if _BOARD_SEALS:
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _BOARD_SEALS)
+        return fd, mmap.mmap(fd, span)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_board(pid: int, fd: int, span: int) -> mmap.mmap:
+    """Map another process's board (its memfd ``fd``, through ``/proc``) after checking
+    that it is one: a memfd of that name, ``span`` bytes, sealed against resizing.
+
+    Raises:
+        OSError: it cannot be opened. ValueError: it is not a board.
+    """
+    path = f"/proc/{int(pid)}/fd/{int(fd)}"
+    if not os.readlink(path).startswith(f"/memfd:{_BOARD_NAME}"):
+        raise ValueError(f"{path} is not a board")
+    bfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    try:
+        size = os.fstat(bfd).st_size
+        if size != span:
+            raise ValueError(f"the board holds {size} bytes, not {span}")
+        if _BOARD_SEALS and fcntl.fcntl(bfd, fcntl.F_GET_SEALS) & _BOARD_SEALS != _BOARD_SEALS:
+            raise ValueError("the board is not sealed against resizing")
         return mmap.mmap(bfd, span)
     finally:
         os.close(bfd)
+
+
+def _close_maps(maps: Any) -> None:
+    for mm in list(maps):
+        with contextlib.suppress(BufferError):
+            mm.close()
 
 
 def _unwrap(conn: Connection) -> Any:
@@ -183,18 +221,17 @@ class Lane:
         """Make this rank's board and map every peer's (over ``/proc/PID/fd``, checked by a
         random token), agreeing over the bootstrap: every rank uses boards, or none does
         (a rank that cannot open a peer's descriptor, e.g. in another PID namespace, says
-        why and every rank logs it)."""
+        why and every rank logs it). Nothing between the two all-gathers raises, so the
+        ranks stay in step."""
         n, span = self.size, board_span(self.size, self.limit)
         token = os.urandom(16)
         fd, why = -1, ""
         maps: dict[int, mmap.mmap] = {}
         try:
             try:
-                fd = os.memfd_create("acoll-board", os.MFD_CLOEXEC)
-                os.ftruncate(fd, span)
-                maps[self.rank] = mmap.mmap(fd, span)
+                fd, maps[self.rank] = _new_board(span)
                 maps[self.rank][:16] = token
-            except OSError as exc:
+            except Exception as exc:  # (every rank must reach the all-gathers)
                 why = f"rank {self.rank} cannot make its board: {exc}"
             records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(
                 {"pid": os.getpid(), "fd": fd, "token": token, "why": why}))]
@@ -204,20 +241,21 @@ class Lane:
                     continue
                 try:
                     maps[k] = open_board(rec["pid"], rec["fd"], span)
-                except (OSError, ValueError) as exc:
+                    if maps[k][:16] != rec["token"]:
+                        why = f"rank {self.rank} mapped a stranger's board for rank {k}"
+                except Exception as exc:  # (as above)
                     why = f"rank {self.rank} cannot map rank {k}'s board: {exc}"
-                    break
-                if maps[k][:16] != rec["token"]:
-                    why = f"rank {self.rank} mapped a stranger's board for rank {k}"
             verdicts = [msgpack.unpackb(v) for v in await boot.allgather(msgpack.packb(why))]
+            why = next((v for v in verdicts if v), "")
+        except BaseException:
+            _close_maps(maps.values())
+            raise
         finally:
             if fd >= 0:
                 os.close(fd)  # (every rank mapped it, or gave up)
-        why = next((v for v in verdicts if v), "")
         if why:
             log.info("lane: steps go through the mailboxes, not boards: %s", why)
-            for mm in maps.values():
-                mm.close()
+            _close_maps(maps.values())
             return
         self._board_maps = [maps[k] for k in range(n)]
         self.boards = [Board(memoryview(maps[k]), n, self.limit, k, self.rank)
@@ -240,9 +278,11 @@ class Lane:
         for box in [*self.outboxes, *(i for i in self.inboxes if i is not None),
                     *(self.boards or ())]:
             box.release()
-        for mm in self._board_maps:
-            with contextlib.suppress(BufferError):  # (else unmapped once collected)
-                mm.close()
+        _close_maps(self._board_maps)
+        # (a map still exported, e.g. by a plan that a kept traceback holds, is unmapped
+        # once that is collected: nothing here keeps it)
+        self._board_maps = []
+        self.boards = None
         for conn in self._conns:
             conn.unmap_if_released()
 
@@ -391,8 +431,9 @@ class _LaneCall:
         ``step`` of op ``seq`` needs."""
         board = self.lane.boards[self.lane.rank]  # type: ignore[index]
         slot = (seq + step) & 1
+        peers = self.lane.peers
         await self._poll(seq, lambda: board.free_at(slot), 0,
-                         lambda: self._timed_out(seq, board.unread(slot) or [-1], step,
+                         lambda: self._timed_out(seq, board.unread(slot) or list(peers), step,
                                                  reading=True), lambda: None)
 
     async def _wait_free(self, out: Outbox, peer: int, seq: int, step: int = 0) -> None:
