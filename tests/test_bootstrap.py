@@ -213,3 +213,21 @@ async def test_hundreds_of_ranks_in_one_loop(n: int) -> None:
         return int(x[0])
 
     assert await run_ranks(n, fn, timeout=60) == [n] * n
+
+
+async def test_connect_retries_stop_once_the_bootstrap_failed() -> None:
+    """Found by review: a send connecting to a peer that never listens kept retrying until
+    the deadline after its own bootstrap had failed. ``stop`` ends the retries."""
+    from acoll._bootstrap.ring import connect_with_retry
+
+    port = free_port()  # (nothing listens there)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    failed = acoll.BootstrapError("the bootstrap failed meanwhile")
+
+    def stop() -> acoll.AcollError | None:
+        return failed if loop.time() > start + 0.3 else None
+
+    with pytest.raises(acoll.BootstrapError, match="failed meanwhile"):
+        await connect_with_retry(("127.0.0.1", port), start + 60, "rank 1", stop)
+    assert loop.time() - start < 3

@@ -90,11 +90,14 @@ def error_from_wire(err: Error, via: int | None = None) -> AcollError:
     return RemoteError(err.message, rank)
 
 
-async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: str
+async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: str,
+                             stop: Callable[[], AcollError | None] | None = None
                              ) -> FramedConnection:
     """Connect, retrying refused/unreachable attempts with backoff, within bounds.
 
-    Gives up after ``ACOLL_CONNECT_RETRIES`` attempts or at ``deadline``, whichever is first.
+    Gives up after ``ACOLL_CONNECT_RETRIES`` attempts or at ``deadline``, whichever is first,
+    or raises what ``stop()`` returns once it returns an error (checked between attempts:
+    a bootstrap that failed meanwhile does not keep a sender retrying until the deadline).
 
     Raises:
         BootstrapError: naming the address, the attempts made and the last error.
@@ -111,6 +114,8 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
         left = remaining(deadline)
         if left <= 0:
             break
+        if stop is not None and (stopped := stop()) is not None:
+            raise stopped
         attempts += 1
         try:
             return await asyncio.wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
@@ -134,7 +139,8 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
 
 
 async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what: str,
-                                key: bytes, context: bytes, hello: Hello | PeerHello
+                                key: bytes, context: bytes, hello: Hello | PeerHello,
+                                stop: Callable[[], AcollError | None] | None = None
                                 ) -> FramedConnection:
     """Connect (see :func:`connect_with_retry`) and authenticate (:mod:`acoll._auth`).
 
@@ -148,7 +154,7 @@ async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what
     """
     delay = 0.01
     for _ in range(CONNECT_RETRIES.resolve()):
-        conn = await connect_with_retry(sockaddr, deadline, what)
+        conn = await connect_with_retry(sockaddr, deadline, what, stop)
         try:
             await conn.connect_auth(key, context, hello, deadline)
             return conn
@@ -377,7 +383,8 @@ class Bootstrap:
                 try:
                     conn = await connect_authenticated(
                         self._sockaddr(addr), deadline, f"rank {peer}", self.key,
-                        PEER_CONTEXT, PeerHello(b"", b"", self.rank, peer, self.nranks))
+                        PEER_CONTEXT, PeerHello(b"", b"", self.rank, peer, self.nranks),
+                        lambda: self.error)
                 except (PeerClosed, ProtocolError) as exc:
                     raise RemoteError(f"rank {self.rank} could not authenticate with rank "
                                       f"{peer} at {addr[0]}:{addr[1]}: {exc}", peer) from exc
