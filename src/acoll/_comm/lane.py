@@ -1,4 +1,4 @@
-"""The lane: small collectives between processes of one host, through shared mailboxes.
+"""The lane: collectives between processes of one host, through shared mailboxes.
 
 When every rank of a host-memory communicator is on one host, in its own process, with a
 core each, and every rank's shared-memory transport offers mailboxes
@@ -8,6 +8,13 @@ altogether. Each rank copies its contribution into its mailbox towards every pee
 computes its result straight from them: one copy in, one pass out, no record, no
 matching, no future and no wake-up on the way. An all_reduce combines the contributions
 in rank order on every rank, so every rank gets the same bits.
+
+Larger collectives (all but reduce) run as one op in steps of at most a slot per peer
+(:class:`StepPlan`, the algorithms are :class:`Steps` subclasses): all_reduce two-shot (a
+reduce-scatter step then an all-gather step per chunk), the others one kind of step per
+piece. Steps that send every peer the same bytes go through each rank's *board*
+(:class:`~acoll._transport.shmlane.Board`, mapped by every peer) when every rank could map
+every board (:meth:`Lane.setup`), else through the mailboxes.
 
 - Who uses it is decided from the formation records alone (:func:`lane_size`: each
   rank's shared-memory handle says how large a lane it offers, 0 when it has no core per
