@@ -78,7 +78,10 @@ async def test_idle_peer_death_fails_later_ops_immediately() -> None:
 @pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
 def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
     """A rank that dies (its process exits) fails every survivor's op with RemoteError at
-    once, over shared memory (the control socket's end of file) and over TCP."""
+    once, over shared memory and over TCP. With shared memory, whichever of the dead
+    peer's connections reports its end of file first names it: the shared-memory control
+    socket, or (ranks busy in the lane, which sends no messages: seen on the 16-core GPU
+    host) the bootstrap connection; never a message over TCP."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_TIMEOUT"] = "60"
@@ -95,7 +98,10 @@ def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
         assert procs[r].returncode == 0, outs[r]
         assert "RemoteError" in outs[r], outs[r]
         assert "rank 2" in outs[r], outs[r]
-        assert ("shm peer" in outs[r]) == shm, outs[r]
+        if shm:
+            assert "shm peer" in outs[r] or "bootstrap connection" in outs[r], outs[r]
+        else:
+            assert "shm peer" not in outs[r], outs[r]
     assert elapsed < 30
 
 
