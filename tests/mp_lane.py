@@ -30,29 +30,21 @@ import acoll
 from acoll._comm import lane as lane_mod
 from collective_cases import ALL_DTYPES, ALL_OPS, check_all
 
-LANE_RUNS = 0
-_run = lane_mod._LaneCall.run
+RUNS = {"lane": 0, "steps": 0}  # lane ops run, by kind
 
 
-async def _counted(self: Any, seq: int, *args: Any) -> None:
-    global LANE_RUNS
-    LANE_RUNS += 1
-    await _run(self, seq, *args)
+def _count(cls: Any, kind: str) -> None:
+    run = cls.run
+
+    async def counted(self: Any, seq: int, *args: Any) -> None:
+        RUNS[kind] += 1
+        await run(self, seq, *args)
+
+    cls.run = counted
 
 
-lane_mod._LaneCall.run = _counted  # type: ignore[method-assign]
-
-STEP_RUNS = 0
-_run_steps = lane_mod.StepPlan.run
-
-
-async def _counted_steps(self: Any, seq: int, *args: Any) -> None:
-    global STEP_RUNS
-    STEP_RUNS += 1
-    await _run_steps(self, seq, *args)
-
-
-lane_mod.StepPlan.run = _counted_steps  # type: ignore[method-assign]
+_count(lane_mod._LaneCall, "lane")
+_count(lane_mod.StepPlan, "steps")
 
 if os.environ.get("LANE_NO_BOARD_RANK") == sys.argv[3]:  # this rank cannot map boards
 
@@ -418,12 +410,12 @@ async def main() -> None:
         return
     result = await globals()[scenario](comm)
     if scenario in ("after_close", "close_inflight"):  # (closed already)
-        result.update(lane=1, lane_runs=LANE_RUNS, transports=[])
+        result.update(lane=1, lane_runs=RUNS["lane"], transports=[])
         print("RESULT " + json.dumps(result), flush=True)
         return
     result["lane"] = comm._lane.limit if comm._lane is not None else 0
-    result["lane_runs"] = LANE_RUNS
-    result["step_runs"] = STEP_RUNS
+    result["lane_runs"] = RUNS["lane"]
+    result["step_runs"] = RUNS["steps"]
     result["boards"] = comm._lane is not None and comm._lane.boards is not None
     result["transports"] = [comm.transport_name(p) for p in range(n)]
     print("RESULT " + json.dumps(result), flush=True)

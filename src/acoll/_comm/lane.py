@@ -52,6 +52,7 @@ import functools
 import mmap
 import os
 import time
+from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
@@ -620,7 +621,7 @@ class AllReducePlan(_LaneCall):
             inbox = lane.inboxes[peer]
             assert inbox is not None
             self.reads.append((peer, inbox, top))
-        self._saved = np.empty(count, dtype) if lane.rank >= 2 else None
+        self._nbytes, self._dtype = nbytes, dtype
         self._parts = [None if k == lane.rank else
                        [np.frombuffer(lane.inboxes[k].payload(slot, nbytes),  # type: ignore[union-attr]
                                       dtype) for slot in (0, 1)]
@@ -640,8 +641,14 @@ class AllReducePlan(_LaneCall):
                 finish_avg(res, 2)
             return
         _combine(self._parts, self.lane.rank, self.op, mine, res,
-                 self._saved if mine is res or np.may_share_memory(mine, res) else None,
+                 self._saved() if mine is res or np.may_share_memory(mine, res) else None,
                  slot)
+
+    def _saved(self) -> Any:
+        """Where ranks >= 2 keep their operand in place (the lane's scratch)."""
+        if self.lane.rank < 2:
+            return None
+        return self.lane.scratch(self._nbytes)[:self._nbytes].view(self._dtype)
 
 
 def one_shot_max(lane: Lane) -> int:
@@ -674,7 +681,7 @@ class _Step(NamedTuple):
     board: bool = False
 
 
-class Steps:
+class Steps(ABC):
     """A collective's steps through the lane, made one at a time when the op runs (a large
     op through a small slot has many): ``steps[k]`` for ``k < len(steps)``. Subclasses
     are the collectives' algorithms; every rank makes the same number of steps from the
@@ -695,8 +702,9 @@ class Steps:
         lo = k * self.span
         return lo, min(lo + self.span, self.total)
 
+    @abstractmethod
     def __getitem__(self, k: int) -> _Step:
-        raise NotImplementedError
+        """Step ``k`` of this rank."""
 
 
 class _AllReduceSteps(Steps):

@@ -69,60 +69,71 @@ def mailbox_span(lane: int) -> int:
     return _SLOTS_AT + 2 * _slot_span(lane)
 
 
-class _Box:
-    def __init__(self, mem: memoryview, lane: int) -> None:
-        if mem.nbytes != mailbox_span(lane):
-            raise ValueError(f"mailbox of {mem.nbytes} bytes for a lane of {lane}")
+class _Slots:
+    """Two stamped slots at ``slots_at`` in ``mem`` (see the layouts above): what a
+    mailbox and a board share. The writing side publishes, the reading side looks."""
+
+    def __init__(self, mem: memoryview, lane: int, slots_at: int) -> None:
         self.mem = mem
         self.lane = lane
         self._span = _slot_span(lane)
+        self._slots_at = slots_at
         self._words = mem.cast("Q")  # for single 8-byte loads and stores
-        # word index of each slot's sequence, and of each ack
-        self._seq_word = [(_SLOTS_AT + i * self._span) // 8 for i in (0, 1)]
-        self._ack_word = [ALIGN // 8, ALIGN // 8 + 1]
+        self._seq_word = [(slots_at + i * self._span) // 8 for i in (0, 1)]
+        self._last = [0, 0]  # (writing side) the stamp last written to each slot
 
     def payload(self, slot: int, nbytes: int) -> memoryview:
-        start = _SLOTS_AT + slot * self._span + ALIGN
+        start = self._slots_at + slot * self._span + ALIGN
         return self.mem[start:start + nbytes]
+
+    def publish_at(self, slot: int, value: int, head: Head) -> None:
+        """Publish the step stamped ``value`` (:func:`stamp`) in ``slot``: ``head`` after
+        the payload, which the caller copied first, then the stamp (the last store).
+        Call only when the slot is free."""
+        w = self._words
+        at = self._seq_word[slot]
+        w[at + 1], w[at + 2], w[at + 3] = head
+        self._last[slot] = value
+        w[at] = value
+
+    def arrived_at(self, slot: int, value: int) -> bool:
+        """Whether the writer published the step stamped ``value`` in ``slot``."""
+        return self._words[self._seq_word[slot]] == value
+
+    def head_at(self, slot: int) -> Head:
+        """The head (descriptor and payload length) the writer published last in ``slot``."""
+        w = self._words
+        at = self._seq_word[slot]
+        return w[at + 1], w[at + 2], w[at + 3]
 
     def release(self) -> None:
         self._words.release()
         self.mem.release()
 
 
+class _Box(_Slots):
+    def __init__(self, mem: memoryview, lane: int) -> None:
+        if mem.nbytes != mailbox_span(lane):
+            raise ValueError(f"mailbox of {mem.nbytes} bytes for a lane of {lane}")
+        super().__init__(mem, lane, _SLOTS_AT)
+        self._ack_word = [ALIGN // 8, ALIGN // 8 + 1]
+
+
 class Outbox(_Box):
     """The writing side of a mailbox (towards one peer)."""
 
-    def __init__(self, mem: memoryview, lane: int) -> None:
-        super().__init__(mem, lane)
-        self._last = [0, 0]  # the sequence last written to each slot
-
     def free(self, seq: int) -> bool:
         """Whether the slot of op ``seq`` may be written (its last op was read)."""
-        slot = seq & 1
-        return self._words[self._ack_word[slot]] == self._last[slot]
+        return self.free_at(seq & 1)
 
     def publish(self, seq: int, head: Head) -> None:
-        """Publish op ``seq``: ``head`` (:func:`head`) after the payload, which the caller
-        copied into ``payload(seq % 2, n)`` first. Call only when :meth:`free` says so."""
-        slot = seq & 1
-        w = self._words
-        at = self._seq_word[slot]
-        w[at + 1], w[at + 2], w[at + 3] = head
-        self._last[slot] = seq + 1
-        w[at] = seq + 1  # publish: the last store
+        """Publish op ``seq`` (a one-step op: its stamp is ``seq + 1``, in slot
+        ``seq % 2``). Call only when :meth:`free` says so."""
+        self.publish_at(seq & 1, seq + 1, head)
 
     def free_at(self, slot: int) -> bool:
         """Whether ``slot`` may be written (what this side last wrote there was read)."""
         return self._words[self._ack_word[slot]] == self._last[slot]
-
-    def publish_at(self, slot: int, value: int, head: Head) -> None:
-        """:meth:`publish` for a step of a multi-step op: ``value`` is its :func:`stamp`."""
-        w = self._words
-        at = self._seq_word[slot]
-        w[at + 1], w[at + 2], w[at + 3] = head
-        self._last[slot] = value
-        w[at] = value
 
     def announce(self, seq: int, desc: bytes) -> None:
         """Say that op ``seq`` (with ``desc``) runs off the lane."""
@@ -137,27 +148,15 @@ class Inbox(_Box):
 
     def arrived(self, seq: int) -> bool:
         """Whether the peer published op ``seq`` in its slot."""
-        return self._words[self._seq_word[seq & 1]] == seq + 1
+        return self.arrived_at(seq & 1, seq + 1)
 
     def head(self, seq: int) -> Head:
         """The head (descriptor and payload length) the peer published for op ``seq``."""
-        w = self._words
-        at = self._seq_word[seq & 1]
-        return w[at + 1], w[at + 2], w[at + 3]
+        return self.head_at(seq & 1)
 
     def ack(self, seq: int) -> None:
         """Give op ``seq``'s slot back to the writer (after copying from it)."""
-        self._words[self._ack_word[seq & 1]] = seq + 1
-
-    def arrived_at(self, slot: int, value: int) -> bool:
-        """Whether the peer published the step stamped ``value`` in ``slot``."""
-        return self._words[self._seq_word[slot]] == value
-
-    def head_at(self, slot: int) -> Head:
-        """The head the peer published last in ``slot``."""
-        w = self._words
-        at = self._seq_word[slot]
-        return w[at + 1], w[at + 2], w[at + 3]
+        self.ack_at(seq & 1, seq + 1)
 
     def ack_at(self, slot: int, value: int) -> None:
         """Give ``slot`` back after copying the step stamped ``value`` from it."""
@@ -198,7 +197,7 @@ def board_span(nranks: int, lane: int) -> int:
     return ALIGN + nranks * ALIGN + 2 * _slot_span(lane)
 
 
-class Board:
+class Board(_Slots):
     """A rank's *board*: one shared area its owner writes and every peer reads, for steps
     that send the same bytes to every peer (an all-gather step: written once instead of
     once per peer). Layout (little endian)::
@@ -217,26 +216,11 @@ class Board:
         if mem.nbytes < board_span(nranks, lane):
             raise ValueError(f"board of {mem.nbytes} bytes for {nranks} ranks and a lane "
                              f"of {lane}")
-        self.mem, self.lane, self.owner, self.me = mem, lane, owner, me
-        self._words = mem.cast("Q")
-        self._span = _slot_span(lane)
-        slots_at = ALIGN + nranks * ALIGN
-        self._slots_at = slots_at
-        self._seq_word = [(slots_at + i * self._span) // 8 for i in (0, 1)]
+        super().__init__(mem, lane, ALIGN + nranks * ALIGN)
+        self.owner, self.me = owner, me
         self._readers = [(k, (ALIGN + k * ALIGN) // 8) for k in range(nranks) if k != owner]
         self._acks = [word for _, word in self._readers]
         self._my_ack = (ALIGN + me * ALIGN) // 8
-        self._last = [0, 0]
-
-    def token(self) -> bytes:
-        return bytes(self.mem[:16])
-
-    def set_token(self, token: bytes) -> None:
-        self.mem[:16] = token
-
-    def payload(self, slot: int, nbytes: int) -> memoryview:
-        start = self._slots_at + slot * self._span + ALIGN
-        return self.mem[start:start + nbytes]
 
     # owner side
     def free_at(self, slot: int) -> bool:
@@ -249,26 +233,7 @@ class Board:
         w, last = self._words, self._last[slot]
         return [k for k, a in self._readers if w[a + slot] != last]
 
-    def publish_at(self, slot: int, value: int, head: Head) -> None:
-        """Publish a step stamped ``value`` whose payload was copied first."""
-        w = self._words
-        at = self._seq_word[slot]
-        w[at + 1], w[at + 2], w[at + 3] = head
-        self._last[slot] = value
-        w[at] = value
-
     # reader side
-    def arrived_at(self, slot: int, value: int) -> bool:
-        return self._words[self._seq_word[slot]] == value
-
-    def head_at(self, slot: int) -> Head:
-        w = self._words
-        at = self._seq_word[slot]
-        return w[at + 1], w[at + 2], w[at + 3]
-
     def ack_at(self, slot: int, value: int) -> None:
+        """Acknowledge, in this reader's own line, the step stamped ``value``."""
         self._words[self._my_ack + slot] = value
-
-    def release(self) -> None:
-        self._words.release()
-        self.mem.release()
