@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
+import gc
 import json
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -23,19 +26,45 @@ import numpy as np
 import acoll
 
 
-class Ticker:
+class GcLog:
+    """Python's garbage collections longer than 0.5 ms (``gc.callbacks``)."""
+
     def __init__(self) -> None:
+        self.passes: list[dict[str, float]] = []
+        self._t0 = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._t0) * 1e3
+        if ms > 0.5:
+            self.passes.append({"generation": info["generation"], "ms": round(ms, 2),
+                                "collected": info["collected"]})
+
+
+class Ticker:
+    """Records the loop's gaps; with ``dump`` (a file), arms faulthandler at every tick
+    so that a gap longer than ``dump_after_s`` writes every thread's stack there (from
+    faulthandler's own thread: it needs no GIL, so it also catches C calls holding it)."""
+
+    def __init__(self, dump: Any = None, dump_after_s: float = 0.004) -> None:
         self.gaps: list[float] = []
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._dump, self._after = dump, dump_after_s
 
     async def _run(self) -> None:
         last = time.perf_counter()
         while not self._stop.is_set():
+            if self._dump is not None:
+                faulthandler.dump_traceback_later(self._after, file=self._dump)
             await asyncio.sleep(0)
             now = time.perf_counter()
             self.gaps.append(now - last)
             last = now
+        if self._dump is not None:
+            faulthandler.cancel_dump_traceback_later()
 
     def __enter__(self) -> Ticker:
         self._task = asyncio.ensure_future(self._run())
@@ -52,15 +81,35 @@ class Ticker:
                 "ticks": len(g)}
 
 
-async def lag(comm: acoll.Communicator, x: Any, iters: int) -> dict[str, float]:
+async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = False,
+              gc_mode: str = "asis") -> dict[str, Any]:
     await comm.all_reduce(x)  # warm-up: pools, kernels
+    if gc_mode != "asis":
+        gc.collect()
+    if gc_mode == "freeze":
+        gc.freeze()
     await comm.barrier()
+    gclog = GcLog()
+    dump = tempfile.TemporaryFile("w+") if diagnose else None  # noqa: SIM115
+    if diagnose:
+        gc.callbacks.append(gclog)
     t0 = time.perf_counter()
-    with Ticker() as ticker:
-        for _ in range(iters):
-            await comm.all_reduce(x)
-    res = await ticker.done()
+    try:
+        with Ticker(dump) as ticker:
+            for _ in range(iters):
+                await comm.all_reduce(x)
+        res: dict[str, Any] = dict(await ticker.done())
+    finally:
+        if diagnose:
+            gc.callbacks.remove(gclog)
     res["op_ms"] = (time.perf_counter() - t0) / iters * 1e3
+    if gc_mode == "freeze":
+        gc.unfreeze()
+    if diagnose and dump is not None:
+        dump.seek(0)
+        res["gc_passes_over_0.5ms"] = gclog.passes
+        res["stall_stacks"] = dump.read()[-6000:]
+        dump.close()
     return res
 
 
@@ -88,6 +137,11 @@ async def main() -> None:
     p.add_argument("--json")
     p.add_argument("--iters", type=int, default=8)
     p.add_argument("--mib", type=int, default=64)
+    p.add_argument("--diagnose", action="store_true",
+                   help="record garbage collections and the stacks of stalls over 4 ms")
+    p.add_argument("--gc", choices=["asis", "collect", "freeze"], default="asis",
+                   help="before each stream: nothing; gc.collect(); or gc.collect() then "
+                        "gc.freeze() (what serving systems do after start-up)")
     args = p.parse_args()
     import cupy as cp
 
@@ -98,17 +152,18 @@ async def main() -> None:
         with cp.cuda.Device(gpu.device):
             x = cp.ones(count, cp.float32)
             small = cp.ones(2, cp.float32)
-        out["gpu_lag"] = await lag(gpu, x, args.iters)
+        out["gpu_lag"] = await lag(gpu, x, args.iters, args.diagnose, args.gc)
         out["gpu_latency_8B"] = await latency(gpu, small, 300)
         rank, size, device = gpu.rank, gpu.size, gpu.device
     del x
     host = await acoll.init_from_env()
     async with host:
-        out["host_lag"] = await lag(host, np.ones(count, np.float32), args.iters)
+        out["host_lag"] = await lag(host, np.ones(count, np.float32), args.iters,
+                                  args.diagnose, args.gc)
         out["host_latency_8B"] = await latency(host, np.ones(2, np.float32), 300)
     out["latency_delta_us"] = (out["gpu_latency_8B"]["median_us"]
                                - out["host_latency_8B"]["median_us"])
-    out.update(rank=rank, nranks=size, device=device, mib=args.mib,
+    out.update(rank=rank, nranks=size, device=device, mib=args.mib, gc=args.gc,
                loop=type(asyncio.get_running_loop()).__module__)
     if rank == 0:
         text = json.dumps(out, indent=1)

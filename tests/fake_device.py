@@ -79,6 +79,20 @@ class _Later(Fence):
         await self._event.wait()
 
 
+class _Counted(Fence):
+    """``fence``, counting the waits on it in ``staging.upload_waits``."""
+
+    def __init__(self, fence: Fence, staging: FakeStaging) -> None:
+        self.fence, self.staging = fence, staging
+
+    def done(self) -> bool:
+        return self.fence.done()
+
+    async def wait(self, deadline: float | None = None) -> None:
+        self.staging.upload_waits += 1
+        await self.fence.wait(deadline)
+
+
 class FakeStaging(Staging):
     def __init__(self, delay: int, device: int | None = None,
                  before: Any = None) -> None:
@@ -87,7 +101,7 @@ class FakeStaging(Staging):
         self.device = device
         self._before = before if before is not None else (lambda: None)
         self._host = HostSpace()
-        self.downloads = self.uploads = 0
+        self.downloads = self.uploads = self.upload_waits = 0
 
     def _allocate(self, nbytes: int) -> Buffer:
         return self._host.wrap(np.empty(nbytes, np.uint8))
@@ -117,7 +131,7 @@ class FakeStaging(Staging):
         self.uploads += 1
         self._before()
         self._bytes(dst)[...] = self._bytes(src)  # later "stream" work runs after it
-        return _Done()
+        return _Counted(_Done(), self)
 
 
 class _FakeOrder(StreamOrder):

@@ -1126,21 +1126,21 @@ class _ViaHost:
         deadline = asyncio.get_running_loop().time() + self.timeout
         staging = self.mem.staging()
         assert staging is not None  # (a device space always stages)
-        self.order.start()
+        order = self.order
         view, block = staging.lease(self.send.nbytes)
         fence: Fence | None = None
         try:
-            fence = staging.download(view, self.send)
+            fence = staging.download_first(order, view, self.send)
             await fence.wait(deadline)
             data = self.host.wrap(view.array.view(self.send.dtype))
             self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
             await self.make(self.ctx, data, data).run()
-            fence = staging.upload(self.recv, view)
+            fence = staging.upload_last(order, self.recv, view)
+            if order.settle:
+                # The upload is this op's last work: once it is done, so is the op.
+                await fence.wait(deadline)
         finally:
             staging.release(block, fence)  # reused once the last copy touching it is done
-        self.order.finish()
-        if self.order.settle:
-            await self.mem.settle(deadline)
 
 
 class _Send:

@@ -274,6 +274,19 @@ class Staging(ABC):
     def upload(self, dst: Buffer, src: Buffer) -> Fence:
         """Enqueue ``dst`` (device) ``= src`` (host); same byte count."""
 
+    def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
+        """An op's first work: :meth:`StreamOrder.start` of ``order``, then
+        :meth:`download` (a space may do both at once)."""
+        order.start()
+        return self.download(dst, src)
+
+    def upload_last(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
+        """An op's last work: :meth:`upload`, then :meth:`StreamOrder.finish` of
+        ``order`` (a space may do both at once)."""
+        fence = self.upload(dst, src)
+        order.finish()
+        return fence
+
     def lease(self, nbytes: int) -> tuple[Buffer, Buffer]:
         """``(view, block)``: a host buffer of ``nbytes`` bytes (``view``) inside a pooled
         ``block``; give ``block`` back with :meth:`release`."""

@@ -225,12 +225,17 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
 # ------------------------------------------------------------------------ waiting for work
 
 class _EventFence(Fence):
-    """A recorded event of ``space``'s stream."""
+    """A recorded event of ``space``'s stream, taken from the space's pool: it goes back
+    when the fence is dropped (nothing else holds the event, so nothing can wait on it
+    any more; a pipe signal already armed captured its record)."""
 
     __slots__ = ("event", "space")
 
     def __init__(self, space: CudaSpace, event: Any) -> None:
         self.space, self.event = space, event
+
+    def __del__(self) -> None:
+        self.space.give_event(self.event)
 
     def done(self) -> bool:
         return bool(self.event.done)
@@ -386,7 +391,10 @@ class CudaSpace(MemorySpace):
     def fence(self) -> Fence:
         """An event recorded on the space's stream now (the caller's work was ordered
         before it by :meth:`order`)."""
-        return _EventFence(self, self.record())
+        with self.cp.cuda.Device(self.device):
+            event = self.take_event()
+            event.record(self.stream)
+        return _EventFence(self, event)
 
     async def settle(self, deadline: float | None = None) -> None:
         with self.cp.cuda.Device(self.device):
@@ -444,15 +452,35 @@ class CudaStaging(Staging):
             mem = cp.cuda.alloc_pinned_memory(nbytes)
         return self._host.wrap(np.frombuffer(mem, np.uint8, nbytes))  # keeps mem alive
 
-    def _copy(self, dst: Buffer, src: Buffer, kind: int) -> Fence:
+    def _copy(self, dst: Buffer, src: Buffer, kind: int, order: StreamOrder | None = None,
+              first: bool = False) -> Fence:
+        """Enqueue one copy on the space's stream; with ``order`` (one of this space's),
+        also the order's start before it (``first``) or its finish after it, all under one
+        device context (the small GPU ops over the host: fewest CUDA calls)."""
         space = self.space
         with space.cp.cuda.Device(space.device):
+            if first and order is not None:
+                space.stream.wait_event(order.event)  # type: ignore[attr-defined]
             if dst.nbytes:
                 space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, kind,
                                                   space.stream.ptr)
-            event = space.cp.cuda.Event(block=False, disable_timing=True)
+            event = space.take_event()
             event.record(space.stream)
+            if order is not None and not first and not order.settle:
+                order.stream.wait_event(event)  # type: ignore[attr-defined]
+        if first and order is not None:
+            space.give_event(order.event)  # type: ignore[attr-defined]
         return _EventFence(space, event)
+
+    def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
+        if type(order) is not _Order or order.space is not self.space:
+            return super().download_first(order, dst, src)
+        return self._copy(dst, src, _D2H, order, first=True)
+
+    def upload_last(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
+        if type(order) is not _Order or order.space is not self.space:
+            return super().upload_last(order, dst, src)
+        return self._copy(dst, src, _H2D, order)
 
     def download(self, dst: Buffer, src: Buffer) -> Fence:
         return self._copy(dst, src, _D2H)

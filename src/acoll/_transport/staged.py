@@ -42,12 +42,69 @@ _EMPTY = host_buffer(b"")
 
 
 class _Send:
-    __slots__ = ("block", "fence", "host", "meta", "outer", "tag")
+    """A staged send: its host copy, and (once posted) the inner send's done callback.
+    One object per message, no closure (the staged path's per-chunk objects are what
+    drives Python's garbage collector on a stream of large GPU collectives)."""
+
+    __slots__ = ("block", "fence", "host", "meta", "outer", "staging", "tag")
 
     def __init__(self, outer: asyncio.Future[None], host: Buffer, block: Buffer, fence: Fence,
-                 tag: int, meta: bytes) -> None:
+                 tag: int, meta: bytes, staging: Staging) -> None:
         self.outer, self.host, self.block, self.fence = outer, host, block, fence
-        self.tag, self.meta = tag, meta
+        self.tag, self.meta, self.staging = tag, meta, staging
+
+    def __call__(self, f: asyncio.Future[None]) -> None:
+        """The inner send finished: give the host buffer back, settle the outer future."""
+        self.staging.release(self.block)
+        outer = self.outer
+        if outer.done():
+            if not f.cancelled():
+                f.exception()
+        elif f.cancelled():
+            outer.cancel()
+        elif f.exception() is not None:
+            outer.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            outer.set_result(None)
+
+
+class _Recv:
+    """A staged receive: when the inner receive into ``host`` completes, enqueue the copy
+    to ``buf`` and settle ``outer`` (a callable object rather than a closure: see
+    :class:`_Send`)."""
+
+    __slots__ = ("block", "buf", "conn", "host", "outer")
+
+    def __init__(self, conn: StagedConnection, buf: Buffer, host: Buffer, block: Buffer,
+                 outer: asyncio.Future[bytes]) -> None:
+        self.conn, self.buf, self.host, self.block, self.outer = conn, buf, host, block, outer
+
+    def __call__(self, f: asyncio.Future[bytes]) -> None:
+        conn, outer = self.conn, self.outer
+        if conn._recvs.pop(f, None) is None:
+            return  # already finished by poll()
+        staging = conn.staging
+        if f.cancelled():
+            staging.release(self.block)
+            if not outer.done():
+                outer.cancel()
+            return
+        exc = f.exception()
+        if exc is not None:
+            staging.release(self.block)
+            if not outer.done():
+                outer.set_exception(exc)
+            return
+        try:
+            fence = staging.upload(self.buf, self.host)
+        except Exception as err:
+            staging.release(self.block)
+            if not outer.done():
+                outer.set_exception(_copy_error("the copy of a receive to the device", err))
+            return
+        staging.release(self.block, fence)
+        if not outer.done():
+            outer.set_result(f.result())
 
 
 class StagedConnection(Connection):
@@ -65,7 +122,7 @@ class StagedConnection(Connection):
         self._close_args: tuple[bytes, bool] | None = None
         self._failed: ConnectionLost | None = None
         # Staged receives posted to the inner connection, with what finishes each.
-        self._recvs: dict[asyncio.Future[bytes], Callable[[asyncio.Future[bytes]], None]] = {}
+        self._recvs: dict[asyncio.Future[bytes], _Recv] = {}
         self.staged_sends = 0
         self.staged_recvs = 0
         inner.set_failure_callback(self._lost)
@@ -92,7 +149,7 @@ class StagedConnection(Connection):
             outer.set_exception(_copy_error("the copy of a send to host memory", exc))
             return outer
         self.staged_sends += 1
-        item = _Send(outer, host, block, fence, tag, meta)
+        item = _Send(outer, host, block, fence, tag, meta, self.staging)
         if not self._queue and fence.done():
             self._post(item)
         else:
@@ -109,21 +166,7 @@ class StagedConnection(Connection):
         return fut
 
     def _post(self, item: _Send) -> None:
-        inner = self.inner.isend(item.host, item.tag, item.meta)
-
-        def done(f: asyncio.Future[None]) -> None:
-            self.staging.release(item.block)
-            if item.outer.done():
-                if not f.cancelled():
-                    f.exception()
-            elif f.cancelled():
-                item.outer.cancel()
-            elif f.exception() is not None:
-                item.outer.set_exception(f.exception())  # type: ignore[arg-type]
-            else:
-                item.outer.set_result(None)
-
-        inner.add_done_callback(done)
+        self.inner.isend(item.host, item.tag, item.meta).add_done_callback(item)
 
     async def _run_pump(self) -> None:
         """Post queued sends in order as their copies finish (one task per connection)."""
@@ -163,33 +206,7 @@ class StagedConnection(Connection):
         outer: asyncio.Future[bytes] = self._loop.create_future()
         host, block = self.staging.lease(buf.nbytes)
         self.staged_recvs += 1
-
-        def done(f: asyncio.Future[bytes]) -> None:
-            if self._recvs.pop(f, None) is None:
-                return  # already finished by poll()
-            if f.cancelled():
-                self.staging.release(block)
-                if not outer.done():
-                    outer.cancel()
-                return
-            exc = f.exception()
-            if exc is not None:
-                self.staging.release(block)
-                if not outer.done():
-                    outer.set_exception(exc)
-                return
-            try:
-                fence = self.staging.upload(buf, host)
-            except Exception as err:
-                self.staging.release(block)
-                if not outer.done():
-                    outer.set_exception(_copy_error("the copy of a receive to the device",
-                                                    err))
-                return
-            self.staging.release(block, fence)
-            if not outer.done():
-                outer.set_result(f.result())
-
+        done = _Recv(self, buf, host, block, outer)
         inner = self.inner.irecv(host, tag)
         self._recvs[inner] = done
         inner.add_done_callback(done)
