@@ -7,6 +7,10 @@ loop) records the longest wall-clock gap between its resumptions while the rank 
 stream of 64 MiB all_reduces, first on GPU buffers (CuPy), then on host buffers (NumPy)
 for comparison; then the awaited latency of 8 B all_reduces (median and p99 of single
 ops) on both. Rank 0 prints one JSON document (and writes it to ``--json``).
+
+``--gc collect|freeze`` collects (and freezes) the heap before each stream;
+``--host-first`` swaps the two streams; ``--diagnose`` records Python's garbage
+collections over 0.5 ms and the stacks of stalls over ``--dump-ms``.
 """
 
 from __future__ import annotations
@@ -82,7 +86,7 @@ class Ticker:
 
 
 async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = False,
-              gc_mode: str = "asis") -> dict[str, Any]:
+              gc_mode: str = "asis", dump_ms: float = 4.0) -> dict[str, Any]:
     await comm.all_reduce(x)  # warm-up: pools, kernels
     if gc_mode != "asis":
         gc.collect()
@@ -95,7 +99,7 @@ async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = Fal
         gc.callbacks.append(gclog)
     t0 = time.perf_counter()
     try:
-        with Ticker(dump) as ticker:
+        with Ticker(dump, dump_ms / 1e3) as ticker:
             for _ in range(iters):
                 await comm.all_reduce(x)
         res: dict[str, Any] = dict(await ticker.done())
@@ -142,28 +146,42 @@ async def main() -> None:
     p.add_argument("--gc", choices=["asis", "collect", "freeze"], default="asis",
                    help="before each stream: nothing; gc.collect(); or gc.collect() then "
                         "gc.freeze() (what serving systems do after start-up)")
+    p.add_argument("--host-first", action="store_true",
+                   help="run the host buffers' stream first (the GPU's second)")
+    p.add_argument("--dump-ms", type=float, default=4.0,
+                   help="with --diagnose: stacks of stalls longer than this")
     args = p.parse_args()
     import cupy as cp
 
     out: dict[str, Any] = {}
     count = args.mib << 18  # float32
-    gpu = await acoll.init_from_env(device="auto")
-    async with gpu:
-        with cp.cuda.Device(gpu.device):
-            x = cp.ones(count, cp.float32)
-            small = cp.ones(2, cp.float32)
-        out["gpu_lag"] = await lag(gpu, x, args.iters, args.diagnose, args.gc)
-        out["gpu_latency_8B"] = await latency(gpu, small, 300)
-        rank, size, device = gpu.rank, gpu.size, gpu.device
-    del x
-    host = await acoll.init_from_env()
-    async with host:
-        out["host_lag"] = await lag(host, np.ones(count, np.float32), args.iters,
-                                  args.diagnose, args.gc)
-        out["host_latency_8B"] = await latency(host, np.ones(2, np.float32), 300)
+    rank = size = device = -1
+
+    async def on_gpu() -> None:
+        nonlocal rank, size, device
+        gpu = await acoll.init_from_env(device="auto")
+        async with gpu:
+            with cp.cuda.Device(gpu.device):
+                x = cp.ones(count, cp.float32)
+                small = cp.ones(2, cp.float32)
+            out["gpu_lag"] = await lag(gpu, x, args.iters, args.diagnose, args.gc,
+                                       args.dump_ms)
+            out["gpu_latency_8B"] = await latency(gpu, small, 300)
+            rank, size, device = gpu.rank, gpu.size, gpu.device
+
+    async def on_host() -> None:
+        host = await acoll.init_from_env()
+        async with host:
+            out["host_lag"] = await lag(host, np.ones(count, np.float32), args.iters,
+                                        args.diagnose, args.gc, args.dump_ms)
+            out["host_latency_8B"] = await latency(host, np.ones(2, np.float32), 300)
+
+    for phase in ((on_host, on_gpu) if args.host_first else (on_gpu, on_host)):
+        await phase()
     out["latency_delta_us"] = (out["gpu_latency_8B"]["median_us"]
                                - out["host_latency_8B"]["median_us"])
     out.update(rank=rank, nranks=size, device=device, mib=args.mib, gc=args.gc,
+               host_first=args.host_first,
                loop=type(asyncio.get_running_loop()).__module__)
     if rank == 0:
         text = json.dumps(out, indent=1)

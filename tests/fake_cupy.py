@@ -24,6 +24,7 @@ _current = [0]
 _owner: dict[int, tuple[int, int]] = {}  # allocation start -> (size, device)
 _keep: list[Any] = []
 enqueued: list[tuple[str, int]] = []  # (what, device current when it was enqueued)
+copies_on: list[int] = []  # the stream handle of each memcpyAsync
 
 
 def _device_of(ptr: int) -> int:
@@ -147,6 +148,7 @@ class _Runtime:
         if kind in (1, 3, 4):
             assert _device_of(dst) == _current[0], "copy into memory of another device"
         enqueued.append(("memcpy", _current[0]))
+        copies_on.append(stream)
         ctypes.memmove(dst, src, size)
 
     @staticmethod

@@ -102,6 +102,7 @@ class FakeStaging(Staging):
         self._before = before if before is not None else (lambda: None)
         self._host = HostSpace()
         self.downloads = self.uploads = self.upload_waits = 0
+        self.on_streams: list[tuple[str, Any]] = []  # copies on a caller's stream
 
     def _allocate(self, nbytes: int) -> Buffer:
         return self._host.wrap(np.empty(nbytes, np.uint8))
@@ -124,6 +125,23 @@ class FakeStaging(Staging):
             copy()
             return _Done()
         return _Later(copy, self.delay)
+
+    direct = True
+
+    def caller_stream(self, stream: Any) -> Any:
+        if stream is not None and not isinstance(stream, str):
+            raise InvalidUsage("stream= must be a str on a fake device")
+        return stream
+
+    def download_on(self, stream: Any, dst: Buffer, src: Buffer,
+                    after: Fence | None = None) -> Fence:
+        assert after is None or after.done()  # (fake uploads finish at once)
+        self.on_streams.append(("download", stream))
+        return self.download(dst, src)
+
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+        self.on_streams.append(("upload", stream))
+        return self.upload(dst, src)
 
     def upload(self, dst: Buffer, src: Buffer) -> Fence:
         assert dst.kind is MemoryKind.CUDA

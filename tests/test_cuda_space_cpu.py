@@ -101,9 +101,12 @@ async def test_two_devices_in_one_process(cupy: Any) -> None:
 
 
 async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
+    """Ordered calls (here above the size that keeps its own copy) start after the
+    caller's stream's queued work and publish their result to it through events; a small
+    all_reduce made while nothing else runs puts its two copies on the caller's stream."""
     async def fn(comm: acoll.Communicator) -> None:
         user = cupy.cuda.Stream(non_blocking=True)
-        x = fake_cupy.ndarray(np.ones(1000, np.float32), 0)
+        x = fake_cupy.ndarray(np.ones(20_000, np.float32), 0)
         await comm.all_reduce(x, stream=user)
         assert len(user.waits) == 1  # later work on the caller's stream waits for ours
         assert user.waits[0].recorded_on is comm.mem.stream  # type: ignore[attr-defined]
@@ -119,6 +122,12 @@ async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
         mine = [e for e in null.waits[before:] if e.recorded_on is comm.mem.stream]  # type: ignore[attr-defined]
         assert mine == []
         assert (x.get() == 16).all()
+        small = fake_cupy.ndarray(np.ones(1000, np.float32), 0)
+        waits, copies = len(user.waits), len(fake_cupy.copies_on)
+        await comm.all_reduce(small, stream=user)
+        assert len(user.waits) == waits  # no event between streams...
+        assert user.ptr in fake_cupy.copies_on[copies:]  # ...the copies are on it
+        assert (small.get() == 2).all()
 
     await run_ranks(2, fn, device=0)
 

@@ -9,6 +9,7 @@ battery, with every message staged).
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from typing import Any
 
@@ -169,6 +170,9 @@ async def test_small_device_all_reduce_runs_on_one_host_copy(
             if base.nbytes <= 4096:
                 # without stream=, the await waited for the upload; with it, it did not
                 assert staging.upload_waits == waits + (0 if stream else 1)
+                # made while nothing else ran: both copies on the caller's stream itself
+                assert staging.on_streams[-2:] == [("download", kw.get("stream")),
+                                                   ("upload", kw.get("stream"))]
             after = (staging.downloads, staging.uploads,
                      sum(c.staged_sends for c in conns))  # type: ignore[attr-defined]
             # small integers: every order of combination gives these exact values
@@ -186,6 +190,89 @@ async def test_small_device_all_reduce_runs_on_one_host_copy(
     for counts in await run_ranks(3, fn, device=0):
         assert counts[:3] == [0, 0, 0]  # host copies: nothing staged per message
         assert counts[3] > 0  # 4100 bytes: above the limit, staged
+
+
+async def test_small_device_all_reduces_issued_together_and_in_groups(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Small device all_reduces issued as concurrent tasks (the first runs at once, on the
+    caller's stream; the rest queue behind it and take the ordered path) and inside a
+    group: exact results, in call order on every rank, plans reused across calls."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def fn(comm: acoll.Communicator) -> int:
+        staging = fake_devices[comm.rank].staging()
+        xs = [FakeDevArray(np.full(5 + i % 3, comm.rank + i, np.int64)) for i in range(12)]
+        for _ in range(2):
+            direct = len(staging.on_streams)
+            await asyncio.gather(*(comm.all_reduce(x) for x in xs[:6]))
+            assert len(staging.on_streams) == direct + 2  # only the first went direct
+            async with comm.group():
+                for x in xs[6:]:
+                    await comm.all_reduce(x, op="max")
+            for i, x in enumerate(xs):
+                np.testing.assert_array_equal(x.arr, (2 * i + 1) if i < 6 else i + 1)
+            for i, x in enumerate(xs):
+                x.arr[...] = comm.rank + i
+        assert len(comm._via_plans) == 1  # only the first of each gather was direct
+        for i, x in enumerate(xs[:3]):  # one after another: each direct
+            await comm.all_reduce(x)
+            np.testing.assert_array_equal(x.arr, 2 * i + 1)
+        return len(comm._via_plans)  # (count, dtype, op) seen: 5, 6, 7 x sum
+
+    assert await run_ranks(2, fn, device=0) == [3, 3]
+
+
+async def test_ranks_may_differ_on_going_through_the_host(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Going through the host is each rank's own choice (the same messages either way):
+    rank 0 stages every message, rank 1 runs the host algorithm on its page-locked copy,
+    at sizes on both sides of every threshold; exact results."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+
+    async def fn(comm: acoll.Communicator) -> int:
+        if comm.rank == 0:
+            comm._via_host_max, comm._via_auto = 0, False
+        conn = await comm.connection(1 - comm.rank)
+        for n in (1, 1000, 16_385, 300_001):
+            for op in ("sum", "max"):
+                x = FakeDevArray(np.arange(n, dtype=np.int32) % 13 + comm.rank)
+                out = FakeDevArray(np.zeros(n, np.int32))
+                await comm.all_reduce(x, out, op)
+                base = np.arange(n, dtype=np.int32) % 13
+                np.testing.assert_array_equal(out.arr, 2 * base + 1 if op == "sum"
+                                              else base + 1)
+                await comm.all_reduce(x, op=op)  # in place
+                np.testing.assert_array_equal(x.arr, out.arr)
+        return conn.staged_sends  # type: ignore[attr-defined, no-any-return]
+
+    staged_0, staged_1 = await run_ranks(2, fn, device=0)
+    assert staged_0 > 0
+    assert staged_1 == 0
+
+
+async def test_via_host_limit_follows_the_transports(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Auto limit: 64 MiB when every peer's transport stages device memory, 64 KiB when
+    one moves it directly (GPUDirect RDMA); a set value is kept."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    class Direct:
+        def memory_for(self, staging: Any) -> frozenset[MemoryKind]:
+            return frozenset({MemoryKind.HOST, MemoryKind.CUDA})
+
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        limits = [comm._via_limit()]
+        comm._via_auto = True
+        monkeypatch.setattr(comm._links, "transport_for",
+                            lambda p: None if p == comm.rank else Direct())
+        limits.append(comm._via_limit())
+        return limits
+
+    assert await run_ranks(2, fn, device=0) == [[64 << 20, 64 << 10]] * 2
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_MAX", "1M")
+    assert await run_ranks(2, lambda c: asyncio.sleep(0, c._via_limit()),
+                           device=0) == [1 << 20] * 2
 
 
 async def test_via_host_can_be_turned_off(fake_devices: list[FakeDeviceSpace],
@@ -269,8 +356,12 @@ async def test_stream_ordering_hooks(fake_devices: list[FakeDeviceSpace],
         assert isinstance(space, FakeDeviceSpace)
         x = FakeDevArray(np.ones(1000, np.float32))
         before = space.settles
-        await comm.all_reduce(x, stream="s1")
+        await comm.broadcast(x, stream="s1")
         assert space.events[-2:] == [("start", "s1"), ("finish", "s1")]
+        assert space.settles == before
+        # a small all_reduce made while nothing runs: its copies go on the stream itself
+        await comm.all_reduce(x, stream="s1")
+        assert space.staging().on_streams[-2:] == [("download", "s1"), ("upload", "s1")]
         assert space.settles == before
         await comm.all_gather(x[:10], FakeDevArray(np.zeros(20, np.float32)))
         assert space.events[-2:] == [("start", None), ("finish", None)]

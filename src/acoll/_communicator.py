@@ -68,7 +68,7 @@ from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
-from ._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, StreamOrder
+from ._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, Staging, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
@@ -100,14 +100,20 @@ SPIN_US = Setting("SPIN_US", float, 25.0,
                   "event loop (peers in other processes only, with a core per local rank).",
                   "NET")
 
-VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, 64 << 10,
+VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, -1,
                        "A device all_reduce of up to this many bytes that has no intra-host "
                        "GPU path runs the host algorithm on one page-locked copy (one "
                        "download, the reduction on the host, one upload) instead of staging "
-                       "every message; 0 turns that off.", "COLL")
+                       "every message; 0 turns that off. Default (auto): 64 MiB when every "
+                       "peer of this rank is reached over a transport that stages device "
+                       "memory (sockets, shared memory), else 64 KiB.", "COLL")
+VIA_HOST_AUTO_STAGED = 64 << 20
+VIA_HOST_AUTO_DIRECT = 64 << 10
+_VIA_DIRECT_MAX = 64 << 10  # calls up to this size keep a page-locked copy of their own
 
 _LANE_RANKS = 8  # the lane connects every pair of ranks (a shared segment each)
 _LANE_PLANS = 64
+_VIA_PLANS = 16
 _LINGER = 5.0
 _FAILED_LINGER = 0.5
 _PROC = os.urandom(8)  # this process, among all processes of the job (see PeerInfo)
@@ -297,6 +303,12 @@ class Communicator:
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
         self._host_mem: HostSpace | None = None  # for device ops run on host copies
+        # small device all_reduces run on the host, by (count, dtype, op): a page-locked
+        # copy of their own and the algorithm's choice (see _via_host_direct)
+        self._via_plans: dict[tuple[int, Any, ReduceOp], _ViaHostPlan] = {}
+        staging = self.mem.staging() if self._via_host_max else None
+        self._via_direct = staging is not None and staging.direct
+        self._via_auto = self._via_host_max < 0  # resolved at the first call (_via_limit)
         self._p2p_seq = Sequencer()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
@@ -681,6 +693,12 @@ class Communicator:
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
+        if (self._via_direct and s.nbytes <= _VIA_DIRECT_MAX and s.count
+                and self.size > 1 and self._p2p is None and s.nbytes <= self._via_limit()):
+            ex = self._exec
+            if not (ex.in_group or ex.running or ex.lock.locked()):
+                await self._via_host_direct(s, r, rop, stream)
+                return out
         order = self.mem.order(stream)
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
@@ -709,7 +727,7 @@ class Communicator:
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
                               "all_reduce", s, r, s.count, order, op=rop)
-        if make is None and order is not None and s.nbytes <= self._via_host_max:
+        if make is None and order is not None and s.nbytes <= self._via_limit():
             await self._execute(desc, None, self._via_host(
                 lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order))
         else:
@@ -726,6 +744,47 @@ class Communicator:
             self._host_mem = HostSpace()
         host, mem, timeout = self._host_mem, self.mem, self.timeout
         return lambda ctx: _ViaHost(ctx, make, send, recv, order, mem, host, timeout)
+
+    def _via_limit(self) -> int:
+        """``ACOLL_GPU_VIA_HOST_MAX`` for this communicator (auto: from its transports).
+
+        Whether a call goes through the host is this rank's own choice: the host
+        algorithm on the page-locked copy sends the messages the staged one would."""
+        if self._via_auto:
+            self._via_auto = False
+            staging = self.mem.staging()
+            staged_only = staging is not None and all(
+                t is None or staging.kind not in t.memory_for(staging)
+                for t in map(self._links.transport_for, range(self.size)))
+            self._via_host_max = VIA_HOST_AUTO_STAGED if staged_only else VIA_HOST_AUTO_DIRECT
+            log.info("rank %d: device all_reduce through the host up to %d bytes (%s)",
+                     self.rank, self._via_host_max, "every peer's transport stages"
+                     if staged_only else "a peer's transport moves device memory")
+        return self._via_host_max
+
+    async def _via_host_direct(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
+                               ) -> None:
+        """A small device all_reduce made while the executor is idle: it starts at once
+        (nothing runs before its download), so its two copies go on the caller's stream
+        itself, in order after the caller's queued work with no event between streams,
+        through a page-locked copy kept for calls like it (:class:`_ViaHostPlan`)."""
+        key = (s.count, s.dtype, rop)
+        plan = self._via_plans.get(key)
+        if plan is None:
+            if self._host_mem is None:
+                self._host_mem = HostSpace()
+            if len(self._via_plans) >= _VIA_PLANS:  # the oldest goes
+                del self._via_plans[next(iter(self._via_plans))]
+            cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
+            staging = self.mem.staging()
+            assert staging is not None  # (_via_direct)
+            plan = self._via_plans[key] = _ViaHostPlan(
+                staging, self._host_mem, s, rop, cls,
+                descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
+        caller = plan.staging.caller_stream(stream)
+        settle, host, timeout = stream is None, self._host_mem, self.timeout
+        await self._exec.execute(plan.desc, lambda ctx: _ViaHostDirect(
+            ctx, plan, s, r, caller, settle, host, timeout))  # type: ignore[arg-type]
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
@@ -1127,7 +1186,7 @@ class _ViaHost:
         staging = self.mem.staging()
         assert staging is not None  # (a device space always stages)
         order = self.order
-        view, block = staging.lease(self.send.nbytes)
+        view, block = await staging.lease_async(self.send.nbytes)
         fence: Fence | None = None
         try:
             fence = staging.download_first(order, view, self.send)
@@ -1141,6 +1200,42 @@ class _ViaHost:
                 await fence.wait(deadline)
         finally:
             staging.release(block, fence)  # reused once the last copy touching it is done
+
+
+class _ViaHostPlan:
+    """What calls of one (count, dtype, op) on the direct via-host path share: the
+    algorithm and descriptor, a page-locked block of their own (allocated once), and the
+    last upload's fence (the next download waits for it on the device: a call with another
+    ``stream=`` must not overwrite the block while that upload still reads it)."""
+
+    __slots__ = ("cls", "data", "desc", "last", "op", "staging", "view")
+
+    def __init__(self, staging: Staging, host: HostSpace, s: Buffer, rop: ReduceOp,
+                 cls: Any, desc: Descriptor) -> None:
+        self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
+        self.view = staging._allocate(max(4096, s.nbytes))[:s.nbytes]
+        self.data = host.wrap(self.view.array.view(s.dtype))
+        self.last: Fence | None = None
+
+
+class _ViaHostDirect:
+    """One call on the direct via-host path (:meth:`Communicator._via_host_direct`)."""
+
+    def __init__(self, ctx: OpContext, plan: _ViaHostPlan, send: Buffer, recv: Buffer,
+                 stream: Any, settle: bool, host: HostSpace, timeout: float) -> None:
+        self.ctx, self.plan, self.send, self.recv = ctx, plan, send, recv
+        self.stream, self.settle, self.host, self.timeout = stream, settle, host, timeout
+
+    async def run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        plan = self.plan
+        fence = plan.staging.download_on(self.stream, plan.view, self.send, plan.last)
+        await fence.wait(deadline)
+        self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
+        await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
+        plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
+        if self.settle:
+            await fence.wait(deadline)
 
 
 class _Send:

@@ -25,6 +25,7 @@ runs for long whatever the size.
 
 from __future__ import annotations
 
+import asyncio
 import enum
 from abc import ABC, abstractmethod
 from collections import deque
@@ -241,6 +242,10 @@ class Fence(ABC):
         """
 
 
+#: Page-locked blocks this large or larger are allocated off the loop's thread.
+ALLOCATE_IN_THREAD = 1 << 20
+
+
 class Staging(ABC):
     """Copies between one device space and host memory, for host-memory transports.
 
@@ -274,6 +279,26 @@ class Staging(ABC):
     def upload(self, dst: Buffer, src: Buffer) -> Fence:
         """Enqueue ``dst`` (device) ``= src`` (host); same byte count."""
 
+    #: Whether :meth:`download_on` / :meth:`upload_on` (copies on the caller's stream) exist.
+    direct: ClassVar[bool] = False
+
+    def caller_stream(self, stream: Any) -> Any:
+        """``stream`` (a collective's ``stream=``) as this staging's copies take it (only
+        where :attr:`direct`)."""
+        raise NotImplementedError
+
+    def download_on(self, stream: Any, dst: Buffer, src: Buffer,
+                    after: Fence | None = None) -> Fence:
+        """Enqueue ``dst`` (host) ``= src`` on the caller's ``stream`` itself (after its
+        queued work, and after ``after``, an earlier copy's fence); only where
+        :attr:`direct`."""
+        raise NotImplementedError
+
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+        """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
+        on it sees the data. Only where :attr:`direct`."""
+        raise NotImplementedError
+
     def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
         """An op's first work: :meth:`StreamOrder.start` of ``order``, then
         :meth:`download` (a space may do both at once)."""
@@ -291,13 +316,31 @@ class Staging(ABC):
         """``(view, block)``: a host buffer of ``nbytes`` bytes (``view``) inside a pooled
         ``block``; give ``block`` back with :meth:`release`."""
         size = max(4096, 1 << (nbytes - 1).bit_length())
-        free = self._free.get(size)
-        if free and (free[0][1] is None or free[0][1].done()):
-            block = free.popleft()[0]
-        else:
+        block = self._reuse(size)
+        if block is None:
             block = self._allocate(size)
         self.leased += 1
         return block[:nbytes], block
+
+    async def lease_async(self, nbytes: int) -> tuple[Buffer, Buffer]:
+        """:meth:`lease`, but a new block of :data:`ALLOCATE_IN_THREAD` bytes or more is
+        allocated on a worker thread: page-locking tens of MiB takes milliseconds, which
+        the event loop's thread must not spend."""
+        size = max(4096, 1 << (nbytes - 1).bit_length())
+        block = self._reuse(size)
+        if block is None:
+            if size >= ALLOCATE_IN_THREAD:
+                block = await asyncio.to_thread(self._allocate, size)
+            else:
+                block = self._allocate(size)
+        self.leased += 1
+        return block[:nbytes], block
+
+    def _reuse(self, size: int) -> Buffer | None:
+        free = self._free.get(size)
+        if free and (free[0][1] is None or free[0][1].done()):
+            return free.popleft()[0]
+        return None
 
     def release(self, block: Buffer, fence: Fence | None = None) -> None:
         """Return ``block`` to the pool; it is reused once ``fence`` (if any) has passed."""

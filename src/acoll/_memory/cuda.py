@@ -472,6 +472,31 @@ class CudaStaging(Staging):
             space.give_event(order.event)  # type: ignore[attr-defined]
         return _EventFence(space, event)
 
+    direct = True
+
+    def caller_stream(self, stream: Any) -> Any:
+        return self.space.resolve_stream(stream)
+
+    def download_on(self, stream: Any, dst: Buffer, src: Buffer,
+                    after: Fence | None = None) -> Fence:
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            if after is not None and not after.done():
+                stream.wait_event(after.event)  # type: ignore[attr-defined]
+            space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _D2H,
+                                              stream.ptr)
+            event = space.take_event()
+            event.record(stream)
+        return _EventFence(space, event)
+
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _H2D, stream.ptr)
+            event = space.take_event()
+            event.record(stream)
+        return _EventFence(space, event)
+
     def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
         if type(order) is not _Order or order.space is not self.space:
             return super().download_first(order, dst, src)
