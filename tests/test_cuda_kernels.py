@@ -536,6 +536,7 @@ def test_wait_returns_after_kernel_and_loop_keeps_running(method: str,
         stream.synchronize()
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.005)
+        gc.collect()  # (earlier tests' garbage closing its descriptors now would skew the count)
         fds = len(os.listdir("/proc/self/fd"))
         t0 = time.perf_counter()
         spin(0.05, stream, flag)
@@ -554,7 +555,8 @@ def test_wait_returns_after_kernel_and_loop_keeps_running(method: str,
     assert elapsed >= 0.049
     assert ticks >= 20, f"the loop ran only {ticks} 1-ms ticks during a 50 ms wait"
     assert worst < 0.02, f"the loop stalled {worst * 1e3:.1f} ms"
-    assert fd_delta == 0, f"{fd_delta} file descriptors leaked"
+    # a leak shows as more descriptors; fewer is an earlier test's pipe closing meanwhile
+    assert fd_delta <= 0, f"{fd_delta} file descriptors leaked"
 
 
 @pytest.mark.gpu

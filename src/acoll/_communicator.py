@@ -1230,12 +1230,12 @@ class _ViaHostDirect:
         deadline = asyncio.get_running_loop().time() + self.timeout
         plan = self.plan
         fence = plan.staging.download_on(self.stream, plan.view, self.send, plan.last)
-        await fence.wait(deadline)
+        await fence.wait_soon(deadline)
         self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
         plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
         if self.settle:
-            await fence.wait(deadline)
+            await fence.wait_soon(deadline)
 
 
 class _Send:

@@ -241,6 +241,11 @@ class Fence(ABC):
             acoll.TimeoutError: not finished at ``deadline`` (loop time).
         """
 
+    async def wait_soon(self, deadline: float | None = None) -> None:
+        """:meth:`wait` for a copy expected to finish within microseconds (a small op's):
+        a space may first poll it for a few microseconds without yielding."""
+        await self.wait(deadline)
+
 
 #: Page-locked blocks this large or larger are allocated off the loop's thread.
 ALLOCATE_IN_THREAD = 1 << 20
