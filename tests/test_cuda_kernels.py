@@ -534,9 +534,10 @@ def test_wait_returns_after_kernel_and_loop_keeps_running(method: str,
 
         spin(0, stream)  # compiles the spin kernel (NVRTC blocks) before the ticker starts
         stream.synchronize()
+        gc.collect()  # (earlier tests' garbage closing its descriptors later would skew the
+        # count; collected before the ticker starts: a full collection stalls the loop)
         task = asyncio.create_task(ticker())
         await asyncio.sleep(0.005)
-        gc.collect()  # (earlier tests' garbage closing its descriptors now would skew the count)
         fds = len(os.listdir("/proc/self/fd"))
         t0 = time.perf_counter()
         spin(0.05, stream, flag)
