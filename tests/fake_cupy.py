@@ -64,6 +64,7 @@ class Stream:
         self.ptr = _Streams.count if ptr is None else ptr
         self.device_id = _current[0] if device_id < 0 else device_id
         self.waits: list[Event] = []
+        self.busy = False  # set by a test: work queued on it has not finished
 
     def wait_event(self, event: Event) -> None:
         self.waits.append(event)
@@ -71,7 +72,7 @@ class Stream:
 
     @property
     def done(self) -> bool:
-        return True
+        return not self.busy
 
     def synchronize(self) -> None:
         pass
@@ -140,6 +141,11 @@ class _Runtime:
     @staticmethod
     def getDevice() -> int:
         return _current[0]
+
+    @staticmethod
+    def setDevice(device: int) -> None:
+        assert 0 <= device < NDEV
+        _current[0] = device
 
     @staticmethod
     def memcpyAsync(dst: int, src: int, size: int, kind: int, stream: int) -> None:

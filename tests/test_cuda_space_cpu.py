@@ -132,6 +132,29 @@ async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
     await run_ranks(2, fn, device=0)
 
 
+async def test_small_calls_on_two_streams_keep_the_copy_block_ordered(cupy: Any) -> None:
+    """A small all_reduce on stream B right after one on stream A (whose upload may still
+    read the call's page-locked block): B's download waits for an event recorded on A;
+    when A has finished, or on the same stream, no event is needed."""
+    async def fn(comm: acoll.Communicator) -> None:
+        a = cupy.cuda.Stream(non_blocking=True)
+        b = cupy.cuda.Stream(non_blocking=True)
+        x = fake_cupy.ndarray(np.ones(100, np.float32), 0)
+        await comm.all_reduce(x, stream=a)
+        a.busy = True  # its upload "still running"
+        await comm.all_reduce(x, stream=a)  # same stream: ordered by the stream itself
+        assert b.waits == []
+        await comm.all_reduce(x, stream=b)
+        assert [e.recorded_on for e in b.waits] == [a]
+        a.busy = False
+        await comm.all_reduce(x, stream=a)
+        await comm.all_reduce(x, stream=b)  # A is done: nothing to wait for
+        assert len(b.waits) == 1
+        assert (x.get() == 32).all()
+
+    await run_ranks(2, fn, device=0)
+
+
 async def test_stream_argument_of_the_wrong_kind_is_named(cupy: Any) -> None:
     async def fn(comm: acoll.Communicator) -> None:
         x = fake_cupy.ndarray(np.ones(10, np.float32), 0)

@@ -255,6 +255,43 @@ class _EventFence(Fence):
                 return
 
 
+class _StreamFence(Fence):
+    """Everything queued on the caller's ``stream`` so far (a copy acoll just put there,
+    while holding the loop: nothing can have been queued after it yet). Polled with
+    ``cudaStreamQuery``, so the copy needs no event; one is recorded only for a wait that
+    must sleep (or for another stream to wait on), and then covers at least the copy."""
+
+    __slots__ = ("_keep", "space", "stream")
+
+    def __init__(self, space: CudaSpace, stream: Any) -> None:
+        self.space, self.stream = space, stream
+        self._keep: _EventFence | None = None
+
+    def done(self) -> bool:
+        return bool(self.stream.done)
+
+    def recorded(self) -> Any:
+        """An event recorded on the stream now (pooled: it goes back with this fence)."""
+        space = self.space
+        with space.cp.cuda.Device(space.device):
+            event = space.take_event()
+            event.record(self.stream)
+        self._keep = _EventFence(space, event)
+        return event
+
+    async def wait(self, deadline: float | None = None) -> None:
+        if not self.stream.done:
+            await self.space.wait_event(self.recorded(), deadline)
+
+    async def wait_soon(self, deadline: float | None = None) -> None:
+        stream = self.stream
+        end = time.perf_counter() + TIGHT_SPIN_S
+        while not stream.done:
+            if time.perf_counter() >= end:
+                await self.space.wait_event(self.recorded(), deadline)
+                return
+
+
 class _Order(StreamOrder):
     """Events come from the space's pool: a wait on an event captures its last record at
     the time of the wait, so an event is reusable as soon as that wait was enqueued."""
@@ -491,22 +528,32 @@ class CudaStaging(Staging):
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
                     after: Fence | None = None) -> Fence:
         space = self.space
-        with space.cp.cuda.Device(space.device):
-            if after is not None and not after.done():
-                stream.wait_event(after.event)  # type: ignore[attr-defined]
-            space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _D2H,
-                                              stream.ptr)
-            event = space.take_event()
-            event.record(stream)
-        return _EventFence(space, event)
+        runtime = space.cp.cuda.runtime
+        prev = runtime.getDevice()  # (cheaper than entering cupy.cuda.Device)
+        if prev != space.device:
+            runtime.setDevice(space.device)
+        try:
+            if (type(after) is _StreamFence and after.stream is not stream
+                    and not after.done()):
+                stream.wait_event(after.recorded())
+            runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _D2H, stream.ptr)
+        finally:
+            if prev != space.device:
+                runtime.setDevice(prev)
+        return _StreamFence(space, stream)
 
     def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
         space = self.space
-        with space.cp.cuda.Device(space.device):
-            space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _H2D, stream.ptr)
-            event = space.take_event()
-            event.record(stream)
-        return _EventFence(space, event)
+        runtime = space.cp.cuda.runtime
+        prev = runtime.getDevice()
+        if prev != space.device:
+            runtime.setDevice(space.device)
+        try:
+            runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _H2D, stream.ptr)
+        finally:
+            if prev != space.device:
+                runtime.setDevice(prev)
+        return _StreamFence(space, stream)
 
     def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
         if type(order) is not _Order or order.space is not self.space:
