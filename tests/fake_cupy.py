@@ -173,7 +173,8 @@ class ndarray:  # CuPy's name
             np.copyto(base.buf[:arr.nbytes].view(arr.dtype).reshape(arr.shape), arr)
             arr = base.buf[:arr.nbytes].view(arr.dtype).reshape(arr.shape)
         self.arr, self.base = arr, base
-        self.data = types.SimpleNamespace(ptr=int(arr.ctypes.data) if arr.size else base.ptr)
+        self.data = types.SimpleNamespace(ptr=int(arr.ctypes.data) if arr.size else base.ptr,
+                                          device_id=base.device_id)
         self.device = Device(base.device_id)
         self.flags = arr.flags
         self.size, self.dtype = arr.size, arr.dtype

@@ -316,22 +316,35 @@ async def test_wrong_device_is_refused() -> None:
 
 async def test_stream_ordering() -> None:
     """Work queued on the caller's stream before the call (a slow kernel, then the fill of
-    the input) is seen by the collective; work queued after it sees the result."""
+    the input) is seen by the collective; work queued after it sees the result. Sizes on
+    the ordered path (4 MiB) and on the small direct one (64 B: copies on the caller's
+    stream). Without ``stream=`` the result is readable from any stream at the return."""
     from acoll._cuda.spin import spin
 
     async def fn(comm: acoll.Communicator) -> None:
-        for kind in ("cupy", "int"):
-            s = cp.cuda.Stream(non_blocking=True)
-            x = cp.zeros(1 << 20, cp.float32)
+        for count in (1 << 20, 16):
+            for kind in ("cupy", "int"):
+                s = cp.cuda.Stream(non_blocking=True)
+                x = cp.zeros(count, cp.float32)
+                cp.cuda.Device(0).synchronize()
+                spin(0.05, s)  # 50 ms: without ordering the collective would read zeros
+                with s:
+                    x.fill(comm.rank + 1)
+                await comm.all_reduce(x, stream=s if kind == "cupy" else s.ptr)
+                with s:
+                    y = x * 2
+                s.synchronize()
+                assert bool((y == 6).all()), (count, kind)
+            x = cp.zeros(count, cp.float32)
             cp.cuda.Device(0).synchronize()
-            spin(0.05, s)  # 50 ms: without ordering the collective would read zeros
-            with s:
-                x.fill(comm.rank + 1)
-            await comm.all_reduce(x, stream=s if kind == "cupy" else s.ptr)
-            with s:
+            spin(0.05, cp.cuda.get_current_stream())
+            x.fill(comm.rank + 1)  # on the current stream, behind the spin
+            await comm.all_reduce(x)
+            other = cp.cuda.Stream(non_blocking=True)  # not ordered after anything
+            with other:
                 y = x * 2
-            s.synchronize()
-            assert bool((y == 6).all()), kind
+            other.synchronize()
+            assert bool((y == 6).all()), (count, "no stream=")
 
     await run_ranks(2, fn, device=0)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import math
+import sys
 import time
 import warnings
 from typing import Any
@@ -196,7 +197,7 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
     """
     if isinstance(obj, DeviceView):
         return obj
-    cp = import_cupy()
+    cp = sys.modules.get("cupy") or import_cupy()  # (an import statement per call costs)
     if isinstance(obj, cp.ndarray):
         flags = obj.flags
         if not (flags.c_contiguous or flags.f_contiguous):
@@ -204,7 +205,10 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
         dtype = obj.dtype
         if dtype not in _SUPPORTED:
             raise InvalidUsage(f"{what} has dtype {dtype}, which is not supported")
-        return DeviceView(obj.data.ptr, obj.size, dtype, obj.device.id, obj)
+        data = obj.data
+        device = getattr(data, "device_id", None)  # (cheaper than obj.device.id)
+        return DeviceView(data.ptr, obj.size, dtype,
+                          obj.device.id if device is None else device, obj)
     dev = getattr(obj, "__dlpack_device__", None)
     if dev is not None and hasattr(obj, "__dlpack__"):
         try:
@@ -460,6 +464,8 @@ class CudaSpace(MemorySpace):
         """
         cp = self.cp
         if stream is None:
+            if cp.cuda.runtime.getDevice() == self.device:  # (no device switch needed)
+                return cp.cuda.get_current_stream()
             with cp.cuda.Device(self.device):
                 return cp.cuda.get_current_stream()
         if isinstance(stream, (cp.cuda.Stream, cp.cuda.ExternalStream)):
