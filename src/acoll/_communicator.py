@@ -783,8 +783,11 @@ class Communicator:
                 descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
         caller = plan.staging.caller_stream(stream)
         settle, host, timeout = stream is None, self._host_mem, self.timeout
+        # The download goes first: the GPU copies while the executor numbers the call (it
+        # runs at once: nothing else can take the executor or the block in between).
+        fence = plan.staging.download_on(caller, plan.view, s, plan.last)
         await self._exec.execute(plan.desc, lambda ctx: _ViaHostDirect(
-            ctx, plan, s, r, caller, settle, host, timeout))  # type: ignore[arg-type]
+            ctx, plan, fence, r, caller, settle, host, timeout))  # type: ignore[arg-type]
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
@@ -1221,16 +1224,15 @@ class _ViaHostPlan:
 class _ViaHostDirect:
     """One call on the direct via-host path (:meth:`Communicator._via_host_direct`)."""
 
-    def __init__(self, ctx: OpContext, plan: _ViaHostPlan, send: Buffer, recv: Buffer,
+    def __init__(self, ctx: OpContext, plan: _ViaHostPlan, download: Fence, recv: Buffer,
                  stream: Any, settle: bool, host: HostSpace, timeout: float) -> None:
-        self.ctx, self.plan, self.send, self.recv = ctx, plan, send, recv
+        self.ctx, self.plan, self.download, self.recv = ctx, plan, download, recv
         self.stream, self.settle, self.host, self.timeout = stream, settle, host, timeout
 
     async def run(self) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeout
         plan = self.plan
-        fence = plan.staging.download_on(self.stream, plan.view, self.send, plan.last)
-        await fence.wait_soon(deadline)
+        await self.download.wait_soon(deadline)
         self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
         plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
