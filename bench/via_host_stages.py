@@ -3,9 +3,10 @@
     python -m acoll.run -n 2 -- python bench/via_host_stages.py [--ops 3000]
 
 Each rank forms a GPU communicator (``device="auto"``) and runs ``--ops`` awaited 8 B
-all_reduces with the stages of ``_ViaHostDirect.run`` timed (a copy of it with clock reads
-between the stages, patched in for this run), and the time from the call to the run's start
-and from its end to the return. Rank 0 prints the median of each stage in microseconds.
+all_reduces with the stages of ``acoll._comm.via_host.DirectCall.run`` timed (a copy of it
+with clock reads between the stages, patched in for this run), and the time from the call
+to the run's start (which includes enqueueing the download) and from its end to the
+return. Rank 0 prints the median of each stage in microseconds.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import time
 from typing import Any
 
 import acoll
-from acoll import _communicator as C
+from acoll._comm import via_host
 
 STAGES = ("call to run (download enqueued)", "download waited", "host algorithm",
           "upload enqueued", "upload waited", "run to return")
@@ -49,7 +50,7 @@ async def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--ops", type=int, default=3000)
     args = p.parse_args()
-    C._ViaHostDirect.run = timed_run  # type: ignore[method-assign]
+    via_host.DirectCall.run = timed_run  # type: ignore[method-assign]
     comm = await acoll.init_from_env(device="auto")
     with cp.cuda.Device(comm.device):
         x = cp.ones(2, cp.float32)

@@ -251,6 +251,53 @@ async def test_ranks_may_differ_on_going_through_the_host(
     assert staged_1 == 0
 
 
+@pytest.mark.parametrize("nranks", [2, 3, 4])
+async def test_ring_through_the_host_pipelines_its_copies(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        nranks: int) -> None:
+    """Above one chunk, a device all_reduce through the host downloads its input in pieces
+    (each awaited only before the ring first reads it; fake downloads land 100 loop
+    iterations late, so a piece read early would carry the block's previous contents) and
+    uploads each piece of the result once it is final: exact results for several ops,
+    dtypes, in place and not, with and without stream=, and every element uploaded once."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
+    monkeypatch.setattr(FakeDeviceSpace, "delay", 100)  # downloads land late
+    from acoll._comm import via_host
+
+    stages: list[via_host.RingStaging] = []
+    real = via_host.RingStaging.__init__
+
+    def spy(self: via_host.RingStaging, *args: Any) -> None:
+        real(self, *args)
+        stages.append(self)
+
+    monkeypatch.setattr(via_host.RingStaging, "__init__", spy)
+
+    async def fn(comm: acoll.Communicator) -> int:
+        staging = fake_devices[comm.rank].staging()
+        n = 20_001
+        for i, (dtype, op) in enumerate([(np.int32, "sum"), (np.float32, "max"),
+                                         (np.int64, "prod"), (np.float64, "avg")]):
+            ins = [((np.arange(n) * (i + 3) + r) % 5 + 1).astype(dtype)
+                   for r in range(comm.size)]
+            want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
+                    "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op].astype(dtype)
+            for inplace, kw in ((False, {}), (True, {"stream": "s"})):
+                downloads = staging.downloads
+                x = FakeDevArray(ins[comm.rank].copy())
+                out = None if inplace else FakeDevArray(np.zeros(n, dtype))
+                await comm.all_reduce(x, out, op, **kw)
+                got = x.arr if inplace else out.arr  # type: ignore[union-attr]
+                np.testing.assert_array_equal(got, want)
+                assert staging.downloads - downloads > 1  # in pieces
+        return len(stages)
+
+    assert all(await run_ranks(nranks, fn, device=0))
+    assert all(st.uploaded == st.data.count for st in stages)
+    assert all(len(st._fences) > 1 for st in stages)
+
+
 async def test_via_host_limit_follows_the_transports(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
     """Auto limit: 64 MiB when every peer's transport stages device memory, 64 KiB when

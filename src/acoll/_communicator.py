@@ -64,11 +64,12 @@ from ._comm.lane import (
 )
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
+from ._comm.via_host import DirectCall, DirectPlan, ViaHost, is_ring
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
-from ._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, Staging, StreamOrder
+from ._memory import Buffer, HostSpace, MemoryKind, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
@@ -305,7 +306,7 @@ class Communicator:
         self._host_mem: HostSpace | None = None  # for device ops run on host copies
         # small device all_reduces run on the host, by (count, dtype, op): a page-locked
         # copy of their own and the algorithm's choice (see _via_host_direct)
-        self._via_plans: dict[tuple[int, Any, ReduceOp], _ViaHostPlan] = {}
+        self._via_plans: dict[tuple[int, Any, ReduceOp], DirectPlan] = {}
         staging = self.mem.staging() if self._via_host_max else None
         self._via_direct = staging is not None and staging.direct
         self._via_auto = self._via_host_max < 0  # resolved at the first call (_via_limit)
@@ -729,21 +730,20 @@ class Communicator:
                               "all_reduce", s, r, s.count, order, op=rop)
         if make is None and order is not None and s.nbytes <= self._via_limit():
             await self._execute(desc, None, self._via_host(
-                lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order))
+                lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order, is_ring(cls)))
         else:
             await self._execute(desc, make,
                                 self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
         return out
 
     def _via_host(self, make: Callable[[OpContext, Buffer, Buffer], Algorithm], send: Buffer,
-                  recv: Buffer, order: StreamOrder) -> MakeAlgorithm:
-        """A small device op run by its host algorithm on a page-locked copy (see
-        ``ACOLL_GPU_VIA_HOST_MAX``): the same messages as the host path, two copies and
-        two waits for the GPU instead of a copy and a wait per message."""
+                  recv: Buffer, order: StreamOrder, ring: bool = False) -> MakeAlgorithm:
+        """A device op run by its host algorithm on a page-locked copy (see
+        ``ACOLL_GPU_VIA_HOST_MAX`` and :mod:`acoll._comm.via_host`)."""
         if self._host_mem is None:
             self._host_mem = HostSpace()
         host, mem, timeout = self._host_mem, self.mem, self.timeout
-        return lambda ctx: _ViaHost(ctx, make, send, recv, order, mem, host, timeout)
+        return lambda ctx: ViaHost(ctx, make, send, recv, order, mem, host, timeout, ring)
 
     def _via_limit(self) -> int:
         """``ACOLL_GPU_VIA_HOST_MAX`` for this communicator (auto: from its transports).
@@ -767,7 +767,7 @@ class Communicator:
         """A small device all_reduce made while the executor is idle: it starts at once
         (nothing runs before its download), so its two copies go on the caller's stream
         itself, in order after the caller's queued work with no event between streams,
-        through a page-locked copy kept for calls like it (:class:`_ViaHostPlan`)."""
+        through a page-locked copy kept for calls like it (:mod:`acoll._comm.via_host`)."""
         key = (s.count, s.dtype, rop)
         plan = self._via_plans.get(key)
         if plan is None:
@@ -778,7 +778,7 @@ class Communicator:
             cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
             staging = self.mem.staging()
             assert staging is not None  # (_via_direct)
-            plan = self._via_plans[key] = _ViaHostPlan(
+            plan = self._via_plans[key] = DirectPlan(
                 staging, self._host_mem, s, rop, cls,
                 descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
         caller = plan.staging.caller_stream(stream)
@@ -786,7 +786,7 @@ class Communicator:
         # The download goes first: the GPU copies while the executor numbers the call (it
         # runs at once: nothing else can take the executor or the block in between).
         fence = plan.staging.download_on(caller, plan.view, s, plan.last)
-        await self._exec.execute(plan.desc, lambda ctx: _ViaHostDirect(
+        await self._exec.execute(plan.desc, lambda ctx: DirectCall(
             ctx, plan, fence, r, caller, settle, host, timeout))  # type: ignore[arg-type]
 
     @_announced
@@ -1171,73 +1171,6 @@ class _PlanAt:
 
     async def run(self) -> None:
         await self.call.run(self.seq, self.ctx, self.mine, self.res)
-
-
-class _ViaHost:
-    """A device op run by the host algorithm on one page-locked copy of its input: after
-    the caller's queued work, download the input, run ``make``'s algorithm on host memory
-    (in place), upload the result, and (without ``stream=``) wait for the upload."""
-
-    def __init__(self, ctx: OpContext, make: Callable[[OpContext, Buffer, Buffer], Algorithm],
-                 send: Buffer, recv: Buffer, order: StreamOrder, mem: MemorySpace,
-                 host: HostSpace, timeout: float) -> None:
-        self.ctx, self.make, self.send, self.recv = ctx, make, send, recv
-        self.order, self.mem, self.host, self.timeout = order, mem, host, timeout
-
-    async def run(self) -> None:
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        staging = self.mem.staging()
-        assert staging is not None  # (a device space always stages)
-        order = self.order
-        view, block = await staging.lease_async(self.send.nbytes)
-        fence: Fence | None = None
-        try:
-            fence = staging.download_first(order, view, self.send)
-            await fence.wait(deadline)
-            data = self.host.wrap(view.array.view(self.send.dtype))
-            self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
-            await self.make(self.ctx, data, data).run()
-            fence = staging.upload_last(order, self.recv, view)
-            if order.settle:
-                # The upload is this op's last work: once it is done, so is the op.
-                await fence.wait(deadline)
-        finally:
-            staging.release(block, fence)  # reused once the last copy touching it is done
-
-
-class _ViaHostPlan:
-    """What calls of one (count, dtype, op) on the direct via-host path share: the
-    algorithm and descriptor, a page-locked block of their own (allocated once), and the
-    last upload's fence (the next download waits for it on the device: a call with another
-    ``stream=`` must not overwrite the block while that upload still reads it)."""
-
-    __slots__ = ("cls", "data", "desc", "last", "op", "staging", "view")
-
-    def __init__(self, staging: Staging, host: HostSpace, s: Buffer, rop: ReduceOp,
-                 cls: Any, desc: Descriptor) -> None:
-        self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
-        self.view = staging._allocate(max(4096, s.nbytes))[:s.nbytes]
-        self.data = host.wrap(self.view.array.view(s.dtype))
-        self.last: Fence | None = None
-
-
-class _ViaHostDirect:
-    """One call on the direct via-host path (:meth:`Communicator._via_host_direct`)."""
-
-    def __init__(self, ctx: OpContext, plan: _ViaHostPlan, download: Fence, recv: Buffer,
-                 stream: Any, settle: bool, host: HostSpace, timeout: float) -> None:
-        self.ctx, self.plan, self.download, self.recv = ctx, plan, download, recv
-        self.stream, self.settle, self.host, self.timeout = stream, settle, host, timeout
-
-    async def run(self) -> None:
-        deadline = asyncio.get_running_loop().time() + self.timeout
-        plan = self.plan
-        await self.download.wait_soon(deadline)
-        self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
-        await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
-        plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
-        if self.settle:
-            await fence.wait_soon(deadline)
 
 
 class _Send:

@@ -66,9 +66,13 @@ class _Sends:
         self.pending.append((self.ctx.post_send(peer, buf, step), peer))
 
     async def post_paced(self, peer: int, bufs: list[Buffer], first_step: int) -> None:
-        """Post a send per buffer (steps ``first_step, ...``), yielding when due."""
+        """Post a send per buffer (steps ``first_step, ...``), yielding when due (and,
+        under a stage, once each buffer's input is there)."""
         ctx = self.ctx
+        stage = ctx.stage
         for i, buf in enumerate(bufs):
+            if stage is not None:
+                await stage.ready(buf)
             self.post(peer, buf, first_step + i)
             if ctx.due():
                 await ctx.pause()
@@ -117,12 +121,15 @@ class RingAllReduce:
                                               [base + s * k + c for c in range(len(step))])
                    for s, step in enumerate(self.ag)]
         sends = _Sends(ctx)
+        stage = ctx.stage  # (a device op on a host copy: see OpContext.stage)
         await sends.post_paced(nxt, _pieces(src, self.first_send), 0)
         last = n - 2
         for s, step in enumerate(self.rs):
             for c, (cs, cl, tmp) in enumerate(step):
                 await ctx.wait_recv(rs_futs[s][c], prv)
                 out = dst[cs:cs + cl]
+                if stage is not None:
+                    await stage.ready(src[cs:cs + cl])
                 await ctx.reduce(out, src[cs:cs + cl], tmp, op)
                 if s < last:
                     sends.post(nxt, out, (s + 1) * k + c)
@@ -130,11 +137,15 @@ class RingAllReduce:
                     if op == ReduceOp.AVG:
                         await ctx.avg(out)
                     sends.post(nxt, out, base + c)
+                    if stage is not None:
+                        stage.final(out)
         for s, ag_step in enumerate(self.ag):
             for c, (cs, cl) in enumerate(ag_step):
                 await ctx.wait_recv(ag_futs[s][c], prv)
                 if s < last:
                     sends.post(nxt, dst[cs:cs + cl], base + (s + 1) * k + c)
+                if stage is not None:
+                    stage.final(dst[cs:cs + cl])
         await sends.wait()
 
 

@@ -193,7 +193,7 @@ class OpContext:
     """
 
     __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "heard",
-                 "host", "in_group", "mem", "n", "rank", "seq", "spin", "tag_base",
+                 "host", "in_group", "mem", "n", "rank", "seq", "spin", "stage", "tag_base",
                  "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
@@ -213,6 +213,11 @@ class OpContext:
         self.heard: set[int] = set()  # peers from which a message of this op arrived
         self.grace_used = False
         self.deadline = float("inf")  # loop time at which the executor fails it
+        #: copies pipelined with the algorithm (a device op run on a host copy: see
+        #: acoll._comm.via_host.RingStaging); algorithms that support it call
+        #: ``await stage.ready(piece)`` before first reading a piece of their input and
+        #: ``stage.final(piece)`` once a piece of their output holds the result
+        self.stage: Any = None
         # Busy-polling pays only for latency-bound (small) ops.
         dtype = DTYPE_BY_CODE.get(desc.dtype_code)
         nbytes = desc.count * (dtype.itemsize if dtype is not None else 1)

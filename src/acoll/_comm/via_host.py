@@ -1,0 +1,200 @@
+"""Device all_reduces run by the host algorithm on a page-locked copy ("via host").
+
+Over a transport that moves host memory only (sockets, shared memory) every byte of a
+device buffer crosses host memory anyway; staging each message (copy down, send, copy
+up, reduce on the GPU, copy down again...) puts a GPU round trip on every step of the
+algorithm's critical path. Instead, up to ``ACOLL_GPU_VIA_HOST_MAX``, the call downloads
+its input once into page-locked memory, runs the host algorithm there (NumPy reductions,
+the same messages as the staged path: ranks may differ in this choice), and uploads the
+result once.
+
+- :class:`DirectCall` (small calls made while the communicator's executor is idle): both
+  copies go on the caller's stream itself, through a page-locked block kept per
+  (count, dtype, op) (:class:`DirectPlan`); the download is enqueued before the
+  executor's bookkeeping, and the copies' waits poll the stream briefly before yielding.
+- :class:`ViaHost` (the rest): ordered after the caller's stream by events, on a pooled
+  block. On the ring algorithm the copies are pipelined with it (:class:`RingStaging`):
+  the input goes down in pieces, in the order the ring first reads them, each awaited just
+  before its first use; every piece of the result goes up as soon as it is final. Only
+  the first piece's download and the last piece's upload are not hidden behind the
+  network.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from bisect import bisect_right
+from collections.abc import Callable
+from typing import Any
+
+from .._coll.algorithms import RingAllReduce, _chunk_items
+from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
+from .._dtypes import ReduceOp
+from .._memory import Buffer, Fence, HostSpace, MemorySpace, Staging, StreamOrder
+from .executor import Algorithm
+
+__all__ = ["DirectCall", "DirectPlan", "RingStaging", "ViaHost"]
+
+#: Download pieces are this many of the algorithm's chunks (fewer copies to enqueue).
+PIECE_CHUNKS = 4
+
+
+class ViaHost:
+    """A device all_reduce run by the host algorithm on one page-locked copy of its input:
+    after the caller's queued work, download the input, run ``make``'s algorithm on host
+    memory (in place), upload the result, and (without ``stream=``) wait for the upload.
+    With ``ring`` (``make`` builds a :class:`RingAllReduce`) the copies are pipelined with
+    the algorithm (:class:`RingStaging`)."""
+
+    def __init__(self, ctx: OpContext, make: Callable[[OpContext, Buffer, Buffer], Algorithm],
+                 send: Buffer, recv: Buffer, order: StreamOrder, mem: MemorySpace,
+                 host: HostSpace, timeout: float, ring: bool = False) -> None:
+        self.ctx, self.make, self.send, self.recv = ctx, make, send, recv
+        self.order, self.mem, self.host, self.timeout = order, mem, host, timeout
+        self.ring = ring
+
+    async def run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        staging = self.mem.staging()
+        assert staging is not None  # (a device space always stages)
+        order, ctx = self.order, self.ctx
+        view, block = await staging.lease_async(self.send.nbytes)
+        data = self.host.wrap(view.array.view(self.send.dtype))
+        ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
+        fence: Fence | None = None
+        try:
+            if self.ring and self.send.count > _chunk_items(ctx, self.send.itemsize):
+                stage = RingStaging(staging, order, self.send, self.recv, data, ctx, deadline)
+                ctx.stage = stage
+                try:
+                    await self.make(ctx, data, data).run()
+                finally:
+                    fence = stage.last
+                fence = stage.finish()
+            else:
+                fence = staging.download_first(order, view, self.send)
+                await fence.wait(deadline)
+                await self.make(ctx, data, data).run()
+                fence = staging.upload_last(order, self.recv, view)
+            if order.settle:
+                # The upload is this op's last work: once it is done, so is the op.
+                await fence.wait(deadline)
+        finally:
+            staging.release(block, fence)  # reused once the last copy touching it is done
+
+
+class RingStaging:
+    """The copies of one :class:`ViaHost` call on the ring, pipelined with the algorithm.
+
+    Made at the op's start: orders the space after the caller's stream, then enqueues the
+    whole input's download in pieces, segment ``rank`` first (what the ring sends first),
+    then the segments in the order its reduce-scatter steps read them. The algorithm calls
+    :meth:`ready` before it first reads a piece of its input and :meth:`final` once a piece
+    of its output holds the result (:class:`~acoll._coll.algorithms.RingAllReduce`), which
+    uploads that piece at once. Copies of one space run in the order enqueued, so an upload
+    never overtakes a download, and a piece's fence covers every piece enqueued before it.
+    """
+
+    __slots__ = ("_done_upto", "_fences", "_index", "_starts", "data", "deadline", "itemsize",
+                 "last", "order", "recv", "staging", "uploaded")
+
+    def __init__(self, staging: Staging, order: StreamOrder, send: Buffer, recv: Buffer,
+                 data: Buffer, ctx: OpContext, deadline: float) -> None:
+        self.staging, self.order, self.recv, self.data = staging, order, recv, data
+        self.deadline, self.itemsize = deadline, data.itemsize
+        n, rank = ctx.n, ctx.rank
+        segs = split_even(send.count, n)
+        piece = PIECE_CHUNKS * _chunk_items(ctx, send.itemsize)
+        fences: list[Fence] = []
+        spans: list[tuple[int, int]] = []  # (start, issue index), sorted by start below
+        self.last: Fence | None = None
+        for j in range(n):
+            start, length = segs[(rank - j) % n]
+            for cs, cl in chunk_ranges(start, length, piece):
+                if not fences:
+                    fence = staging.download_first(order, data[cs:cs + cl], send[cs:cs + cl])
+                else:
+                    fence = staging.download(data[cs:cs + cl], send[cs:cs + cl])
+                spans.append((cs, len(fences)))
+                fences.append(fence)
+                self.last = fence
+        spans.sort()
+        self._starts = [s for s, _ in spans]
+        self._index = [i for _, i in spans]
+        self._fences = fences
+        self._done_upto = -1  # every download up to this issue index has passed
+        self.uploaded = 0  # elements of the result uploaded so far
+
+    def _range(self, buf: Buffer) -> tuple[int, int]:
+        start = (buf.ptr - self.data.ptr) // self.itemsize
+        return start, start + buf.count
+
+    async def ready(self, buf: Buffer) -> None:
+        """Return once the input under ``buf`` (a piece of the host copy) is downloaded."""
+        start, end = self._range(buf)
+        k = bisect_right(self._starts, start) - 1
+        need = -1
+        while k < len(self._starts) and self._starts[k] < end:
+            need = max(need, self._index[k])
+            k += 1
+        if need > self._done_upto:
+            await self._fences[need].wait(self.deadline)
+            self._done_upto = need  # (copies pass in the order enqueued)
+
+    def final(self, buf: Buffer) -> None:
+        """``buf`` (a piece of the host copy) holds its final result: upload it now."""
+        start, end = self._range(buf)
+        self.last = self.staging.upload(self.recv[start:end], buf)
+        self.uploaded += end - start
+
+    def finish(self) -> Fence:
+        """After the algorithm: the fence of the last upload (the whole op's work), with
+        the caller's stream ordered after it."""
+        if self.uploaded != self.data.count:  # (the ring finalises every element once)
+            raise AssertionError(f"ring staging uploaded {self.uploaded} of "
+                                 f"{self.data.count} elements")
+        assert self.last is not None
+        self.order.finish()
+        return self.last
+
+
+class DirectPlan:
+    """What calls of one (count, dtype, op) on the direct path share: the algorithm and
+    descriptor, a page-locked block of their own (allocated once), and the last upload's
+    fence (the next download waits for it on the device: a call with another ``stream=``
+    must not overwrite the block while that upload still reads it)."""
+
+    __slots__ = ("cls", "data", "desc", "last", "op", "staging", "view")
+
+    def __init__(self, staging: Staging, host: HostSpace, s: Buffer, rop: ReduceOp,
+                 cls: Any, desc: Descriptor) -> None:
+        self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
+        self.view = staging._allocate(max(4096, s.nbytes))[:s.nbytes]
+        self.data = host.wrap(self.view.array.view(s.dtype))
+        self.last: Fence | None = None
+
+
+class DirectCall:
+    """One call on the direct path (``Communicator._via_host_direct``): its download was
+    enqueued at the call; wait for it, run the host algorithm, upload on the caller's
+    stream, and (without ``stream=``) wait for the upload."""
+
+    def __init__(self, ctx: OpContext, plan: DirectPlan, download: Fence, recv: Buffer,
+                 stream: Any, settle: bool, host: HostSpace, timeout: float) -> None:
+        self.ctx, self.plan, self.download, self.recv = ctx, plan, download, recv
+        self.stream, self.settle, self.host, self.timeout = stream, settle, host, timeout
+
+    async def run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        plan = self.plan
+        await self.download.wait_soon(deadline)
+        self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
+        await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
+        plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
+        if self.settle:
+            await fence.wait_soon(deadline)
+
+
+def is_ring(cls: type) -> bool:
+    """Whether ``cls`` is the algorithm :class:`RingStaging` follows."""
+    return cls is RingAllReduce
