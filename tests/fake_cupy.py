@@ -112,7 +112,7 @@ class Event:
 
     @property
     def done(self) -> bool:
-        return True
+        return self.recorded_on is None or not self.recorded_on.busy
 
 
 class _Allocation:

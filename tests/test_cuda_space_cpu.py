@@ -133,22 +133,25 @@ async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
 
 
 async def test_small_calls_on_two_streams_keep_the_copy_block_ordered(cupy: Any) -> None:
-    """A small all_reduce on stream B right after one on stream A (whose upload may still
-    read the call's page-locked block): B's download waits for an event recorded on A;
-    when A has finished, or on the same stream, no event is needed."""
+    """A small all_reduce with ``stream=B`` right after one with ``stream=A`` whose upload
+    may still read the call's page-locked block: B's download waits for an event acoll
+    recorded on A (its own, so A may be gone by then); once that upload is done, or after
+    a call that waited for its upload, nothing is waited for."""
     async def fn(comm: acoll.Communicator) -> None:
         a = cupy.cuda.Stream(non_blocking=True)
         b = cupy.cuda.Stream(non_blocking=True)
         x = fake_cupy.ndarray(np.ones(100, np.float32), 0)
         await comm.all_reduce(x, stream=a)
         a.busy = True  # its upload "still running"
-        await comm.all_reduce(x, stream=a)  # same stream: ordered by the stream itself
-        assert b.waits == []
         await comm.all_reduce(x, stream=b)
         assert [e.recorded_on for e in b.waits] == [a]
         a.busy = False
-        await comm.all_reduce(x, stream=a)
-        await comm.all_reduce(x, stream=b)  # A is done: nothing to wait for
+        await comm.all_reduce(x, stream=a)  # B's upload is done: nothing to wait for
+        assert a.waits == []
+        b.busy = True
+        await comm.all_reduce(x)  # no stream=: waits for its own upload...
+        b.busy = False
+        await comm.all_reduce(x, stream=b)  # ...so the next call waits for nothing
         assert len(b.waits) == 1
         assert (x.get() == 32).all()
 

@@ -160,9 +160,11 @@ class RingStaging:
 
 class DirectPlan:
     """What calls of one (count, dtype, op) on the direct path share: the algorithm and
-    descriptor, a page-locked block of their own (allocated once), and the last upload's
-    fence (the next download waits for it on the device: a call with another ``stream=``
-    must not overwrite the block while that upload still reads it)."""
+    descriptor, a page-locked block of their own (allocated once), and the fence of the
+    last upload not waited for (a call with ``stream=``: the next download waits for it on
+    the device, so that a call on another stream does not overwrite the block while that
+    upload still reads it; an event of acoll's own, valid whatever becomes of the stream).
+    """
 
     __slots__ = ("cls", "data", "desc", "last", "op", "staging", "view")
 
@@ -190,9 +192,12 @@ class DirectCall:
         await self.download.wait_soon(deadline)
         self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
-        plan.last = fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
+        fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
         if self.settle:
             await fence.wait_soon(deadline)
+            plan.last = None  # (on an error the communicator fails: no later call)
+        else:
+            plan.last = fence.detached()
 
 
 def is_ring(cls: type) -> bool:

@@ -246,6 +246,12 @@ class Fence(ABC):
         a space may first poll it for a few microseconds without yielding."""
         await self.wait(deadline)
 
+    def detached(self) -> Fence:
+        """This fence, in a form that stays valid after the call returns (one that polls
+        a caller's stream becomes one on an event of its own: the caller may destroy
+        the stream)."""
+        return self
+
 
 #: Page-locked blocks this large or larger are allocated off the loop's thread.
 ALLOCATE_IN_THREAD = 1 << 20

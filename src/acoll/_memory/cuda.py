@@ -287,6 +287,11 @@ class _StreamFence(Fence):
         if not self.stream.done:
             await self.space.wait_event(self.recorded(), deadline)
 
+    def detached(self) -> Fence:
+        self.recorded()
+        assert self._keep is not None
+        return self._keep
+
     async def wait_soon(self, deadline: float | None = None) -> None:
         stream = self.stream
         end = time.perf_counter() + TIGHT_SPIN_S
@@ -539,9 +544,8 @@ class CudaStaging(Staging):
         if prev != space.device:
             runtime.setDevice(space.device)
         try:
-            if (type(after) is _StreamFence and after.stream is not stream
-                    and not after.done()):
-                stream.wait_event(after.recorded())
+            if type(after) is _EventFence and not after.done():
+                stream.wait_event(after.event)
             runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _D2H, stream.ptr)
         finally:
             if prev != space.device:
