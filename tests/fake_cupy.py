@@ -25,6 +25,9 @@ _owner: dict[int, tuple[int, int]] = {}  # allocation start -> (size, device)
 _keep: list[Any] = []
 enqueued: list[tuple[str, int]] = []  # (what, device current when it was enqueued)
 copies_on: list[int] = []  # the stream handle of each memcpyAsync
+# (stream handle, the stream's device, the device current when it was queried): handle 0,
+# the default stream, names the *current* device's stream in CUDA
+stream_queries: list[tuple[int, int, int]] = []
 
 
 def _device_of(ptr: int) -> int:
@@ -72,6 +75,7 @@ class Stream:
 
     @property
     def done(self) -> bool:
+        stream_queries.append((self.ptr, self.device_id, _current[0]))
         return not self.busy
 
     def synchronize(self) -> None:

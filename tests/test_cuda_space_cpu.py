@@ -90,6 +90,16 @@ async def test_two_devices_in_one_process(cupy: Any) -> None:
 
         gots = await asyncio.gather(*(exchange(c, x) for c, x in zip(comms, xs, strict=True)))
         assert all((g.get() == 3).all() for g in gots)
+        # small calls (copies on each caller's default stream, handle 0): the stream is
+        # polled with its rank's device current, since handle 0 means the current device's
+        small = [fake_cupy.ndarray(np.full(10, c.rank + 1.0, np.float32), c.rank)
+                 for c in comms]
+        fake_cupy.stream_queries.clear()
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, small, strict=True)))
+        assert all((x.get() == 3).all() for x in small)
+        default = [q for q in fake_cupy.stream_queries if q[0] == 0]
+        assert {q[1] for q in default} == {0, 1}
+        assert all(dev == current for _, dev, current in default), default
         with pytest.raises(acoll.InvalidUsage, match="buf is on cuda:1"):
             await comms[0].broadcast(xs[1])
     except BaseException:

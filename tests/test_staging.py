@@ -222,6 +222,46 @@ async def test_small_device_all_reduces_issued_together_and_in_groups(
     assert await run_ranks(2, fn, device=0) == [3, 3]
 
 
+async def test_direct_plans_are_evicted_least_recently_used_and_fenced(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """At most 16 (count, dtype, op) plans; a hit makes a plan the newest; the evicted
+    plan's page-locked block goes back to the staging pool with its last upload's fence
+    (reused only after that upload), and close() gives every plan's block back alike."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    released: list[tuple[Any, Any]] = []  # (block, fence), both ranks (blocks differ)
+    real = FakeStaging.release
+
+    def spy(self: FakeStaging, block: Any, fence: Any = None) -> None:
+        released.append((block, fence))
+        real(self, block, fence)
+
+    monkeypatch.setattr(FakeStaging, "release", spy)
+
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        async def call(count: int) -> None:
+            x = FakeDevArray(np.full(count, comm.rank + 1, np.int32))
+            await comm.all_reduce(x, stream="s")
+            np.testing.assert_array_equal(x.arr, 3)
+
+        for count in range(1, 17):
+            await call(count)
+        await call(1)  # a hit: 1 becomes the newest, 2 the oldest
+        plans = comm._via_plans
+        evicted = next(p for k, p in plans.items() if k[0] == 2)
+        await call(17)
+        assert [k[0] for k in plans][-2:] == [1, 17]
+        assert 2 not in [k[0] for k in plans]
+        assert len(plans) == 16
+        assert [r for r in released if r[0] is evicted.block] == [(evicted.block,
+                                                                    evicted.last)]
+        assert evicted.last is not None  # (stream=: the upload was not waited for)
+        return sorted(k[0] for k in plans)
+
+    results = await run_ranks(2, fn, device=0)
+    assert results[0] == [1, *range(3, 18)]
+    assert len(released) >= 2 * 16  # close() gave the 16 plans' blocks back on each rank
+
+
 async def test_ranks_may_differ_on_going_through_the_host(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
     """Going through the host is each rank's own choice (the same messages either way):

@@ -471,6 +471,13 @@ class Communicator:
         self._exec.stop_watchdog()
         self._release_lane()
 
+    def _drop_via_plans(self) -> None:
+        """Give the direct calls' page-locked blocks back to the staging pool, each reused
+        only after its last upload."""
+        plans, self._via_plans = self._via_plans, {}
+        for plan in plans.values():
+            plan.drop()
+
     def _release_lane(self) -> None:
         """Drop the lane's plans and views (once no lane op runs any more)."""
         self._lane_plans.clear()
@@ -512,6 +519,7 @@ class Communicator:
         await self._boot.close()
         self._exec.stop_watchdog()
         self._release_lane()
+        self._drop_via_plans()
         if failure is not None:
             raise failure
 
@@ -769,12 +777,15 @@ class Communicator:
         itself, in order after the caller's queued work with no event between streams,
         through a page-locked copy kept for calls like it (:mod:`acoll._comm.via_host`)."""
         key = (s.count, s.dtype, rop)
-        plan = self._via_plans.get(key)
-        if plan is None:
+        plans = self._via_plans
+        plan = plans.pop(key, None)
+        if plan is not None:
+            plans[key] = plan  # (most recently used last)
+        else:
             if self._host_mem is None:
                 self._host_mem = HostSpace()
-            if len(self._via_plans) >= _VIA_PLANS:  # the oldest goes
-                del self._via_plans[next(iter(self._via_plans))]
+            if len(plans) >= _VIA_PLANS:  # the least recently used goes
+                plans.pop(next(iter(plans))).drop()
             cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
             staging = self.mem.staging()
             assert staging is not None  # (_via_direct)

@@ -35,8 +35,10 @@ from .executor import Algorithm
 
 __all__ = ["DirectCall", "DirectPlan", "RingStaging", "ViaHost"]
 
-#: Download pieces are this many of the algorithm's chunks (fewer copies to enqueue).
+#: Download pieces are this many of the algorithm's chunks (fewer copies to enqueue), and
+#: an op has at most about ``MAX_PIECES`` of them; uploads join into pieces as large.
 PIECE_CHUNKS = 4
+MAX_PIECES = 64
 
 
 class ViaHost:
@@ -95,8 +97,8 @@ class RingStaging:
     never overtakes a download, and a piece's fence covers every piece enqueued before it.
     """
 
-    __slots__ = ("_done_upto", "_fences", "_index", "_starts", "data", "deadline", "itemsize",
-                 "last", "order", "recv", "staging", "uploaded")
+    __slots__ = ("_done_upto", "_fences", "_index", "_pend", "_piece", "_starts", "data",
+                 "deadline", "itemsize", "last", "order", "recv", "staging", "uploaded")
 
     def __init__(self, staging: Staging, order: StreamOrder, send: Buffer, recv: Buffer,
                  data: Buffer, ctx: OpContext, deadline: float) -> None:
@@ -104,7 +106,12 @@ class RingStaging:
         self.deadline, self.itemsize = deadline, data.itemsize
         n, rank = ctx.n, ctx.rank
         segs = split_even(send.count, n)
-        piece = PIECE_CHUNKS * _chunk_items(ctx, send.itemsize)
+        # Pieces of a few chunks, and at most about MAX_PIECES of them (each is a CUDA call
+        # on the loop's thread: a small chunk size must not make thousands).
+        piece = max(PIECE_CHUNKS * _chunk_items(ctx, send.itemsize),
+                    -(-send.count // MAX_PIECES))
+        self._piece = piece
+        self._pend = (0, 0)  # the final range not uploaded yet (contiguous pieces join)
         fences: list[Fence] = []
         spans: list[tuple[int, int]] = []  # (start, issue index), sorted by start below
         self.last: Fence | None = None
@@ -142,14 +149,29 @@ class RingStaging:
             self._done_upto = need  # (copies pass in the order enqueued)
 
     def final(self, buf: Buffer) -> None:
-        """``buf`` (a piece of the host copy) holds its final result: upload it now."""
+        """``buf`` (a piece of the host copy) holds its final result: upload it, at once
+        or joined with the next piece when that one follows it (up to a download piece)."""
         start, end = self._range(buf)
-        self.last = self.staging.upload(self.recv[start:end], buf)
-        self.uploaded += end - start
+        first, last = self._pend
+        if last == start and end - first <= self._piece:
+            self._pend = (first, end)
+        else:
+            self._upload()
+            self._pend = (start, end)
+        if self._pend[1] - self._pend[0] >= self._piece:
+            self._upload()
+
+    def _upload(self) -> None:
+        start, end = self._pend
+        if end > start:
+            self.last = self.staging.upload(self.recv[start:end], self.data[start:end])
+            self.uploaded += end - start
+        self._pend = (0, 0)
 
     def finish(self) -> Fence:
         """After the algorithm: the fence of the last upload (the whole op's work), with
         the caller's stream ordered after it."""
+        self._upload()
         if self.uploaded != self.data.count:  # (the ring finalises every element once)
             raise AssertionError(f"ring staging uploaded {self.uploaded} of "
                                  f"{self.data.count} elements")
@@ -166,14 +188,19 @@ class DirectPlan:
     upload still reads it; an event of acoll's own, valid whatever becomes of the stream).
     """
 
-    __slots__ = ("cls", "data", "desc", "last", "op", "staging", "view")
+    __slots__ = ("block", "cls", "data", "desc", "last", "op", "staging", "view")
 
     def __init__(self, staging: Staging, host: HostSpace, s: Buffer, rop: ReduceOp,
                  cls: Any, desc: Descriptor) -> None:
         self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
-        self.view = staging._allocate(max(4096, s.nbytes))[:s.nbytes]
+        self.view, self.block = staging.lease(s.nbytes)
         self.data = host.wrap(self.view.array.view(s.dtype))
         self.last: Fence | None = None
+
+    def drop(self) -> None:
+        """Give the block back to the staging pool, reused only once the last upload
+        (if one was not waited for) has read it."""
+        self.staging.release(self.block, self.last)
 
 
 class DirectCall:

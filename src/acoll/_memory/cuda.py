@@ -263,7 +263,9 @@ class _StreamFence(Fence):
     """Everything queued on the caller's ``stream`` so far (a copy acoll just put there,
     while holding the loop: nothing can have been queued after it yet). Polled with
     ``cudaStreamQuery``, so the copy needs no event; one is recorded only for a wait that
-    must sleep (or for another stream to wait on), and then covers at least the copy."""
+    must sleep (or to outlive the call: :meth:`detached`), and then covers at least the
+    copy. Queried with the space's device current: the default-stream handles (0, 2) name
+    the *current* device's stream."""
 
     __slots__ = ("_keep", "space", "stream")
 
@@ -272,10 +274,22 @@ class _StreamFence(Fence):
         self._keep: _EventFence | None = None
 
     def done(self) -> bool:
-        return bool(self.stream.done)
+        space = self.space
+        runtime = space.cp.cuda.runtime
+        prev = runtime.getDevice()
+        if prev == space.device:
+            return bool(self.stream.done)
+        runtime.setDevice(space.device)
+        try:
+            return bool(self.stream.done)
+        finally:
+            runtime.setDevice(prev)
 
     def recorded(self) -> Any:
-        """An event recorded on the stream now (pooled: it goes back with this fence)."""
+        """An event recorded on the stream now (pooled: it goes back with this fence).
+        Called at most once per fence (a second call would give back the first event while
+        a wait may still poll it)."""
+        assert self._keep is None
         space = self.space
         with space.cp.cuda.Device(space.device):
             event = space.take_event()
@@ -284,21 +298,20 @@ class _StreamFence(Fence):
         return event
 
     async def wait(self, deadline: float | None = None) -> None:
-        if not self.stream.done:
+        if not self.done():
             await self.space.wait_event(self.recorded(), deadline)
+
+    async def wait_soon(self, deadline: float | None = None) -> None:
+        end = time.perf_counter() + TIGHT_SPIN_S
+        while not self.done():
+            if time.perf_counter() >= end:
+                await self.space.wait_event(self.recorded(), deadline)
+                return
 
     def detached(self) -> Fence:
         self.recorded()
         assert self._keep is not None
         return self._keep
-
-    async def wait_soon(self, deadline: float | None = None) -> None:
-        stream = self.stream
-        end = time.perf_counter() + TIGHT_SPIN_S
-        while not stream.done:
-            if time.perf_counter() >= end:
-                await self.space.wait_event(self.recorded(), deadline)
-                return
 
 
 class _Order(StreamOrder):
