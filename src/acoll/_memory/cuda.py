@@ -551,6 +551,15 @@ class CudaStaging(Staging):
 
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
                     after: Fence | None = None) -> Fence:
+        return self._copy_on(stream, dst, src, _D2H, after)
+
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+        return self._copy_on(stream, dst, src, _H2D)
+
+    def _copy_on(self, stream: Any, dst: Buffer, src: Buffer, kind: int,
+                 after: Fence | None = None) -> Fence:
+        """One copy on the caller's ``stream`` (after ``after``, an event fence, when it has
+        not passed), switching the current device only when it is not the space's."""
         space = self.space
         runtime = space.cp.cuda.runtime
         prev = runtime.getDevice()  # (cheaper than entering cupy.cuda.Device)
@@ -559,20 +568,7 @@ class CudaStaging(Staging):
         try:
             if type(after) is _EventFence and not after.done():
                 stream.wait_event(after.event)
-            runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _D2H, stream.ptr)
-        finally:
-            if prev != space.device:
-                runtime.setDevice(prev)
-        return _StreamFence(space, stream)
-
-    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
-        space = self.space
-        runtime = space.cp.cuda.runtime
-        prev = runtime.getDevice()
-        if prev != space.device:
-            runtime.setDevice(space.device)
-        try:
-            runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _H2D, stream.ptr)
+            runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, kind, stream.ptr)
         finally:
             if prev != space.device:
                 runtime.setDevice(prev)
