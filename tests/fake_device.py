@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from acoll._dtypes import ReduceOp, as_host_array
-from acoll._memory import Buffer, Fence, HostSpace, MemoryKind, MemorySpace, Staging
+from acoll._memory import Buffer, DirectStaging, Fence, HostSpace, MemoryKind, MemorySpace
 from acoll._memory.base import DType, Pace, StreamOrder
 from acoll.errors import InvalidUsage
 
@@ -93,7 +93,7 @@ class _Counted(Fence):
         await self.fence.wait(deadline)
 
 
-class FakeStaging(Staging):
+class FakeStaging(DirectStaging):
     def __init__(self, delay: int, device: int | None = None,
                  before: Any = None) -> None:
         super().__init__()
@@ -125,8 +125,6 @@ class FakeStaging(Staging):
             copy()
             return _Done()
         return _Later(copy, self.delay)
-
-    direct = True
 
     def caller_stream(self, stream: Any) -> Any:
         if stream is not None and not isinstance(stream, str):

@@ -69,7 +69,7 @@ from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
-from ._memory import Buffer, HostSpace, MemoryKind, MemorySpace, StreamOrder
+from ._memory import Buffer, DirectStaging, HostSpace, MemoryKind, MemorySpace, StreamOrder
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
@@ -308,7 +308,7 @@ class Communicator:
         # copy of their own and the algorithm's choice (see _via_host_direct)
         self._via_plans: dict[tuple[int, Any, ReduceOp], DirectPlan] = {}
         staging = self.mem.staging() if self._via_host_max else None
-        self._via_direct = staging is not None and staging.direct
+        self._via_direct = isinstance(staging, DirectStaging)
         self._via_auto = self._via_host_max < 0  # resolved at the first call (_via_limit)
         self._p2p_seq = Sequencer()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
@@ -788,8 +788,8 @@ class Communicator:
                 plans.pop(next(iter(plans))).drop()
             cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
             staging = self.mem.staging()
-            assert staging is not None  # (_via_direct)
-            plan = self._via_plans[key] = DirectPlan(
+            assert isinstance(staging, DirectStaging)  # (_via_direct)
+            plan = plans[key] = DirectPlan(
                 staging, self._host_mem, s, rop, cls,
                 descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
         caller = plan.staging.caller_stream(stream)

@@ -30,7 +30,7 @@ from typing import Any
 from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
 from .._dtypes import ReduceOp
-from .._memory import Buffer, Fence, HostSpace, MemorySpace, Staging, StreamOrder
+from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Staging, StreamOrder
 from .executor import Algorithm
 
 __all__ = ["DirectCall", "DirectPlan", "RingStaging", "ViaHost"]
@@ -190,7 +190,7 @@ class DirectPlan:
 
     __slots__ = ("block", "cls", "data", "desc", "last", "op", "staging", "view")
 
-    def __init__(self, staging: Staging, host: HostSpace, s: Buffer, rop: ReduceOp,
+    def __init__(self, staging: DirectStaging, host: HostSpace, s: Buffer, rop: ReduceOp,
                  cls: Any, desc: Descriptor) -> None:
         self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
         self.view, self.block = staging.lease(s.nbytes)

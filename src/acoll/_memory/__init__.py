@@ -6,11 +6,22 @@ from typing import Any
 
 import numpy as np
 
-from .base import BYTE, Buffer, DType, Fence, MemoryKind, MemorySpace, Pace, Staging, StreamOrder
+from .base import (
+    BYTE,
+    Buffer,
+    DirectStaging,
+    DType,
+    Fence,
+    MemoryKind,
+    MemorySpace,
+    Pace,
+    Staging,
+    StreamOrder,
+)
 from .host import HostSpace
 
 __all__ = ["BYTE", "Buffer", "DType", "Fence", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
-           "Staging", "StreamOrder", "host_buffer"]
+           "DirectStaging", "Staging", "StreamOrder", "host_buffer"]
 
 _HOST = HostSpace()  # for buffers made outside any communicator (tests, transports)
 

@@ -38,7 +38,7 @@ from .._dtypes import ReduceOp
 from ..errors import InvalidUsage
 
 __all__ = ["BYTE", "Buffer", "DType", "Fence", "MemoryKind", "MemorySpace", "Pace",
-           "Staging", "StreamOrder"]
+           "DirectStaging", "Staging", "StreamOrder"]
 
 #: Element types are NumPy dtypes in every space (CuPy uses them too).
 DType = np.dtype[Any]
@@ -290,26 +290,6 @@ class Staging(ABC):
     def upload(self, dst: Buffer, src: Buffer) -> Fence:
         """Enqueue ``dst`` (device) ``= src`` (host); same byte count."""
 
-    #: Whether :meth:`download_on` / :meth:`upload_on` (copies on the caller's stream) exist.
-    direct: ClassVar[bool] = False
-
-    def caller_stream(self, stream: Any) -> Any:
-        """``stream`` (a collective's ``stream=``) as this staging's copies take it (only
-        where :attr:`direct`)."""
-        raise NotImplementedError
-
-    def download_on(self, stream: Any, dst: Buffer, src: Buffer,
-                    after: Fence | None = None) -> Fence:
-        """Enqueue ``dst`` (host) ``= src`` on the caller's ``stream`` itself (after its
-        queued work, and after ``after``, an earlier copy's fence); only where
-        :attr:`direct`."""
-        raise NotImplementedError
-
-    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
-        """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
-        on it sees the data. Only where :attr:`direct`."""
-        raise NotImplementedError
-
     def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
         """An op's first work: :meth:`StreamOrder.start` of ``order``, then
         :meth:`download` (a space may do both at once)."""
@@ -326,26 +306,19 @@ class Staging(ABC):
     def lease(self, nbytes: int) -> tuple[Buffer, Buffer]:
         """``(view, block)``: a host buffer of ``nbytes`` bytes (``view``) inside a pooled
         ``block``; give ``block`` back with :meth:`release`."""
-        size = max(4096, 1 << (nbytes - 1).bit_length())
+        size = _size_class(nbytes)
         block = self._reuse(size)
-        if block is None:
-            block = self._allocate(size)
-        self.leased += 1
-        return block[:nbytes], block
+        return self._lent(nbytes, self._allocate(size) if block is None else block)
 
     async def lease_async(self, nbytes: int) -> tuple[Buffer, Buffer]:
         """:meth:`lease`, but a new block of :data:`ALLOCATE_IN_THREAD` bytes or more is
         allocated on a worker thread: page-locking tens of MiB takes milliseconds, which
         the event loop's thread must not spend."""
-        size = max(4096, 1 << (nbytes - 1).bit_length())
+        size = _size_class(nbytes)
         block = self._reuse(size)
-        if block is None:
-            if size >= ALLOCATE_IN_THREAD:
-                block = await asyncio.to_thread(self._allocate, size)
-            else:
-                block = self._allocate(size)
-        self.leased += 1
-        return block[:nbytes], block
+        if block is None and size >= ALLOCATE_IN_THREAD:
+            block = await asyncio.to_thread(self._allocate, size)
+        return self._lent(nbytes, self._allocate(size) if block is None else block)
 
     def _reuse(self, size: int) -> Buffer | None:
         free = self._free.get(size)
@@ -353,6 +326,35 @@ class Staging(ABC):
             return free.popleft()[0]
         return None
 
+    def _lent(self, nbytes: int, block: Buffer) -> tuple[Buffer, Buffer]:
+        self.leased += 1
+        return block[:nbytes], block
+
     def release(self, block: Buffer, fence: Fence | None = None) -> None:
         """Return ``block`` to the pool; it is reused once ``fence`` (if any) has passed."""
         self._free.setdefault(block.nbytes, deque()).append((block, fence))
+
+
+class DirectStaging(Staging):
+    """A staging whose copies can also go on the caller's own stream (a small op made
+    while nothing else runs: no events between streams; ``acoll._comm.via_host``)."""
+
+    @abstractmethod
+    def caller_stream(self, stream: Any) -> Any:
+        """``stream`` (a collective's ``stream=``) as this staging's copies take it."""
+
+    @abstractmethod
+    def download_on(self, stream: Any, dst: Buffer, src: Buffer,
+                    after: Fence | None = None) -> Fence:
+        """Enqueue ``dst`` (host) ``= src`` on the caller's ``stream`` itself (after its
+        queued work, and after ``after``, an earlier copy's fence)."""
+
+    @abstractmethod
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+        """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
+        on it sees the data."""
+
+
+def _size_class(nbytes: int) -> int:
+    """The pooled block size for ``nbytes``: a power of two, at least a page."""
+    return max(4096, 1 << (nbytes - 1).bit_length())

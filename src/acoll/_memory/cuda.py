@@ -41,7 +41,16 @@ from .._dtypes import (
     export_capsule,
 )
 from ..errors import InvalidUsage
-from .base import Buffer, DType, Fence, MemoryKind, MemorySpace, Pace, Staging, StreamOrder
+from .base import (
+    Buffer,
+    DirectStaging,
+    DType,
+    Fence,
+    MemoryKind,
+    MemorySpace,
+    Pace,
+    StreamOrder,
+)
 from .host import HostSpace
 
 __all__ = ["CudaSpace", "DeviceView", "adopt_device_array"]
@@ -507,7 +516,7 @@ class CudaSpace(MemorySpace):
         return self._staging
 
 
-class CudaStaging(Staging):
+class CudaStaging(DirectStaging):
     """D2H/H2D copies on the space's stream through pooled page-locked host memory."""
 
     kind = MemoryKind.CUDA
@@ -543,8 +552,6 @@ class CudaStaging(Staging):
         if first and order is not None:
             space.give_event(order.event)  # type: ignore[attr-defined]
         return _EventFence(space, event)
-
-    direct = True
 
     def caller_stream(self, stream: Any) -> Any:
         return self.space.resolve_stream(stream)
