@@ -132,12 +132,13 @@ class FakeStaging(DirectStaging):
         return stream
 
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
-                    after: Fence | None = None) -> Fence:
+                    after: Fence | None = None, *, own: bool = False) -> Fence:
         assert after is None or after.done()  # (fake uploads finish at once)
         self.on_streams.append(("download", stream))
         return self.download(dst, src)
 
-    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer, *, own: bool = False
+                  ) -> Fence:
         self.on_streams.append(("upload", stream))
         return self.upload(dst, src)
 

@@ -111,19 +111,24 @@ async def test_two_devices_in_one_process(cupy: Any) -> None:
 
 
 async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
-    """Ordered calls (here above the size that keeps its own copy) start after the
-    caller's stream's queued work and publish their result to it through events; a small
-    all_reduce made while nothing else runs puts its two copies on the caller's stream."""
+    """Ordered calls (here the first of its size, whose page-locked block is allocated off
+    the loop) start after the caller's stream's queued work and publish their result to
+    it through events; an all_reduce made while nothing else runs puts its copies on the
+    caller's stream (small ones, and larger ones once the pool holds a block)."""
     async def fn(comm: acoll.Communicator) -> None:
         user = cupy.cuda.Stream(non_blocking=True)
-        x = fake_cupy.ndarray(np.ones(20_000, np.float32), 0)
+        x = fake_cupy.ndarray(np.ones(300_000, np.float32), 0)
         await comm.all_reduce(x, stream=user)
         assert len(user.waits) == 1  # later work on the caller's stream waits for ours
         assert user.waits[0].recorded_on is comm.mem.stream  # type: ignore[attr-defined]
+        copies = len(fake_cupy.copies_on)
+        await comm.all_reduce(x, stream=user)  # the block is pooled now: direct
+        assert len(user.waits) == 1
+        assert fake_cupy.copies_on[copies:].count(user.ptr) >= 2  # pieces down, result up
         await comm.all_reduce(x, stream=user.ptr)  # a raw handle
         torch_like = type("S", (), {"cuda_stream": user.ptr})()
         await comm.all_reduce(x, stream=torch_like)
-        assert (x.get() == 8).all()
+        assert (x.get() == 16).all()
         null = cupy.cuda.get_current_stream()
         before = len(null.waits)
         await comm.all_reduce(x)  # no stream=: after CuPy's current stream's work...
@@ -131,7 +136,7 @@ async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
         # stream to wait for (the other rank of this loop shares it: count only our waits)
         mine = [e for e in null.waits[before:] if e.recorded_on is comm.mem.stream]  # type: ignore[attr-defined]
         assert mine == []
-        assert (x.get() == 16).all()
+        assert (x.get() == 32).all()
         small = fake_cupy.ndarray(np.ones(1000, np.float32), 0)
         waits, copies = len(user.waits), len(fake_cupy.copies_on)
         await comm.all_reduce(small, stream=user)

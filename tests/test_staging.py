@@ -291,19 +291,26 @@ async def test_ranks_may_differ_on_going_through_the_host(
     assert staged_1 == 0
 
 
+@pytest.mark.parametrize("path", ["direct", "ordered"])
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 async def test_ring_through_the_host_pipelines_its_copies(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        nranks: int) -> None:
+        nranks: int, path: str) -> None:
     """Above one chunk, a device all_reduce through the host downloads its input in pieces
     (each awaited only before the ring first reads it; fake downloads land 100 loop
     iterations late, so a piece read early would carry the block's previous contents) and
     uploads each piece of the result once it is final: exact results for several ops,
-    dtypes, in place and not, with and without stream=, and every element uploaded once."""
+    dtypes, in place and not, with and without stream=, and every element uploaded once.
+    Both where the copies go on the caller's stream (the call starts at once: direct) and
+    where they are ordered after it (here: the pool must grow first)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
     monkeypatch.setattr(FakeDeviceSpace, "delay", 100)  # downloads land late
     from acoll._comm import via_host
+
+    if path == "ordered":
+        monkeypatch.setattr(FakeStaging, "lease_now", lambda self, nbytes: None)
+    copies = via_host.CallerCopies if path == "direct" else via_host.OrderedCopies
 
     stages: list[via_host.RingStaging] = []
     real = via_host.RingStaging.__init__
@@ -336,6 +343,63 @@ async def test_ring_through_the_host_pipelines_its_copies(
     assert all(await run_ranks(nranks, fn, device=0))
     assert all(st.uploaded == st.data.count for st in stages)
     assert all(len(st._fences) > 1 for st in stages)
+    assert {type(st.copies) for st in stages} == {copies}
+
+
+@pytest.mark.parametrize("algo", ["ring", "rd"])
+async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        algo: str) -> None:
+    """Above the size that keeps a copy of its own, an all_reduce made while nothing else
+    runs leases a pooled block at the call and puts its copies on the caller's stream
+    (in pieces on the ring, whole otherwise). A block of 1 MiB or more the pool lacks is
+    allocated off the loop by the ordered path, which the first such call takes; the
+    block goes back to the pool and the next call goes direct. With stream=, the block
+    goes back fenced by the last upload. Exact results, in place and not."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+    from acoll._comm import via_host
+
+    ran: dict[int, list[str]] = {0: [], 1: []}  # per rank, the path of each call
+    for cls in (via_host.DirectLarge, via_host.ViaHost):
+        monkeypatch.setattr(cls, "run", (lambda real, name: lambda self: (
+            ran[self.ctx.rank].append(name), real(self))[1])(cls.run, cls.__name__))
+    released: list[tuple[FakeStaging, Any]] = []
+    real_release = FakeStaging.release
+
+    def spy(self: FakeStaging, block: Any, fence: Any = None) -> None:
+        released.append((self, fence))
+        real_release(self, block, fence)
+
+    monkeypatch.setattr(FakeStaging, "release", spy)
+
+    async def fn(comm: acoll.Communicator) -> list[str]:
+        staging = fake_devices[comm.rank].staging()
+        for n in (100_000, 300_000):  # 400 KB, 1.2 MB of int32
+            base = np.arange(n, dtype=np.int32) % 11
+            for kw in ({}, {"stream": "s"}):
+                for inplace in (False, True):
+                    x = FakeDevArray(base + comm.rank)
+                    out = None if inplace else FakeDevArray(np.zeros(n, np.int32))
+                    on, rel = len(staging.on_streams), len(released)
+                    await comm.all_reduce(x, out, **kw)
+                    got = x.arr if inplace else out.arr  # type: ignore[union-attr]
+                    np.testing.assert_array_equal(got, 2 * base + 1)
+                    if ran[comm.rank][-1] == "DirectLarge":
+                        mine = staging.on_streams[on:]
+                        assert {s for _, s in mine} == {kw.get("stream")}
+                        downloads = [k for k, _ in mine].count("download")
+                        assert downloads == 1 if algo == "rd" else downloads > 1
+                        fences = [f for st, f in released[rel:] if st is staging]
+                        # waited for (no stream=): back at once; else fenced by the upload
+                        assert fences == [None] if not kw else (
+                            len(fences) == 1 and fences[0] is not None)
+        return ran[comm.rank]
+
+    for paths in await run_ranks(2, fn, device=0):
+        # 400 KB: direct from the first call; 1.2 MB: ordered once, then direct
+        assert paths == ["DirectLarge"] * 4 + ["ViaHost"] + ["DirectLarge"] * 3
 
 
 async def test_via_host_limit_follows_the_transports(
@@ -622,3 +686,46 @@ def test_init_from_env_device_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     assert calls == [{"device": 1}, {}, {"device": 0}]
     with pytest.raises(acoll.InvalidUsage, match="device must be"):
         asyncio.run(_env.init_from_env(device="cuda"))
+
+
+@pytest.mark.parametrize("size", [2_000, 300_000])
+async def test_peer_abort_during_a_direct_device_all_reduce(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        size: int) -> None:
+    """A peer that aborts while a device all_reduce runs on the direct path (a plan's copy,
+    or a pooled block with its copies pipelined on the caller's stream) fails it with
+    RemoteError naming the peer, within seconds; the pooled block goes back fenced by
+    the copies already enqueued."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
+    monkeypatch.setattr(FakeDeviceSpace, "delay", 50)
+    released: list[Any] = []
+    real_release = FakeStaging.release
+
+    def spy(self: FakeStaging, block: Any, fence: Any = None) -> None:
+        released.append(fence)
+        real_release(self, block, fence)
+
+    monkeypatch.setattr(FakeStaging, "release", spy)
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
+                                                   timeout=20) for r in range(2)))
+    x = FakeDevArray(np.ones(size, np.float32))
+    warm = FakeDevArray(np.ones(size, np.float32))
+    await asyncio.gather(*(c.all_reduce(FakeDevArray(warm.arr.copy())) for c in comms))
+    released.clear()
+    staging = comms[0].mem.staging()
+    assert isinstance(staging, FakeStaging)
+    on = len(staging.on_streams)
+    task = asyncio.ensure_future(comms[0].all_reduce(x))  # rank 1 never joins
+    await asyncio.sleep(0.01)
+    comms[1].abort()
+    t = asyncio.get_running_loop().time()
+    with pytest.raises(acoll.RemoteError, match="rank 1"):
+        await task
+    assert asyncio.get_running_loop().time() - t < 5
+    assert ("download", None) in staging.on_streams[on:]  # (it went direct)
+    if size > 2_000:
+        assert len(released) == 1
+        assert released[0] is not None
+    comms[0].abort()

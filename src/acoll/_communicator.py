@@ -64,12 +64,28 @@ from ._comm.lane import (
 )
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
-from ._comm.via_host import DirectCall, DirectPlan, ViaHost, is_ring
+from ._comm.via_host import (
+    CallerCopies,
+    DirectCall,
+    DirectLarge,
+    DirectPlan,
+    RingStaging,
+    ViaHost,
+    is_ring,
+)
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import ReduceOp, check_op_dtype, dtype_code
-from ._memory import Buffer, DirectStaging, HostSpace, MemoryKind, MemorySpace, StreamOrder
+from ._memory import (
+    Buffer,
+    DirectStaging,
+    Fence,
+    HostSpace,
+    MemoryKind,
+    MemorySpace,
+    StreamOrder,
+)
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
@@ -702,12 +718,17 @@ class Communicator:
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
-        if (self._via_direct and s.nbytes <= _VIA_DIRECT_MAX and s.count
-                and self.size > 1 and self._p2p is None and s.nbytes <= self._via_limit()):
+        if (self._via_direct and s.count and self.size > 1 and self._p2p is None
+                and s.nbytes <= self._via_limit()):
             ex = self._exec
             if not (ex.in_group or ex.running or ex.lock.locked()):
-                await self._via_host_direct(s, r, rop, stream)
-                return out
+                if s.nbytes <= _VIA_DIRECT_MAX:
+                    await self._via_host_direct(s, r, rop, stream)
+                    return out
+                large = self._via_host_direct_large(s, r, rop, stream)
+                if large is not None:
+                    await large
+                    return out
         order = self.mem.order(stream)
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
@@ -799,6 +820,38 @@ class Communicator:
         fence = plan.staging.download_on(caller, plan.view, s, plan.last)
         await self._exec.execute(plan.desc, lambda ctx: DirectCall(
             ctx, plan, fence, r, caller, settle, host, timeout))  # type: ignore[arg-type]
+
+    def _via_host_direct_large(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
+                               ) -> Awaitable[None] | None:
+        """A larger device all_reduce made while the executor is idle: a pooled block and
+        the copies on the caller's stream (:class:`~acoll._comm.via_host.DirectLarge`).
+        ``None`` (nothing done) when the pool would need a new large block: the ordered
+        path allocates it off the loop's thread, and later calls reuse it."""
+        staging = self.mem.staging()
+        assert isinstance(staging, DirectStaging)  # (_via_direct)
+        lease = staging.lease_now(s.nbytes)
+        if lease is None:
+            return None
+        if self._host_mem is None:
+            self._host_mem = HostSpace()
+        host = self._host_mem
+        cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
+        desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
+        caller = staging.caller_stream(stream)
+        data = host.wrap(lease[0].array.view(s.dtype))
+        chunk = max(1, self.chunk_bytes // s.itemsize)
+        # The download goes first, at the call (the executor runs the op at once).
+        download: Fence | None = None
+        stage: RingStaging | None = None
+        if is_ring(cls) and s.count > chunk:
+            stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,
+                                self.rank, chunk)
+        else:
+            download = staging.download_on(caller, lease[0], s, own=True)
+        settle, timeout = stream is None, self.timeout
+        return self._exec.execute(desc, lambda ctx: DirectLarge(
+            ctx, cls, rop, staging, lease, data, r, caller, download, stage, settle, host,
+            timeout))
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:

@@ -8,16 +8,20 @@ its input once into page-locked memory, runs the host algorithm there (NumPy red
 the same messages as the staged path: ranks may differ in this choice), and uploads the
 result once.
 
-- :class:`DirectCall` (small calls made while the communicator's executor is idle): both
-  copies go on the caller's stream itself, through a page-locked block kept per
-  (count, dtype, op) (:class:`DirectPlan`); the download is enqueued before the
-  executor's bookkeeping, and the copies' waits poll the stream briefly before yielding.
-- :class:`ViaHost` (the rest): ordered after the caller's stream by events, on a pooled
-  block. On the ring algorithm the copies are pipelined with it (:class:`RingStaging`):
-  the input goes down in pieces, in the order the ring first reads them, each awaited just
-  before its first use; every piece of the result goes up as soon as it is final. Only
-  the first piece's download and the last piece's upload are not hidden behind the
-  network.
+- The direct path (calls made while the communicator's executor is idle: the op starts at
+  the call): the copies go on the caller's stream itself, with no events between
+  streams, and the download is enqueued before the executor's bookkeeping.
+  :class:`DirectCall` (up to 64 KiB): through a page-locked block kept per
+  (count, dtype, op) (:class:`DirectPlan`), waits that poll the stream briefly before
+  yielding. :class:`DirectLarge` (larger): a pooled block.
+- :class:`ViaHost` (the rest: groups, calls queued behind others, a pool that must grow):
+  ordered after the caller's stream by events, on a pooled block.
+- On the ring algorithm the copies of both larger kinds are pipelined with it
+  (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
+  :class:`OrderedCopies`): the input goes down in pieces, in the order the ring first
+  reads them, each awaited just before its first use; every piece of the result goes up
+  as soon as it is final. Only the first piece's download and the last piece's upload
+  are not hidden behind the network.
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ from .._dtypes import ReduceOp
 from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Staging, StreamOrder
 from .executor import Algorithm
 
-__all__ = ["DirectCall", "DirectPlan", "RingStaging", "ViaHost"]
+__all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "OrderedCopies",
+           "RingStaging", "ViaHost"]
 
 #: Download pieces are this many of the algorithm's chunks (fewer copies to enqueue), and
 #: an op has at most about ``MAX_PIECES`` of them; uploads join into pieces as large.
@@ -65,8 +70,11 @@ class ViaHost:
         ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         fence: Fence | None = None
         try:
-            if self.ring and self.send.count > _chunk_items(ctx, self.send.itemsize):
-                stage = RingStaging(staging, order, self.send, self.recv, data, ctx, deadline)
+            chunk = _chunk_items(ctx, self.send.itemsize)
+            if self.ring and self.send.count > chunk:
+                stage = RingStaging(OrderedCopies(staging, order), self.send, self.recv,
+                                    data, ctx.n, ctx.rank, chunk)
+                stage.deadline = deadline
                 ctx.stage = stage
                 try:
                     await self.make(ctx, data, data).run()
@@ -85,31 +93,72 @@ class ViaHost:
             staging.release(block, fence)  # reused once the last copy touching it is done
 
 
-class RingStaging:
-    """The copies of one :class:`ViaHost` call on the ring, pipelined with the algorithm.
+class OrderedCopies:
+    """Where :class:`RingStaging` puts its copies on the ordered path: the space's own
+    stream, after the caller's stream's queued work (``order``), which is ordered after the
+    last copy at the end."""
 
-    Made at the op's start: orders the space after the caller's stream, then enqueues the
+    __slots__ = ("first", "order", "staging")
+
+    def __init__(self, staging: Staging, order: StreamOrder) -> None:
+        self.staging, self.order, self.first = staging, order, True
+
+    def download(self, dst: Buffer, src: Buffer) -> Fence:
+        if self.first:
+            self.first = False
+            return self.staging.download_first(self.order, dst, src)
+        return self.staging.download(dst, src)
+
+    def upload(self, dst: Buffer, src: Buffer) -> Fence:
+        return self.staging.upload(dst, src)
+
+    def finish(self) -> None:
+        self.order.finish()
+
+
+class CallerCopies:
+    """Where :class:`RingStaging` puts its copies on the direct path: the caller's stream
+    itself (the op starts at the call), each fenced by an event of its own."""
+
+    __slots__ = ("staging", "stream")
+
+    def __init__(self, staging: DirectStaging, stream: Any) -> None:
+        self.staging, self.stream = staging, stream
+
+    def download(self, dst: Buffer, src: Buffer) -> Fence:
+        return self.staging.download_on(self.stream, dst, src, own=True)
+
+    def upload(self, dst: Buffer, src: Buffer) -> Fence:
+        return self.staging.upload_on(self.stream, dst, src, own=True)
+
+    def finish(self) -> None:
+        pass  # (later work on the caller's stream follows the uploads already)
+
+
+class RingStaging:
+    """The copies of one via-host call on the ring, pipelined with the algorithm.
+
+    Made at the op's start (``copies``: on which stream, after what), it enqueues the
     whole input's download in pieces, segment ``rank`` first (what the ring sends first),
     then the segments in the order its reduce-scatter steps read them. The algorithm calls
     :meth:`ready` before it first reads a piece of its input and :meth:`final` once a piece
     of its output holds the result (:class:`~acoll._coll.algorithms.RingAllReduce`), which
-    uploads that piece at once. Copies of one space run in the order enqueued, so an upload
+    uploads that piece at once. Copies go on one stream in the order enqueued, so an upload
     never overtakes a download, and a piece's fence covers every piece enqueued before it.
+    ``deadline`` (loop time) bounds the waits; set it before the algorithm runs.
     """
 
-    __slots__ = ("_done_upto", "_fences", "_index", "_pend", "_piece", "_starts", "data",
-                 "deadline", "itemsize", "last", "order", "recv", "staging", "uploaded")
+    __slots__ = ("_done_upto", "_fences", "_index", "_pend", "_piece", "_starts", "copies",
+                 "data", "deadline", "itemsize", "last", "recv", "uploaded")
 
-    def __init__(self, staging: Staging, order: StreamOrder, send: Buffer, recv: Buffer,
-                 data: Buffer, ctx: OpContext, deadline: float) -> None:
-        self.staging, self.order, self.recv, self.data = staging, order, recv, data
-        self.deadline, self.itemsize = deadline, data.itemsize
-        n, rank = ctx.n, ctx.rank
+    def __init__(self, copies: OrderedCopies | CallerCopies, send: Buffer, recv: Buffer,
+                 data: Buffer, n: int, rank: int, chunk_items: int) -> None:
+        self.copies, self.recv, self.data = copies, recv, data
+        self.deadline, self.itemsize = float("inf"), data.itemsize
         segs = split_even(send.count, n)
         # Pieces of a few chunks, and at most about MAX_PIECES of them (each is a CUDA call
         # on the loop's thread: a small chunk size must not make thousands).
-        piece = max(PIECE_CHUNKS * _chunk_items(ctx, send.itemsize),
-                    -(-send.count // MAX_PIECES))
+        piece = max(PIECE_CHUNKS * chunk_items, -(-send.count // MAX_PIECES))
         self._piece = piece
         self._pend = (0, 0)  # the final range not uploaded yet (contiguous pieces join)
         fences: list[Fence] = []
@@ -118,10 +167,7 @@ class RingStaging:
         for j in range(n):
             start, length = segs[(rank - j) % n]
             for cs, cl in chunk_ranges(start, length, piece):
-                if not fences:
-                    fence = staging.download_first(order, data[cs:cs + cl], send[cs:cs + cl])
-                else:
-                    fence = staging.download(data[cs:cs + cl], send[cs:cs + cl])
+                fence = copies.download(data[cs:cs + cl], send[cs:cs + cl])
                 spans.append((cs, len(fences)))
                 fences.append(fence)
                 self.last = fence
@@ -164,7 +210,7 @@ class RingStaging:
     def _upload(self) -> None:
         start, end = self._pend
         if end > start:
-            self.last = self.staging.upload(self.recv[start:end], self.data[start:end])
+            self.last = self.copies.upload(self.recv[start:end], self.data[start:end])
             self.uploaded += end - start
         self._pend = (0, 0)
 
@@ -176,7 +222,7 @@ class RingStaging:
             raise AssertionError(f"ring staging uploaded {self.uploaded} of "
                                  f"{self.data.count} elements")
         assert self.last is not None
-        self.order.finish()
+        self.copies.finish()
         return self.last
 
 
@@ -225,6 +271,49 @@ class DirectCall:
             plan.last = None  # (on an error the communicator fails: no later call)
         else:
             plan.last = fence.detached()
+
+
+class DirectLarge:
+    """A larger call on the direct path (``Communicator._via_host_direct``): a pooled
+    block was leased and its input's download enqueued on the caller's stream at the call,
+    whole (``download``) or in pieces pipelined with the ring (``stage``); run the host
+    algorithm, upload the result on the caller's stream (each piece once final, with
+    ``stage``), and (without ``stream=``) wait for it. The block goes back to the pool
+    fenced by the last copy that touches it."""
+
+    def __init__(self, ctx: OpContext, cls: Any, op: ReduceOp, staging: DirectStaging,
+                 lease: tuple[Buffer, Buffer], data: Buffer, recv: Buffer, stream: Any,
+                 download: Fence | None, stage: RingStaging | None, settle: bool,
+                 host: HostSpace, timeout: float) -> None:
+        self.ctx, self.cls, self.op, self.staging = ctx, cls, op, staging
+        (self.view, self.block), self.data, self.recv = lease, data, recv
+        self.stream, self.download, self.stage = stream, download, stage
+        self.settle, self.host, self.timeout = settle, host, timeout
+
+    async def run(self) -> None:
+        deadline = asyncio.get_running_loop().time() + self.timeout
+        ctx, data, stage = self.ctx, self.data, self.stage
+        ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
+        fence = self.download if stage is None else stage.last
+        try:
+            if stage is None:
+                assert fence is not None
+                await fence.wait(deadline)
+                await self.cls(ctx, data, data, self.op).run()
+                fence = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
+            else:
+                stage.deadline = deadline
+                ctx.stage = stage
+                try:
+                    await self.cls(ctx, data, data, self.op).run()
+                finally:
+                    fence = stage.last
+                fence = stage.finish()
+            if self.settle:
+                await fence.wait(deadline)
+                fence = None
+        finally:
+            self.staging.release(self.block, fence)
 
 
 def is_ring(cls: type) -> bool:

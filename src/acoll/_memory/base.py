@@ -320,6 +320,17 @@ class Staging(ABC):
             block = await asyncio.to_thread(self._allocate, size)
         return self._lent(nbytes, self._allocate(size) if block is None else block)
 
+    def lease_now(self, nbytes: int) -> tuple[Buffer, Buffer] | None:
+        """:meth:`lease` if that needs no new block of :data:`ALLOCATE_IN_THREAD` bytes
+        or more; else ``None`` (then :meth:`lease_async`)."""
+        size = _size_class(nbytes)
+        block = self._reuse(size)
+        if block is None:
+            if size >= ALLOCATE_IN_THREAD:
+                return None
+            block = self._allocate(size)
+        return self._lent(nbytes, block)
+
     def _reuse(self, size: int) -> Buffer | None:
         free = self._free.get(size)
         if free and (free[0][1] is None or free[0][1].done()):
@@ -345,14 +356,20 @@ class DirectStaging(Staging):
 
     @abstractmethod
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
-                    after: Fence | None = None) -> Fence:
+                    after: Fence | None = None, *, own: bool = False) -> Fence:
         """Enqueue ``dst`` (host) ``= src`` on the caller's ``stream`` itself (after its
-        queued work, and after ``after``, an earlier copy's fence)."""
+        queued work, and after ``after``, an earlier copy's fence).
+
+        The fence may also cover work queued on ``stream`` later (a query of the stream:
+        the cheapest for one small copy); with ``own`` it covers this copy and what was
+        queued before it only (pieces awaited one by one while later ones are queued), and
+        stays valid whatever becomes of the stream."""
 
     @abstractmethod
-    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer, *, own: bool = False
+                  ) -> Fence:
         """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
-        on it sees the data."""
+        on it sees the data. ``own`` as for :meth:`download_on`."""
 
 
 def _size_class(nbytes: int) -> int:

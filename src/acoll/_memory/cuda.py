@@ -557,16 +557,18 @@ class CudaStaging(DirectStaging):
         return self.space.resolve_stream(stream)
 
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
-                    after: Fence | None = None) -> Fence:
-        return self._copy_on(stream, dst, src, _D2H, after)
+                    after: Fence | None = None, *, own: bool = False) -> Fence:
+        return self._copy_on(stream, dst, src, _D2H, after, own)
 
-    def upload_on(self, stream: Any, dst: Buffer, src: Buffer) -> Fence:
-        return self._copy_on(stream, dst, src, _H2D)
+    def upload_on(self, stream: Any, dst: Buffer, src: Buffer, *, own: bool = False
+                  ) -> Fence:
+        return self._copy_on(stream, dst, src, _H2D, None, own)
 
     def _copy_on(self, stream: Any, dst: Buffer, src: Buffer, kind: int,
-                 after: Fence | None = None) -> Fence:
+                 after: Fence | None, own: bool) -> Fence:
         """One copy on the caller's ``stream`` (after ``after``, an event fence, when it has
-        not passed), switching the current device only when it is not the space's."""
+        not passed), switching the current device only when it is not the space's; with
+        ``own``, an event recorded after it (pooled) is its fence."""
         space = self.space
         runtime = space.cp.cuda.runtime
         prev = runtime.getDevice()  # (cheaper than entering cupy.cuda.Device)
@@ -576,10 +578,13 @@ class CudaStaging(DirectStaging):
             if type(after) is _EventFence and not after.done():
                 stream.wait_event(after.event)
             runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, kind, stream.ptr)
+            if own:
+                event = space.take_event()
+                event.record(stream)
         finally:
             if prev != space.device:
                 runtime.setDevice(prev)
-        return _StreamFence(space, stream)
+        return _EventFence(space, event) if own else _StreamFence(space, stream)
 
     def download_first(self, order: StreamOrder, dst: Buffer, src: Buffer) -> Fence:
         if type(order) is not _Order or order.space is not self.space:

@@ -1,0 +1,158 @@
+"""GPU all_reduce over sockets through the host, 1 to 64 MiB: the paths side by side (issue 9).
+
+    python -m acoll.run -n 2 -- python bench/via_host_paths.py [--mib 1 4 16 64] [--ops 10]
+
+Each rank forms a GPU communicator (``device="auto"``) and a host-only one. Per size and
+mode (in place / out of place) it times, in alternating blocks of ``--ops`` awaited
+float32 sums (the order reversed every round):
+
+- ``host``: the host communicator on NumPy buffers;
+- ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
+  copies on the caller's stream, pipelined with the ring), its stages timed by a patched
+  copy of ``DirectLarge.run``;
+- ``gpu-ordered``: the ordered path (copies on acoll's stream after events, pipelined):
+  the direct path refused by a pool that reports no block;
+- ``gpu-whole``: the direct path with whole copies (the ring's pieces turned off);
+- ``gpu-p1``: the direct path with download pieces of one chunk instead of four.
+
+Rank 0 prints per variant the median op time, the ratio host / variant, and the median of
+each stage of ``gpu`` (microseconds). ``--per-proc K``: as in via_host_breakdown.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from via_host_breakdown import block, communicators, marks
+
+from acoll import _communicator
+from acoll._comm import via_host
+from acoll._memory.base import Staging
+
+clock = time.perf_counter_ns
+
+STAGES = ("call to run (downloads enqueued)", "algorithm (with ready waits)",
+          "finish (uploads enqueued)", "upload waited", "release and return")
+
+
+async def timed_run(self: Any) -> None:
+    m = marks[-1] if marks else []
+    m.append(clock())
+    deadline = asyncio.get_running_loop().time() + self.timeout
+    ctx, data, stage = self.ctx, self.data, self.stage
+    ctx.mem = self.host
+    fence = self.download if stage is None else stage.last
+    try:
+        if stage is None:
+            await fence.wait(deadline)
+            await self.cls(ctx, data, data, self.op).run()
+            m.append(clock())
+            fence = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
+        else:
+            stage.deadline = deadline
+            ctx.stage = stage
+            try:
+                await self.cls(ctx, data, data, self.op).run()
+            finally:
+                fence = stage.last
+            m.append(clock())
+            fence = stage.finish()
+        m.append(clock())
+        if self.settle:
+            await fence.wait(deadline)
+            fence = None
+        m.append(clock())
+    finally:
+        self.staging.release(self.block, fence)
+
+
+def variant(name: str) -> Callable[[], None]:
+    """Set the patches of variant ``name`` (and undo every other's)."""
+    lease_now, is_ring, pieces = Staging.lease_now, _communicator.is_ring, via_host.PIECE_CHUNKS
+
+    def apply() -> None:
+        Staging.lease_now = (  # type: ignore[method-assign]
+            (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
+        _communicator.is_ring = (  # type: ignore[attr-defined]
+            (lambda cls: False) if name == "gpu-whole" else is_ring)
+        via_host.PIECE_CHUNKS = 1 if name == "gpu-p1" else pieces
+
+    return apply
+
+
+async def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--ops", type=int, default=10)
+    p.add_argument("--per-proc", type=int, default=1)
+    args = p.parse_args()
+    import cupy as cp
+
+    if args.per_proc == 1:
+        via_host.DirectLarge.run = timed_run  # type: ignore[method-assign]
+    gpus = await communicators(args.per_proc, True)
+    hosts = await communicators(args.per_proc, False)
+    gpu, per = gpus[0], len(gpus)
+    names = ["host", "gpu", "gpu-ordered", "gpu-whole", "gpu-p1"]
+    patch = {name: variant(name) for name in names}
+    lines: list[str] = []
+    for mib in args.mib:
+        n = int(mib * (1 << 18))
+        with cp.cuda.Device(gpu.device):
+            xg = [cp.ones(n, cp.float32) for _ in range(per)]
+            og = [cp.zeros(n, cp.float32) for _ in range(per)]
+        xh = [np.ones(n, np.float32) for _ in range(per)]
+        oh = [np.zeros(n, np.float32) for _ in range(per)]
+        for mode in ("out", "in"):
+            bufs = {name: (hosts, xh, oh if mode == "out" else [None] * per)
+                    if name == "host" else (gpus, xg, og if mode == "out" else [None] * per)
+                    for name in names}
+            for name in names:
+                patch[name]()
+                await block(*bufs[name], 2, False)  # warm-up: pools, plans
+            times: dict[str, list[float]] = {name: [] for name in names}
+            rows: list[list[int]] = []
+            for r in range(args.rounds):
+                for name in names if r % 2 == 0 else names[::-1]:
+                    patch[name]()
+                    marks.clear()
+                    timed = name == "gpu" and per == 1
+                    times[name].append(await block(*bufs[name], args.ops, timed))
+                    if timed:
+                        rows += [m for m in marks if len(m) == len(STAGES) + 1]
+            patch["gpu"]()
+            h = statistics.median(times["host"])
+            lines.append(f"## {mib:g} MiB {mode}: host {h * 1e6:9.1f} us")
+            for name in names[1:]:
+                g = statistics.median(times[name])
+                per_round = " ".join(f"{a / b:.2f}" for a, b in
+                                     zip(times["host"], times[name], strict=True))
+                lines.append(f"   {name:<12} {g * 1e6:9.1f} us  host/gpu {h / g:.2f}  "
+                             f"(rounds {per_round})")
+            for i, stage in enumerate(STAGES):
+                if rows:
+                    med = statistics.median(m[i + 1] - m[i] for m in rows) / 1e3
+                    lines.append(f"     {stage:<34} {med:9.1f}")
+        del xg, og
+    await asyncio.gather(*(c.close() for c in gpus + hosts))
+    if gpu.rank == 0:
+        print(f"# via-host paths, {gpu.size} ranks ({per} per process), float32 sum, "
+              f"transport {gpu.transport_name(1)}, {args.rounds} rounds of {args.ops} ops "
+              f"(median)")
+        print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
