@@ -16,7 +16,9 @@ float32 sums (the order reversed every round):
 - ``gpu-p1``: the direct path with download pieces of one chunk instead of four.
 
 Rank 0 prints per variant the median op time, the ratio host / variant, and the median of
-each stage of ``gpu`` (microseconds). ``--per-proc K``: as in via_host_breakdown.py.
+each stage of ``gpu`` (microseconds). ``--per-proc K``: as in via_host_breakdown.py;
+``--switch S``: ``sys.setswitchinterval(S)`` first (how long a thread holds the GIL
+against another that wants it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,27 @@ async def timed_run(self: Any) -> None:
         self.staging.release(self.block, fence)
 
 
+sync_ns: list[int] = []  # per direct call: the synchronous part (lease, downloads)
+stage_ns: list[int] = []  # of it: RingStaging's construction (the downloads enqueued)
+
+
+def timed_sync(real: Any) -> Any:
+    def wrapper(*args: Any) -> Any:
+        t = clock()
+        res = real(*args)
+        sync_ns.append(clock() - t)
+        return res
+    return wrapper
+
+
+def timed_stage(real: Any) -> Any:
+    def wrapper(*args: Any) -> None:
+        t = clock()
+        real(*args)
+        stage_ns.append(clock() - t)
+    return wrapper
+
+
 def variant(name: str) -> Callable[[], None]:
     """Set the patches of variant ``name`` (and undo every other's)."""
     lease_now, is_ring, pieces = Staging.lease_now, _communicator.is_ring, via_host.PIECE_CHUNKS
@@ -92,11 +115,20 @@ async def main() -> None:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--ops", type=int, default=10)
     p.add_argument("--per-proc", type=int, default=1)
+    p.add_argument("--switch", type=float, help="sys.setswitchinterval (seconds)")
     args = p.parse_args()
     import cupy as cp
 
+    if args.switch:
+        import sys
+
+        sys.setswitchinterval(args.switch)
     if args.per_proc == 1:
         via_host.DirectLarge.run = timed_run  # type: ignore[method-assign]
+        _communicator.Communicator._via_host_direct_large = timed_sync(  # type: ignore[method-assign]
+            _communicator.Communicator._via_host_direct_large)
+        via_host.RingStaging.__init__ = timed_stage(  # type: ignore[method-assign]
+            via_host.RingStaging.__init__)
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
@@ -119,14 +151,19 @@ async def main() -> None:
                 await block(*bufs[name], 2, False)  # warm-up: pools, plans
             times: dict[str, list[float]] = {name: [] for name in names}
             rows: list[list[int]] = []
+            syncs: list[int] = []
+            stages: list[int] = []
             for r in range(args.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
                     patch[name]()
                     marks.clear()
+                    del sync_ns[:], stage_ns[:]
                     timed = name == "gpu" and per == 1
                     times[name].append(await block(*bufs[name], args.ops, timed))
                     if timed:
                         rows += [m for m in marks if len(m) == len(STAGES) + 1]
+                        syncs += sync_ns
+                        stages += stage_ns
             patch["gpu"]()
             h = statistics.median(times["host"])
             lines.append(f"## {mib:g} MiB {mode}: host {h * 1e6:9.1f} us")
@@ -140,6 +177,10 @@ async def main() -> None:
                 if rows:
                     med = statistics.median(m[i + 1] - m[i] for m in rows) / 1e3
                     lines.append(f"     {stage:<34} {med:9.1f}")
+            if syncs:
+                lines.append(f"       of which the call's lease and downloads "
+                             f"{statistics.median(syncs) / 1e3:9.1f}, the ring's pieces "
+                             f"{statistics.median(stages) / 1e3 if stages else 0:9.1f}")
         del xg, og
     await asyncio.gather(*(c.close() for c in gpus + hosts))
     if gpu.rank == 0:
