@@ -8,12 +8,13 @@ float32 sums (the order reversed every round):
 
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
-  copies on the caller's stream, pipelined with the ring), its stages timed by a patched
-  copy of ``DirectLarge.run``;
-- ``gpu-ordered``: the ordered path (copies on acoll's stream after events, pipelined):
-  the direct path refused by a pool that reports no block;
-- ``gpu-whole``: the direct path with whole copies (the ring's pieces turned off);
-- ``gpu-p1``: the direct path with download pieces of one chunk instead of four.
+  one copy each way on the caller's stream), its stages timed by a patched copy of
+  ``DirectLarge.run``;
+- ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
+  path refused by a pool that reports no block;
+- ``gpu-pipe``: the direct path with the ring's copies pipelined
+  (``ACOLL_GPU_VIA_HOST_PIPELINE=1``, download pieces of four chunks);
+- ``gpu-p1``: the same with download pieces of one chunk.
 
 Rank 0 prints per variant the median op time, the ratio host / variant, and the median of
 each stage of ``gpu`` (microseconds). ``--per-proc K``: as in via_host_breakdown.py;
@@ -95,15 +96,15 @@ def timed_stage(real: Any) -> Any:
     return wrapper
 
 
-def variant(name: str) -> Callable[[], None]:
+def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     """Set the patches of variant ``name`` (and undo every other's)."""
-    lease_now, is_ring, pieces = Staging.lease_now, _communicator.is_ring, via_host.PIECE_CHUNKS
+    lease_now, pieces = Staging.lease_now, via_host.PIECE_CHUNKS
 
     def apply() -> None:
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
-        _communicator.is_ring = (  # type: ignore[attr-defined]
-            (lambda cls: False) if name == "gpu-whole" else is_ring)
+        for comm in comms:
+            comm._via_pipe = name in ("gpu-pipe", "gpu-p1")
         via_host.PIECE_CHUNKS = 1 if name == "gpu-p1" else pieces
 
     return apply
@@ -132,8 +133,8 @@ async def main() -> None:
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
-    names = ["host", "gpu", "gpu-ordered", "gpu-whole", "gpu-p1"]
-    patch = {name: variant(name) for name in names}
+    names = ["host", "gpu", "gpu-ordered", "gpu-pipe", "gpu-p1"]
+    patch = {name: variant(name, gpus) for name in names}
     lines: list[str] = []
     for mib in args.mib:
         n = int(mib * (1 << 18))

@@ -124,7 +124,7 @@ async def test_stream_argument_orders_on_the_callers_stream(cupy: Any) -> None:
         copies = len(fake_cupy.copies_on)
         await comm.all_reduce(x, stream=user)  # the block is pooled now: direct
         assert len(user.waits) == 1
-        assert fake_cupy.copies_on[copies:].count(user.ptr) >= 2  # pieces down, result up
+        assert fake_cupy.copies_on[copies:].count(user.ptr) >= 2  # input down, result up
         await comm.all_reduce(x, stream=user.ptr)  # a raw handle
         torch_like = type("S", (), {"cuda_stream": user.ptr})()
         await comm.all_reduce(x, stream=torch_like)

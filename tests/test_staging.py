@@ -302,8 +302,10 @@ async def test_ring_through_the_host_pipelines_its_copies(
     uploads each piece of the result once it is final: exact results for several ops,
     dtypes, in place and not, with and without stream=, and every element uploaded once.
     Both where the copies go on the caller's stream (the call starts at once: direct) and
-    where they are ordered after it (here: the pool must grow first)."""
+    where they are ordered after it (here: the pool must grow first). Opt-in
+    (ACOLL_GPU_VIA_HOST_PIPELINE)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
     monkeypatch.setattr(FakeDeviceSpace, "delay", 100)  # downloads land late
     from acoll._comm import via_host
@@ -346,18 +348,21 @@ async def test_ring_through_the_host_pipelines_its_copies(
     assert {type(st.copies) for st in stages} == {copies}
 
 
-@pytest.mark.parametrize("algo", ["ring", "rd"])
+@pytest.mark.parametrize(("algo", "pipeline"), [("ring", "0"), ("ring", "1"), ("rd", "1")])
 async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        algo: str) -> None:
+        algo: str, pipeline: str) -> None:
     """Above the size that keeps a copy of its own, an all_reduce made while nothing else
     runs leases a pooled block at the call and puts its copies on the caller's stream
-    (in pieces on the ring, whole otherwise). A block of 1 MiB or more the pool lacks is
-    allocated off the loop by the ordered path, which the first such call takes; the
-    block goes back to the pool and the next call goes direct. With stream=, the block
-    goes back fenced by the last upload. Exact results, in place and not."""
+    (whole; in pieces on the ring with ACOLL_GPU_VIA_HOST_PIPELINE=1). A block of 1 MiB
+    or more the pool lacks is allocated off the loop by the ordered path, which the first
+    such call takes; the block goes back to the pool and the next call goes direct. With
+    stream=, the block goes back fenced by the last upload. Exact results, in place and
+    not."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
+    pieces = algo == "ring" and pipeline == "1"
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
     from acoll._comm import via_host
 
@@ -389,8 +394,9 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
                     if ran[comm.rank][-1] == "DirectLarge":
                         mine = staging.on_streams[on:]
                         assert {s for _, s in mine} == {kw.get("stream")}
-                        downloads = [k for k, _ in mine].count("download")
-                        assert downloads == 1 if algo == "rd" else downloads > 1
+                        kinds = [k for k, _ in mine]
+                        assert (kinds.count("download") > 1) is pieces
+                        assert (kinds.count("upload") > 1) is pieces
                         fences = [f for st, f in released[rel:] if st is staging]
                         # waited for (no stream=): back at once; else fenced by the upload
                         assert fences == [None] if not kw else (

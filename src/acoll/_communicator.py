@@ -124,6 +124,12 @@ VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, -1,
                        "every message; 0 turns that off. Default (auto): 64 MiB when every "
                        "peer of this rank is reached over a transport that stages device "
                        "memory (sockets, shared memory), else 64 KiB.", "COLL")
+VIA_HOST_PIPELINE = Setting("GPU_VIA_HOST_PIPELINE", parse_bool, False,
+                            "Through the host, on the ring: download the input in pieces "
+                            "as the ring first reads them and upload each piece of the "
+                            "result once final, instead of one copy each way. Off by "
+                            "default: on 2x H200 (PCIe 5) whole copies measured faster at "
+                            "every size from 1 to 64 MiB (README).", "COLL")
 VIA_HOST_AUTO_STAGED = 64 << 20
 VIA_HOST_AUTO_DIRECT = 64 << 10
 _VIA_DIRECT_MAX = 64 << 10  # calls up to this size keep a page-locked copy of their own
@@ -319,6 +325,7 @@ class Communicator:
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
+        self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
         self._host_mem: HostSpace | None = None  # for device ops run on host copies
         # small device all_reduces run on the host, by (count, dtype, op): a page-locked
         # copy of their own and the algorithm's choice (see _via_host_direct)
@@ -759,7 +766,8 @@ class Communicator:
                               "all_reduce", s, r, s.count, order, op=rop)
         if make is None and order is not None and s.nbytes <= self._via_limit():
             await self._execute(desc, None, self._via_host(
-                lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order, is_ring(cls)))
+                lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order,
+                self._via_pipe and is_ring(cls)))
         else:
             await self._execute(desc, make,
                                 self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
@@ -843,7 +851,7 @@ class Communicator:
         # The download goes first, at the call (the executor runs the op at once).
         download: Fence | None = None
         stage: RingStaging | None = None
-        if is_ring(cls) and s.count > chunk:
+        if self._via_pipe and is_ring(cls) and s.count > chunk:
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,
                                 self.rank, chunk)
         else:
