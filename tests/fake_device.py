@@ -103,6 +103,7 @@ class FakeStaging(DirectStaging):
         self._host = HostSpace()
         self.downloads = self.uploads = self.upload_waits = 0
         self.on_streams: list[tuple[str, Any]] = []  # copies on a caller's stream
+        self.owns: list[bool] = []  # per such copy: whether it asked for a fence of its own
 
     def _allocate(self, nbytes: int) -> Buffer:
         return self._host.wrap(np.empty(nbytes, np.uint8))
@@ -135,11 +136,13 @@ class FakeStaging(DirectStaging):
                     after: Fence | None = None, *, own: bool = False) -> Fence:
         assert after is None or after.done()  # (fake uploads finish at once)
         self.on_streams.append(("download", stream))
+        self.owns.append(own)
         return self.download(dst, src)
 
     def upload_on(self, stream: Any, dst: Buffer, src: Buffer, *, own: bool = False
                   ) -> Fence:
         self.on_streams.append(("upload", stream))
+        self.owns.append(own)
         return self.upload(dst, src)
 
     def upload(self, dst: Buffer, src: Buffer) -> Fence:

@@ -186,3 +186,48 @@ async def test_device_out_of_range(cupy: Any) -> None:
     uid = acoll.get_unique_id(ifname="=lo")
     with pytest.raises(acoll.InvalidUsage, match=r"device must be a CUDA device in \[0, 2\)"):
         await acoll.init_rank(1, uid, 0, device=2, ifname="=lo")
+
+
+@pytest.mark.parametrize("n", [1000, 100_000])
+async def test_a_call_made_while_another_waits_its_turn_goes_after_it(cupy: Any,
+                                                                       n: int) -> None:
+    """Found by review: when an op ends, a call queued behind it is woken but has not run
+    yet; a call made in that window must not take the direct path (which reads its input
+    at the call, before the queued op wrote it)."""
+    async def fn(comm: acoll.Communicator) -> float:
+        s = cupy.cuda.Stream(non_blocking=True)
+        x = fake_cupy.ndarray(np.ones(n, np.float32), 0)
+
+        async def user() -> None:
+            await comm.all_reduce(x, stream=s)  # op 1: direct, runs at once
+            await comm.all_reduce(x, stream=s)  # op 3: made as op 1 ends, op 2 queued
+
+        first = asyncio.ensure_future(user())
+        await asyncio.sleep(0)  # op 1 runs
+        second = asyncio.ensure_future(comm.all_reduce(x, stream=s))  # op 2 waits
+        await asyncio.gather(first, second)
+        return float(x.get()[0])
+
+    assert await run_ranks(2, fn, device=0) == [8.0, 8.0]  # 1 -> 2 -> 4 -> 8
+
+
+async def test_a_pending_fence_does_not_hold_back_other_pooled_blocks(cupy: Any) -> None:
+    """Found by review: blocks come back fenced on different streams (callers'); one
+    whose upload is still pending on a busy stream must not make every later call of its
+    size page-lock a new block."""
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        staging = comm.mem.staging()
+        busy = cupy.cuda.Stream(non_blocking=True)
+        x = fake_cupy.ndarray(np.ones(300_000, np.float32), 0)  # a 2 MiB block
+        await comm.all_reduce(x)  # ordered: the pool allocates the block
+        await comm.all_reduce(x, stream=busy)  # direct: back fenced on `busy`
+        busy.busy = True  # (its upload has not run yet)
+        pooled = []
+        for _ in range(4):
+            await comm.all_reduce(x)
+            pooled.append(sum(len(q) for q in staging._free.values()))
+        busy.busy = False
+        return pooled
+
+    for pooled in await run_ranks(2, fn, device=0):
+        assert pooled == [2, 2, 2, 2]  # the pending one and one reused, no more

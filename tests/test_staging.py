@@ -388,6 +388,7 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
                     x = FakeDevArray(base + comm.rank)
                     out = None if inplace else FakeDevArray(np.zeros(n, np.int32))
                     on, rel = len(staging.on_streams), len(released)
+                    waits = staging.upload_waits
                     await comm.all_reduce(x, out, **kw)
                     got = x.arr if inplace else out.arr  # type: ignore[union-attr]
                     np.testing.assert_array_equal(got, 2 * base + 1)
@@ -397,11 +398,28 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
                         kinds = [k for k, _ in mine]
                         assert (kinds.count("download") > 1) is pieces
                         assert (kinds.count("upload") > 1) is pieces
+                        # fenced by events of their own (a stream query could outlive the
+                        # caller's stream, and would wait for its later work too)
+                        assert all(staging.owns[on:])
+                        # without stream=, the await waited for the upload
+                        assert staging.upload_waits == waits + (0 if kw else 1)
                         fences = [f for st, f in released[rel:] if st is staging]
                         # waited for (no stream=): back at once; else fenced by the upload
                         assert fences == [None] if not kw else (
                             len(fences) == 1 and fences[0] is not None)
         return ran[comm.rank]
+
+        # while another call runs or waits, or in a group: the ordered path
+        ordered = len(ran[comm.rank])
+        xs = [FakeDevArray(np.arange(100_000, dtype=np.int32) % 7 + comm.rank)
+              for _ in range(3)]
+        await asyncio.gather(*(comm.all_reduce(x) for x in xs[:2]))
+        async with comm.group():
+            await comm.all_reduce(xs[2])
+        for x in xs:
+            np.testing.assert_array_equal(x.arr, 2 * (np.arange(100_000) % 7) + 1)
+        assert ran[comm.rank][ordered:] == ["DirectLarge", "ViaHost", "ViaHost"]
+        return ran[comm.rank][:ordered]
 
     for paths in await run_ranks(2, fn, device=0):
         # 400 KB: direct from the first call; 1.2 MB: ordered once, then direct
@@ -694,16 +712,18 @@ def test_init_from_env_device_auto(monkeypatch: pytest.MonkeyPatch) -> None:
         asyncio.run(_env.init_from_env(device="cuda"))
 
 
-@pytest.mark.parametrize("size", [2_000, 300_000])
+@pytest.mark.parametrize(("size", "pipeline"), [(2_000, "0"), (300_000, "0"),
+                                                (300_000, "1")])
 async def test_peer_abort_during_a_direct_device_all_reduce(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        size: int) -> None:
+        size: int, pipeline: str) -> None:
     """A peer that aborts while a device all_reduce runs on the direct path (a plan's copy,
     or a pooled block with its copies pipelined on the caller's stream) fails it with
     RemoteError naming the peer, within seconds; the pooled block goes back fenced by
     the copies already enqueued."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 50)
     released: list[Any] = []
     real_release = FakeStaging.release
@@ -734,4 +754,39 @@ async def test_peer_abort_during_a_direct_device_all_reduce(
     if size > 2_000:
         assert len(released) == 1
         assert released[0] is not None
+        if pipeline == "1":
+            assert staging.on_streams[on:].count(("download", None)) > 1  # (in pieces)
     comms[0].abort()
+
+
+async def test_a_direct_call_that_fails_before_it_runs_gives_its_block_back(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bad stream= is refused before anything is leased; a call whose op never ran
+    (here the executor refuses it) gives its pooled block back."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def fn(comm: acoll.Communicator) -> None:
+        staging = comm.mem.staging()
+        assert isinstance(staging, FakeStaging)
+        x = FakeDevArray(np.ones(100_000, np.float32))
+        leased = staging.leased
+        with pytest.raises(acoll.InvalidUsage, match="stream"):
+            await comm.all_reduce(x, stream=3)
+        assert staging.leased == leased
+
+    await run_ranks(2, fn, device=0)
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo")
+                                   for r in range(2)))
+    staging = comms[0].mem.staging()
+    assert isinstance(staging, FakeStaging)
+
+    async def refuse(*args: Any, **kw: Any) -> None:
+        raise acoll.InvalidUsage("refused")
+
+    monkeypatch.setattr(comms[0]._exec, "execute", refuse)
+    with pytest.raises(acoll.InvalidUsage, match="refused"):
+        await comms[0].all_reduce(FakeDevArray(np.ones(100_000, np.float32)))
+    assert sum(map(len, staging._free.values())) == 1  # the block is back
+    for c in comms:
+        c.abort()

@@ -631,7 +631,7 @@ class Communicator:
         if p2p is None:
             await ex.execute(desc, make)
             return
-        if ex.in_group or ex.running or ex.lock.locked():
+        if not ex.idle:
             await ex.execute(desc, lambda ctx: p2p)
             return
         self.check_usable()
@@ -673,7 +673,7 @@ class Communicator:
             self.check_usable()
         desc = call.desc
         ex = self._exec
-        if ex.in_group or ex.running or ex.lock.locked():
+        if not ex.idle:
             full = ex.seq  # (the number execute() gives it, at once)
             await ex.execute(desc, lambda ctx: _PlanAt(call, full, ctx, mine, res), lane=True)
             return
@@ -728,7 +728,7 @@ class Communicator:
         if (self._via_direct and s.count and self.size > 1 and self._p2p is None
                 and s.nbytes <= self._via_limit()):
             ex = self._exec
-            if not (ex.in_group or ex.running or ex.lock.locked()):
+            if ex.idle:
                 if s.nbytes <= _VIA_DIRECT_MAX:
                     await self._via_host_direct(s, r, rop, stream)
                     return out
@@ -837,6 +837,7 @@ class Communicator:
         path allocates it off the loop's thread, and later calls reuse it."""
         staging = self.mem.staging()
         assert isinstance(staging, DirectStaging)  # (_via_direct)
+        caller = staging.caller_stream(stream)  # (checked before anything is leased)
         lease = staging.lease_now(s.nbytes)
         if lease is None:
             return None
@@ -845,7 +846,6 @@ class Communicator:
         host = self._host_mem
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
-        caller = staging.caller_stream(stream)
         data = host.wrap(lease[0].array.view(s.dtype))
         chunk = max(1, self.chunk_bytes // s.itemsize)
         # The download goes first, at the call (the executor runs the op at once).
@@ -856,10 +856,15 @@ class Communicator:
                                 self.rank, chunk)
         else:
             download = staging.download_on(caller, lease[0], s, own=True)
-        settle, timeout = stream is None, self.timeout
-        return self._exec.execute(desc, lambda ctx: DirectLarge(
-            ctx, cls, rop, staging, lease, data, r, caller, download, stage, settle, host,
-            timeout))
+        call = DirectLarge(cls, rop, staging, lease, data, r, caller, download, stage,
+                           stream is None, host, self.timeout)
+        return self._direct_large(desc, call)
+
+    async def _direct_large(self, desc: Descriptor, call: DirectLarge) -> None:
+        try:
+            await self._exec.execute(desc, call.bind)
+        finally:
+            call.abandon()  # (nothing if it ran: its run gave the block back)
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:

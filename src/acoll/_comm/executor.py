@@ -61,6 +61,7 @@ class Executor:
         self.lock = asyncio.Lock()
         self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]] | None = None
         self.running: set[OpContext] = set()
+        self.queued = 0  # calls waiting for the lock (woken ones included)
         # One timer for every running op's deadline (re-armed for the next deadline when
         # it fires) instead of a timer per op: the per-op cost was a measurable part of a
         # small op's time. It holds the executor weakly: a communicator dropped or closed
@@ -73,6 +74,14 @@ class Executor:
     @property
     def in_group(self) -> bool:
         return self._group is not None
+
+    @property
+    def idle(self) -> bool:
+        """No op running or waiting for its turn, no group open: a call made now is the
+        next to run, so a fast path may start it at once (an op's turn may have come while
+        it has not resumed yet: the lock is free then, but the op still goes first)."""
+        return not (self._group is not None or self.running or self.queued
+                    or self.lock.locked())
 
     def p2p_stamp(self) -> int:
         """The collective sequence number a send/recv issued now is stamped with.
@@ -104,12 +113,15 @@ class Executor:
         if self._group is not None:
             self._group.append((tag_base >> 32, desc, tag_base, make, lane, full))
             return
+        self.queued += 1
         try:
             await self.lock.acquire()
         except asyncio.CancelledError:
             # The op already has its sequence number: peers will wait for it. Fail now.
             self.cancelled(desc.coll.name.lower(), tag_base >> 32)
             raise
+        finally:
+            self.queued -= 1
         try:
             self.host.check_usable()
             await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make,

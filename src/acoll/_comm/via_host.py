@@ -81,9 +81,9 @@ class ViaHost:
                 ctx.stage = stage
                 try:
                     await self.make(ctx, data, data).run()
+                    fence = stage.finish()
                 finally:
-                    fence = stage.last
-                fence = stage.finish()
+                    fence = stage.last  # (the last copy enqueued, whatever raised)
             else:
                 fence = staging.download_first(order, view, self.send)
                 await fence.wait(deadline)
@@ -91,6 +91,7 @@ class ViaHost:
                 fence = staging.upload_last(order, self.recv, view)
             if order.settle:
                 # The upload is this op's last work: once it is done, so is the op.
+                assert fence is not None
                 await fence.wait(deadline)
         finally:
             staging.release(block, fence)  # reused once the last copy touching it is done
@@ -277,46 +278,66 @@ class DirectCall:
 
 
 class DirectLarge:
-    """A larger call on the direct path (``Communicator._via_host_direct``): a pooled
+    """A larger call on the direct path (``Communicator._via_host_direct_large``): a pooled
     block was leased and its input's download enqueued on the caller's stream at the call,
     whole (``download``) or in pieces pipelined with the ring (``stage``); run the host
     algorithm, upload the result on the caller's stream (each piece once final, with
     ``stage``), and (without ``stream=``) wait for it. The block goes back to the pool
-    fenced by the last copy that touches it."""
+    fenced by the last copy enqueued (none once the upload was waited for); a call that
+    never ran (:meth:`abandon`) gives it back fenced by its download."""
 
-    def __init__(self, ctx: OpContext, cls: Any, op: ReduceOp, staging: DirectStaging,
+    def __init__(self, cls: Any, op: ReduceOp, staging: DirectStaging,
                  lease: tuple[Buffer, Buffer], data: Buffer, recv: Buffer, stream: Any,
                  download: Fence | None, stage: RingStaging | None, settle: bool,
                  host: HostSpace, timeout: float) -> None:
-        self.ctx, self.cls, self.op, self.staging = ctx, cls, op, staging
+        self.cls, self.op, self.staging = cls, op, staging
         (self.view, self.block), self.data, self.recv = lease, data, recv
-        self.stream, self.download, self.stage = stream, download, stage
-        self.settle, self.host, self.timeout = settle, host, timeout
+        self.stream, self.stage, self.settle = stream, stage, settle
+        self.host, self.timeout = host, timeout
+        self.last = download if stage is None else stage.last  # the last copy enqueued
+        self.ctx: OpContext | None = None
+        self.started = False
+
+    def bind(self, ctx: OpContext) -> DirectLarge:
+        """This call as the executor's algorithm for ``ctx``."""
+        self.ctx = ctx
+        return self
+
+    def abandon(self) -> None:
+        """The call failed before it ran: give the block back."""
+        if not self.started:
+            self.started = True
+            self.staging.release(self.block, self.last)
 
     async def run(self) -> None:
+        self.started = True
         deadline = asyncio.get_running_loop().time() + self.timeout
         ctx, data, stage = self.ctx, self.data, self.stage
+        assert ctx is not None
         ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
-        fence = self.download if stage is None else stage.last
+        waited = False
         try:
             if stage is None:
-                assert fence is not None
-                await fence.wait(deadline)
+                assert self.last is not None
+                await self.last.wait(deadline)
                 await self.cls(ctx, data, data, self.op).run()
-                fence = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
+                self.last = self.staging.upload_on(self.stream, self.recv, self.view,
+                                                   own=True)
             else:
                 stage.deadline = deadline
                 ctx.stage = stage
-                try:
-                    await self.cls(ctx, data, data, self.op).run()
-                finally:
-                    fence = stage.last
-                fence = stage.finish()
+                await self.cls(ctx, data, data, self.op).run()
+                stage.finish()
+            fence = self.last if stage is None else stage.last
+            assert fence is not None
             if self.settle:
                 await fence.wait(deadline)
-                fence = None
+                waited = True
         finally:
-            self.staging.release(self.block, fence)
+            if waited:
+                self.staging.release(self.block)
+            else:  # (every copy went on one stream: the last one's fence covers them all)
+                self.staging.release(self.block, self.last if stage is None else stage.last)
 
 
 def is_ring(cls: type) -> bool:

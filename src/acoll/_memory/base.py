@@ -273,8 +273,8 @@ class Staging(ABC):
     device: int | None = None
 
     def __init__(self) -> None:
-        # Per size class, blocks in release order: fences of one stream pass in order, so
-        # only the oldest needs checking (O(1) per lease, however many are pooled).
+        # Per size class, blocks in release order. Their fences may be on different
+        # streams (the space's, callers'), so a pending one does not hold back the rest.
         self._free: dict[int, deque[tuple[Buffer, Fence | None]]] = {}
         self.leased = 0  # host buffers handed out over the pool's life (for tests)
 
@@ -333,8 +333,12 @@ class Staging(ABC):
 
     def _reuse(self, size: int) -> Buffer | None:
         free = self._free.get(size)
-        if free and (free[0][1] is None or free[0][1].done()):
-            return free.popleft()[0]
+        if not free:
+            return None
+        for i, (block, fence) in enumerate(free):
+            if fence is None or fence.done():
+                del free[i]
+                return block
         return None
 
     def _lent(self, nbytes: int, block: Buffer) -> tuple[Buffer, Buffer]:
