@@ -45,34 +45,58 @@ STAGES = ("call to run (downloads enqueued)", "algorithm (with ready waits)",
 
 
 async def timed_run(self: Any) -> None:
+    """``DirectLarge.run`` with clock reads between its stages."""
     m = marks[-1] if marks else []
     m.append(clock())
+    self.started = True
     deadline = asyncio.get_running_loop().time() + self.timeout
     ctx, data, stage = self.ctx, self.data, self.stage
     ctx.mem = self.host
-    fence = self.download if stage is None else stage.last
+    waited = False
     try:
         if stage is None:
-            await fence.wait(deadline)
+            await self.last.wait(deadline)
             await self.cls(ctx, data, data, self.op).run()
             m.append(clock())
-            fence = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
+            self.last = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
         else:
             stage.deadline = deadline
             ctx.stage = stage
-            try:
-                await self.cls(ctx, data, data, self.op).run()
-            finally:
-                fence = stage.last
+            await self.cls(ctx, data, data, self.op).run()
             m.append(clock())
-            fence = stage.finish()
+            stage.finish()
         m.append(clock())
+        fence = self.last if stage is None else stage.last
         if self.settle:
             await fence.wait(deadline)
-            fence = None
+            waited = True
         m.append(clock())
     finally:
-        self.staging.release(self.block, fence)
+        if waited:
+            self.staging.release(self.block)
+        else:
+            self.staging.release(self.block, self.last if stage is None else stage.last)
+
+
+#: time (ns) and calls in RingStaging.ready / .final, and ready calls over 5 us
+hooks = {"ready_ns": 0, "ready_calls": 0, "ready_slow": 0, "final_ns": 0, "final_calls": 0}
+_ready, _final = via_host.RingStaging.ready, via_host.RingStaging.final
+
+
+async def timed_ready(self: Any, buf: Any) -> None:
+    t = clock()
+    await _ready(self, buf)
+    d = clock() - t
+    hooks["ready_ns"] += d
+    hooks["ready_calls"] += 1
+    hooks["ready_slow"] += d > 5000
+
+
+def timed_final(self: Any, buf: Any) -> None:
+    t = clock()
+    _final(self, buf)
+    hooks["final_ns"] += clock() - t
+    hooks["final_calls"] += 1
 
 
 sync_ns: list[int] = []  # per direct call: the synchronous part (lease, downloads)
@@ -130,6 +154,8 @@ async def main() -> None:
             _communicator.Communicator._via_host_direct_large)
         via_host.RingStaging.__init__ = timed_stage(  # type: ignore[method-assign]
             via_host.RingStaging.__init__)
+        via_host.RingStaging.ready = timed_ready  # type: ignore[method-assign]
+        via_host.RingStaging.final = timed_final  # type: ignore[method-assign]
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
@@ -151,6 +177,8 @@ async def main() -> None:
                 patch[name]()
                 await block(*bufs[name], 2, False)  # warm-up: pools, plans
             times: dict[str, list[float]] = {name: [] for name in names}
+            hook_sums: dict[str, dict[str, int]] = {name: dict.fromkeys(hooks, 0)
+                                                    for name in names}
             rows: list[list[int]] = []
             syncs: list[int] = []
             stages: list[int] = []
@@ -160,7 +188,10 @@ async def main() -> None:
                     marks.clear()
                     del sync_ns[:], stage_ns[:]
                     timed = name == "gpu" and per == 1
+                    before = dict(hooks)
                     times[name].append(await block(*bufs[name], args.ops, timed))
+                    for key in hooks:
+                        hook_sums[name][key] += hooks[key] - before[key]
                     if timed:
                         rows += [m for m in marks if len(m) == len(STAGES) + 1]
                         syncs += sync_ns
@@ -174,6 +205,13 @@ async def main() -> None:
                                      zip(times["host"], times[name], strict=True))
                 lines.append(f"   {name:<12} {g * 1e6:9.1f} us  host/gpu {h / g:.2f}  "
                              f"(rounds {per_round})")
+                hs, ops = hook_sums[name], args.rounds * args.ops
+                if hs["ready_calls"]:
+                    lines.append(
+                        f"     per op: ready {hs['ready_ns'] / ops / 1e3:.1f} us in "
+                        f"{hs['ready_calls'] / ops:.1f} calls ({hs['ready_slow'] / ops:.1f}"
+                        f" over 5 us), final {hs['final_ns'] / ops / 1e3:.1f} us in "
+                        f"{hs['final_calls'] / ops:.1f} calls")
             for i, stage in enumerate(STAGES):
                 if rows:
                     med = statistics.median(m[i + 1] - m[i] for m in rows) / 1e3
