@@ -1,5 +1,9 @@
 """Where a 1 to 64 MiB GPU all_reduce's time goes on the via-host paths (issue 9).
 
+The record of ``results/session21_h200x2/probe/``: its timed copy of ``ViaHost.run``
+follows the code at a8563b4 and does not run against later code; ``via_host_paths.py``
+replaces it.
+
     python -m acoll.run -n 2 -- python bench/via_host_breakdown.py [--mib 1 4 64] [--ops 20]
 
 Each rank forms a GPU communicator (``device="auto"``) and a host-only one. Per size and
@@ -41,9 +45,9 @@ STAGES = ("call to run", "lease", "downloads enqueued", "algorithm (with ready w
 _ready = via_host.RingStaging.ready
 
 
-async def timed_ready(self: Any, buf: Any) -> None:
+async def timed_ready(self: Any, *args: Any) -> None:
     t = clock()
-    await _ready(self, buf)
+    await _ready(self, *args)
     d = clock() - t
     ready_wait[0] += d
     ready_wait[1] += d > 5000

@@ -83,18 +83,18 @@ hooks = {"ready_ns": 0, "ready_calls": 0, "ready_slow": 0, "final_ns": 0, "final
 _ready, _final = via_host.RingStaging.ready, via_host.RingStaging.final
 
 
-async def timed_ready(self: Any, buf: Any) -> None:
+async def timed_ready(self: Any, *args: Any) -> None:
     t = clock()
-    await _ready(self, buf)
+    await _ready(self, *args)
     d = clock() - t
     hooks["ready_ns"] += d
     hooks["ready_calls"] += 1
     hooks["ready_slow"] += d > 5000
 
 
-def timed_final(self: Any, buf: Any) -> None:
+def timed_final(self: Any, *args: Any) -> None:
     t = clock()
-    _final(self, buf)
+    _final(self, *args)
     hooks["final_ns"] += clock() - t
     hooks["final_calls"] += 1
 

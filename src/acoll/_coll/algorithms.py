@@ -65,14 +65,17 @@ class _Sends:
     def post(self, peer: int, buf: Buffer, step: int) -> None:
         self.pending.append((self.ctx.post_send(peer, buf, step), peer))
 
-    async def post_paced(self, peer: int, bufs: list[Buffer], first_step: int) -> None:
+    async def post_paced(self, peer: int, bufs: list[Buffer], first_step: int,
+                         ranges: list[tuple[int, int]] | None = None) -> None:
         """Post a send per buffer (steps ``first_step, ...``), yielding when due (and,
-        under a stage, once each buffer's input is there)."""
+        under a stage, once each buffer's input is there: ``ranges`` gives each buffer's
+        (start, count) in the op's input)."""
         ctx = self.ctx
         stage = ctx.stage
         for i, buf in enumerate(bufs):
             if stage is not None:
-                await stage.ready(buf)
+                assert ranges is not None
+                await stage.ready(*ranges[i])
             self.post(peer, buf, first_step + i)
             if ctx.due():
                 await ctx.pause()
@@ -122,14 +125,14 @@ class RingAllReduce:
                    for s, step in enumerate(self.ag)]
         sends = _Sends(ctx)
         stage = ctx.stage  # (a device op on a host copy: see OpContext.stage)
-        await sends.post_paced(nxt, _pieces(src, self.first_send), 0)
+        await sends.post_paced(nxt, _pieces(src, self.first_send), 0, self.first_send)
         last = n - 2
         for s, step in enumerate(self.rs):
             for c, (cs, cl, tmp) in enumerate(step):
                 await ctx.wait_recv(rs_futs[s][c], prv)
                 out = dst[cs:cs + cl]
                 if stage is not None:
-                    await stage.ready(src[cs:cs + cl])
+                    await stage.ready(cs, cl)
                 await ctx.reduce(out, src[cs:cs + cl], tmp, op)
                 if s < last:
                     sends.post(nxt, out, (s + 1) * k + c)
@@ -138,14 +141,14 @@ class RingAllReduce:
                         await ctx.avg(out)
                     sends.post(nxt, out, base + c)
                     if stage is not None:
-                        stage.final(out)
+                        stage.final(cs, cl)
         for s, ag_step in enumerate(self.ag):
             for c, (cs, cl) in enumerate(ag_step):
                 await ctx.wait_recv(ag_futs[s][c], prv)
                 if s < last:
                     sends.post(nxt, dst[cs:cs + cl], base + (s + 1) * k + c)
                 if stage is not None:
-                    stage.final(dst[cs:cs + cl])
+                    stage.final(cs, cl)
         await sends.wait()
 
 

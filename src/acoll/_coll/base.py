@@ -215,8 +215,10 @@ class OpContext:
         self.deadline = float("inf")  # loop time at which the executor fails it
         #: copies pipelined with the algorithm (a device op run on a host copy: see
         #: acoll._comm.via_host.RingStaging); algorithms that support it call
-        #: ``await stage.ready(piece)`` before first reading a piece of their input and
-        #: ``stage.final(piece)`` once a piece of their output holds the result
+        #: ``await stage.ready(start, count)`` before first reading those elements of
+        #: their input and ``stage.final(start, count)`` once those elements of their
+        #: output hold the result (offsets from the buffers' start: input and output
+        #: are one host copy there)
         self.stage: Any = None
         # Busy-polling pays only for latency-bound (small) ops.
         dtype = DTYPE_BY_CODE.get(desc.dtype_code)

@@ -182,26 +182,28 @@ class RingStaging:
         self._done_upto = -1  # every download up to this issue index has passed
         self.uploaded = 0  # elements of the result uploaded so far
 
-    def _range(self, buf: Buffer) -> tuple[int, int]:
-        start = (buf.ptr - self.data.ptr) // self.itemsize
-        return start, start + buf.count
-
-    async def ready(self, buf: Buffer) -> None:
-        """Return once the input under ``buf`` (a piece of the host copy) is downloaded."""
-        start, end = self._range(buf)
-        k = bisect_right(self._starts, start) - 1
+    async def ready(self, start: int, count: int) -> None:
+        """Return once elements ``start`` to ``start + count`` of the input (of the host
+        copy) are downloaded. (Called per chunk: offsets, not buffers, keep it cheap.)"""
+        starts, index = self._starts, self._index
+        end = start + count
+        k = bisect_right(starts, start) - 1
         need = -1
-        while k < len(self._starts) and self._starts[k] < end:
-            need = max(need, self._index[k])
+        while k < len(starts) and starts[k] < end:
+            if index[k] > need:
+                need = index[k]
             k += 1
         if need > self._done_upto:
-            await self._fences[need].wait(self.deadline)
+            fence = self._fences[need]
+            if not fence.done():
+                await fence.wait(self.deadline)
             self._done_upto = need  # (copies pass in the order enqueued)
 
-    def final(self, buf: Buffer) -> None:
-        """``buf`` (a piece of the host copy) holds its final result: upload it, at once
-        or joined with the next piece when that one follows it (up to a download piece)."""
-        start, end = self._range(buf)
+    def final(self, start: int, count: int) -> None:
+        """Elements ``start`` to ``start + count`` of the host copy hold their final
+        result: upload them, at once or joined with the next range when that one follows
+        (up to a download piece)."""
+        end = start + count
         first, last = self._pend
         if last == start and end - first <= self._piece:
             self._pend = (first, end)
