@@ -8,13 +8,17 @@ float32 sums (the order reversed every round):
 
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
-  one copy each way on the caller's stream), its stages timed by a patched copy of
-  ``DirectLarge.run``;
+  copies on the caller's stream, pipelined with the ring), its stages timed by a patched
+  copy of ``DirectLarge.run``;
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
   path refused by a pool that reports no block;
-- ``gpu-pipe``: the direct path with the ring's copies pipelined
-  (``ACOLL_GPU_VIA_HOST_PIPELINE=1``, download pieces of four chunks);
-- ``gpu-p1``: the same with download pieces of one chunk.
+- ``gpu-whole``: the direct path with one copy each way
+  (``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
+- ``gpu-p1``: the direct path with download pieces of one chunk instead of four.
+
+(In ``results/session21_h200x2/`` before ``check2/``, the pipelined copies were not yet
+the default: there ``gpu`` is one copy each way and ``gpu-pipe`` the pipelined variant;
+in ``paths/`` ``gpu`` was pipelined, with the hooks' old per-call cost.)
 
 Rank 0 prints per variant the median op time, the ratio host / variant, and the median of
 each stage of ``gpu`` (microseconds). ``--per-proc K``: as in via_host_breakdown.py;
@@ -128,7 +132,7 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
         for comm in comms:
-            comm._via_pipe = name in ("gpu-pipe", "gpu-p1")
+            comm._via_pipe = name != "gpu-whole"
         via_host.PIECE_CHUNKS = 1 if name == "gpu-p1" else pieces
 
     return apply
@@ -159,7 +163,7 @@ async def main() -> None:
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
-    names = ["host", "gpu", "gpu-ordered", "gpu-pipe", "gpu-p1"]
+    names = ["host", "gpu", "gpu-ordered", "gpu-whole", "gpu-p1"]
     patch = {name: variant(name, gpus) for name in names}
     lines: list[str] = []
     for mib in args.mib:

@@ -302,8 +302,8 @@ async def test_ring_through_the_host_pipelines_its_copies(
     uploads each piece of the result once it is final: exact results for several ops,
     dtypes, in place and not, with and without stream=, and every element uploaded once.
     Both where the copies go on the caller's stream (the call starts at once: direct) and
-    where they are ordered after it (here: the pool must grow first). Opt-in
-    (ACOLL_GPU_VIA_HOST_PIPELINE)."""
+    where they are ordered after it (here: the pool must grow first). (The default;
+    ACOLL_GPU_VIA_HOST_PIPELINE=0 turns it off.)"""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
@@ -354,7 +354,7 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
         algo: str, pipeline: str) -> None:
     """Above the size that keeps a copy of its own, an all_reduce made while nothing else
     runs leases a pooled block at the call and puts its copies on the caller's stream
-    (whole; in pieces on the ring with ACOLL_GPU_VIA_HOST_PIPELINE=1). A block of 1 MiB
+    (in pieces on the ring; whole with ACOLL_GPU_VIA_HOST_PIPELINE=0). A block of 1 MiB
     or more the pool lacks is allocated off the loop by the ordered path, which the first
     such call takes; the block goes back to the pool and the next call goes direct. With
     stream=, the block goes back fenced by the last upload. Exact results, in place and

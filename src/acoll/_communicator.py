@@ -124,12 +124,10 @@ VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, -1,
                        "every message; 0 turns that off. Default (auto): 64 MiB when every "
                        "peer of this rank is reached over a transport that stages device "
                        "memory (sockets, shared memory), else 64 KiB.", "COLL")
-VIA_HOST_PIPELINE = Setting("GPU_VIA_HOST_PIPELINE", parse_bool, False,
+VIA_HOST_PIPELINE = Setting("GPU_VIA_HOST_PIPELINE", parse_bool, True,
                             "Through the host, on the ring: download the input in pieces "
                             "as the ring first reads them and upload each piece of the "
-                            "result once final, instead of one copy each way. Off by "
-                            "default: on 2x H200 (PCIe 5) whole copies measured faster at "
-                            "every size from 1 to 64 MiB (README).", "COLL")
+                            "result once final (0: one copy each way).", "COLL")
 VIA_HOST_AUTO_STAGED = 64 << 20
 VIA_HOST_AUTO_DIRECT = 64 << 10
 _VIA_DIRECT_MAX = 64 << 10  # calls up to this size keep a page-locked copy of their own

@@ -16,15 +16,15 @@ result once.
   yielding. :class:`DirectLarge` (larger): a pooled block.
 - :class:`ViaHost` (the rest: groups, calls queued behind others, a pool that must grow):
   ordered after the caller's stream by events, on a pooled block.
-- With ``ACOLL_GPU_VIA_HOST_PIPELINE=1``, on the ring algorithm, the copies of both
-  larger kinds are pipelined with it (:class:`RingStaging`, copies placed by
-  :class:`CallerCopies` or :class:`OrderedCopies`): the input goes down in pieces, in
-  the order the ring first reads them, each awaited just before its first use; every
-  piece of the result goes up as soon as it is final. Only the first piece's download
-  and the last piece's upload are not hidden behind the network. Off by default: on the
-  GPU host (2x H200, PCIe 5) one copy each way measured faster at every size tried
-  (``bench/via_host_paths.py``): the copies run at 27 to 52 GB/s, and each piece's
-  extra work on the loop's thread costs more than the copy time it hides.
+- On the ring algorithm the copies of both larger kinds are pipelined with it
+  (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
+  :class:`OrderedCopies`; ``ACOLL_GPU_VIA_HOST_PIPELINE=0`` turns it off): the input
+  goes down in pieces, in the order the ring first reads them, each awaited just before
+  its first use; every piece of the result goes up as soon as it is final. Only the
+  first piece's download and the last piece's upload are not hidden behind the network.
+  The ring calls the hooks per chunk, so they take element offsets and stay a few
+  microseconds: with a buffer slice and a pointer lookup per call they cost more than
+  the copy time they hid (``bench/via_host_paths.py``).
 """
 
 from __future__ import annotations
