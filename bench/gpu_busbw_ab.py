@@ -41,7 +41,7 @@ async def main() -> None:
     p.add_argument("--ops", type=int, default=6)
     p.add_argument("--no-pipe", action="store_true")
     args = p.parse_args()
-    is_ring = _communicator.is_ring
+    pipelines = _communicator.pipelines
     import cupy as cp
 
     gpu = await acoll.init_from_env(device="auto")
@@ -65,10 +65,10 @@ async def main() -> None:
                 names = list(bufs) if r % 2 == 0 else list(reversed(bufs))
                 for name in names:
                     comm, x, out = bufs[name]
-                    _communicator.is_ring = (  # type: ignore[attr-defined]
-                        (lambda cls: False) if name == "gpu-nopipe" else is_ring)
+                    _communicator.pipelines = (  # type: ignore[attr-defined]
+                        (lambda cls, nbytes: False) if name == "gpu-nopipe" else pipelines)
                     res[name].append(factor * n * 4 / await block(comm, x, out, args.ops) / 1e9)
-            _communicator.is_ring = is_ring  # type: ignore[attr-defined]
+            _communicator.pipelines = pipelines  # type: ignore[attr-defined]
             h = statistics.median(res["host"])
             for name in (k for k in res if k != "host"):
                 g = statistics.median(res[name])

@@ -18,6 +18,7 @@ import pytest
 
 import acoll
 from acoll import _communicator
+from acoll._comm import via_host as via_host_mod
 from acoll._dtypes import BFLOAT16
 from acoll._memory import Buffer, MemoryKind
 from acoll._transport.base import Connection, Listener, Transport
@@ -306,6 +307,7 @@ async def test_ring_through_the_host_pipelines_its_copies(
     ACOLL_GPU_VIA_HOST_PIPELINE=0 turns it off.)"""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
+    monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
     monkeypatch.setattr(FakeDeviceSpace, "delay", 100)  # downloads land late
     from acoll._comm import via_host
@@ -362,6 +364,7 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
+    monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     pieces = algo == "ring" and pipeline == "1"
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
     from acoll._comm import via_host
@@ -724,6 +727,7 @@ async def test_peer_abort_during_a_direct_device_all_reduce(
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
+    monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 50)
     released: list[Any] = []
     real_release = FakeStaging.release
@@ -790,3 +794,28 @@ async def test_a_direct_call_that_fails_before_it_runs_gives_its_block_back(
     assert sum(map(len, staging._free.values())) == 1  # the block is back
     for c in comms:
         c.abort()
+
+
+async def test_copies_pipeline_by_default_above_one_mib(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Defaults: a ring all_reduce through the host of up to 1 MiB copies its input down
+    and its result up in one piece each (measured faster there); above it, in pieces."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
+
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        staging = comm.mem.staging()
+        assert isinstance(staging, FakeStaging)
+        downloads = []
+        for n in (1 << 18, (1 << 18) + 1024):  # 1 MiB of int32, and a little more
+            x = FakeDevArray(np.full(n, comm.rank + 1, np.int32))
+            for _ in range(2):  # (the first of a size allocates its block: ordered)
+                on = len(staging.on_streams)
+                await comm.all_reduce(x)
+            downloads.append([k for k, _ in staging.on_streams[on:]].count("download"))
+            np.testing.assert_array_equal(x.arr, 6)  # (1 + 2) then doubled
+        return downloads
+
+    for downloads in await run_ranks(2, fn, device=0):
+        assert downloads[0] == 1
+        assert downloads[1] > 1

@@ -71,7 +71,7 @@ from ._comm.via_host import (
     DirectPlan,
     RingStaging,
     ViaHost,
-    is_ring,
+    pipelines,
 )
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
@@ -765,7 +765,7 @@ class Communicator:
         if make is None and order is not None and s.nbytes <= self._via_limit():
             await self._execute(desc, None, self._via_host(
                 lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order,
-                self._via_pipe and is_ring(cls)))
+                self._via_pipe and pipelines(cls, s.nbytes)))
         else:
             await self._execute(desc, make,
                                 self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
@@ -849,7 +849,7 @@ class Communicator:
         # The download goes first, at the call (the executor runs the op at once).
         download: Fence | None = None
         stage: RingStaging | None = None
-        if self._via_pipe and is_ring(cls) and s.count > chunk:
+        if self._via_pipe and pipelines(cls, s.nbytes) and s.count > chunk:
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,
                                 self.rank, chunk)
         else:

@@ -41,8 +41,13 @@ from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Stag
 from .executor import Algorithm
 
 __all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "OrderedCopies",
-           "RingStaging", "ViaHost"]
+           "RingStaging", "ViaHost", "pipelines"]
 
+#: Calls of more bytes than this pipeline their copies with the ring (when
+#: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on). At 1 MiB the first piece is half the input or
+#: more, so little is hidden, and one copy each way measured faster (2 and 4 ranks,
+#: ``bench/results/session21_h200x2/hooks2/``, ``check2/``); from 4 MiB pipelining won.
+PIPELINE_MIN = 1 << 20
 #: Download pieces are this many of the algorithm's chunks (fewer copies to enqueue), and
 #: an op has at most about ``MAX_PIECES`` of them; uploads join into pieces as large.
 PIECE_CHUNKS = 4
@@ -342,6 +347,7 @@ class DirectLarge:
                 self.staging.release(self.block, self.last if stage is None else stage.last)
 
 
-def is_ring(cls: type) -> bool:
-    """Whether ``cls`` is the algorithm :class:`RingStaging` follows."""
-    return cls is RingAllReduce
+def pipelines(cls: type, nbytes: int) -> bool:
+    """Whether a via-host call of ``nbytes`` run by ``cls`` pipelines its copies (when
+    the setting allows)."""
+    return cls is RingAllReduce and nbytes > PIPELINE_MIN
