@@ -125,7 +125,8 @@ VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, -1,
                        "peer of this rank is reached over a transport that stages device "
                        "memory (sockets, shared memory), else 64 KiB.", "COLL")
 VIA_HOST_PIPELINE = Setting("GPU_VIA_HOST_PIPELINE", parse_bool, True,
-                            "Through the host, on the ring: download the input in pieces "
+                            "Through the host, on the ring, above 1 MiB: download the "
+                            "input in pieces "
                             "as the ring first reads them and upload each piece of the "
                             "result once final (0: one copy each way).", "COLL")
 VIA_HOST_AUTO_STAGED = 64 << 20

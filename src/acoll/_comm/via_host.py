@@ -16,8 +16,8 @@ result once.
   yielding. :class:`DirectLarge` (larger): a pooled block.
 - :class:`ViaHost` (the rest: groups, calls queued behind others, a pool that must grow):
   ordered after the caller's stream by events, on a pooled block.
-- On the ring algorithm the copies of both larger kinds are pipelined with it
-  (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
+- On the ring algorithm, above 1 MiB (:data:`PIPELINE_MIN`), the copies of both larger
+  kinds are pipelined with it (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
   :class:`OrderedCopies`; ``ACOLL_GPU_VIA_HOST_PIPELINE=0`` turns it off): the input
   goes down in pieces, in the order the ring first reads them, each awaited just before
   its first use; every piece of the result goes up as soon as it is final. Only the
