@@ -62,7 +62,7 @@ async def timed_run(self: Any) -> None:
             await self.last.wait(deadline)
             await self.cls(ctx, data, data, self.op).run()
             m.append(clock())
-            self.last = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
+            self._last = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
         else:
             stage.deadline = deadline
             ctx.stage = stage
@@ -70,16 +70,13 @@ async def timed_run(self: Any) -> None:
             m.append(clock())
             stage.finish()
         m.append(clock())
-        fence = self.last if stage is None else stage.last
+        fence = self.last
         if self.settle:
             await fence.wait(deadline)
             waited = True
         m.append(clock())
     finally:
-        if waited:
-            self.staging.release(self.block)
-        else:
-            self.staging.release(self.block, self.last if stage is None else stage.last)
+        self.staging.release(self.block, None if waited else self.last)
 
 
 #: time (ns) and calls in RingStaging.ready / .final, and ready calls over 5 us

@@ -325,7 +325,7 @@ class Communicator:
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
         self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
-        self._host_mem: HostSpace | None = None  # for device ops run on host copies
+        self._host_mem = HostSpace()  # for device ops run on host copies (and scratch)
         # small device all_reduces run on the host, by (count, dtype, op): a page-locked
         # copy of their own and the algorithm's choice (see _via_host_direct)
         self._via_plans: dict[tuple[int, Any, ReduceOp], DirectPlan] = {}
@@ -776,8 +776,6 @@ class Communicator:
                   recv: Buffer, order: StreamOrder, ring: bool = False) -> MakeAlgorithm:
         """A device op run by its host algorithm on a page-locked copy (see
         ``ACOLL_GPU_VIA_HOST_MAX`` and :mod:`acoll._comm.via_host`)."""
-        if self._host_mem is None:
-            self._host_mem = HostSpace()
         host, mem, timeout = self._host_mem, self.mem, self.timeout
         return lambda ctx: ViaHost(ctx, make, send, recv, order, mem, host, timeout, ring)
 
@@ -810,8 +808,6 @@ class Communicator:
         if plan is not None:
             plans[key] = plan  # (most recently used last)
         else:
-            if self._host_mem is None:
-                self._host_mem = HostSpace()
             if len(plans) >= _VIA_PLANS:  # the least recently used goes
                 plans.pop(next(iter(plans))).drop()
             cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
@@ -826,7 +822,7 @@ class Communicator:
         # runs at once: nothing else can take the executor or the block in between).
         fence = plan.staging.download_on(caller, plan.view, s, plan.last)
         await self._exec.execute(plan.desc, lambda ctx: DirectCall(
-            ctx, plan, fence, r, caller, settle, host, timeout))  # type: ignore[arg-type]
+            ctx, plan, fence, r, caller, settle, host, timeout))
 
     def _via_host_direct_large(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
                                ) -> Awaitable[None] | None:
@@ -840,8 +836,6 @@ class Communicator:
         lease = staging.lease_now(s.nbytes)
         if lease is None:
             return None
-        if self._host_mem is None:
-            self._host_mem = HostSpace()
         host = self._host_mem
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)

@@ -301,9 +301,15 @@ class DirectLarge:
         (self.view, self.block), self.data, self.recv = lease, data, recv
         self.stream, self.stage, self.settle = stream, stage, settle
         self.host, self.timeout = host, timeout
-        self.last = download if stage is None else stage.last  # the last copy enqueued
+        self._last = download  # (whole copies: the last one enqueued)
         self.ctx: OpContext | None = None
         self.started = False
+
+    @property
+    def last(self) -> Fence | None:
+        """The fence of the last copy enqueued (every copy goes on the caller's stream,
+        so it covers them all)."""
+        return self._last if self.stage is None else self.stage.last
 
     def bind(self, ctx: OpContext) -> DirectLarge:
         """This call as the executor's algorithm for ``ctx``."""
@@ -325,26 +331,23 @@ class DirectLarge:
         waited = False
         try:
             if stage is None:
-                assert self.last is not None
-                await self.last.wait(deadline)
+                assert self._last is not None
+                await self._last.wait(deadline)
                 await self.cls(ctx, data, data, self.op).run()
-                self.last = self.staging.upload_on(self.stream, self.recv, self.view,
-                                                   own=True)
+                self._last = self.staging.upload_on(self.stream, self.recv, self.view,
+                                                    own=True)
             else:
                 stage.deadline = deadline
                 ctx.stage = stage
                 await self.cls(ctx, data, data, self.op).run()
                 stage.finish()
-            fence = self.last if stage is None else stage.last
+            fence = self.last
             assert fence is not None
             if self.settle:
                 await fence.wait(deadline)
                 waited = True
         finally:
-            if waited:
-                self.staging.release(self.block)
-            else:  # (every copy went on one stream: the last one's fence covers them all)
-                self.staging.release(self.block, self.last if stage is None else stage.last)
+            self.staging.release(self.block, None if waited else self.last)
 
 
 def pipelines(cls: type, nbytes: int) -> bool:
