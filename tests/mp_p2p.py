@@ -42,6 +42,9 @@ async def main(what: str) -> None:
     if what == "registered":
         await registered(comm)
         return
+    if what == "prepared":
+        await prepared(comm)
+        return
     # kill
     with cp.cuda.Device(comm.device):
         x = cp.ones(1 << 20, cp.float32)
@@ -97,6 +100,55 @@ async def registered(comm: acoll.Communicator) -> None:
         await comm.deregister(reg)
     del pad
     print(f"rank {r}: registered calls exact, {copied} bytes copied", flush=True)
+    await comm.close()
+
+
+async def prepared(comm: acoll.Communicator) -> None:
+    """Prepared calls across processes: through the workspace while the buffers are not
+    registered, read in place once they are, through the workspace again after
+    deregistering; exact every time, on alternating streams too."""
+    n, r = comm.size, comm.rank
+    fast, dom = comm._prepared, comm._p2p
+    assert fast is not None
+    assert dom is not None
+    with cp.cuda.Device(comm.device):
+        a = cp.empty(3 * (1 << 20) + 5, cp.float32)  # two-shot, several workspace steps
+        b = cp.empty_like(a)
+        small = cp.empty(1000, cp.float32)  # one-shot
+        streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+
+    async def rounds(k0: int, copies: bool) -> None:
+        for k in range(k0, k0 + 3):
+            with cp.cuda.Device(comm.device):
+                a[...] = r + k
+                small[...] = r * k
+            before, hits = dom.copied, fast.hits
+            await comm.all_reduce(a, b)
+            await comm.all_reduce(small)
+            with cp.cuda.Device(comm.device):
+                assert bool((b == sum(q + k for q in range(n))).all()), (k, float(b[0]))
+                assert bool((small == k * n * (n - 1) // 2).all()), (k, float(small[0]))
+            if k > k0:
+                assert fast.hits == hits + 2, (k, fast.hits, hits)
+                # (the in-place one-shot call always takes the workspace)
+                assert (dom.copied - before > small.nbytes) == copies, (k, copies)
+
+    await rounds(0, copies=True)
+    regs = [await comm.register(x) for x in (a, b)]
+    await rounds(10, copies=False)
+    for reg in regs:
+        await comm.deregister(reg)
+    await rounds(20, copies=True)
+    with cp.cuda.Device(comm.device):
+        a[...] = 1
+        cp.cuda.get_current_stream().synchronize()
+    for k in range(8):
+        await comm.all_reduce(a, stream=streams[k % 2])
+    with cp.cuda.Device(comm.device):
+        for st in streams:
+            st.synchronize()
+        assert bool((a == n ** 8).all()), float(a[0])
+    print(f"rank {r}: prepared calls exact, {fast.hits} prepared", flush=True)
     await comm.close()
 
 

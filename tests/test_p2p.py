@@ -123,6 +123,19 @@ async def test_sequencer_launches_in_ticket_order() -> None:
     assert order == tickets
 
 
+def test_sequencer_is_idle_only_with_nothing_pending() -> None:
+    seq = Sequencer()
+    assert seq.idle
+    first, second = seq.ticket(), seq.ticket()
+    assert not seq.idle
+    seq.done(second)  # out of order: the first still waits
+    assert not seq.idle
+    seq.done(first)
+    assert seq.idle
+    seq.fail(RemoteError("gone", 1))
+    assert not seq.idle
+
+
 async def test_sequencer_failure_wakes_waiters() -> None:
     seq = Sequencer()
     seq.ticket()  # never done: an op abandoned when its communicator failed

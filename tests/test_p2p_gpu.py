@@ -194,6 +194,169 @@ async def test_rank_that_never_arrives_times_out() -> None:
             c.abort()
 
 
+def _hits(c: acoll.Communicator) -> int:
+    assert c._prepared is not None
+    return c._prepared.hits
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("direct", ["1", "0"])
+@pytest.mark.parametrize("count", [1000, 600_001])
+async def test_repeated_calls_run_prepared_and_exact(direct: str, count: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every collective called again on the same buffers runs prepared (prepared.hits
+    counts them), with new data each round and exact results: one-shot and two-shot,
+    in place and not, and (copy mode, 1 MiB workspace) calls in several steps."""
+    monkeypatch.setenv("ACOLL_P2P_DIRECT", direct)
+    monkeypatch.setenv("ACOLL_P2P_BUFFER", "1M")
+    comms = await _form(_devices(2))
+    n = len(comms)
+    try:
+        async def one(c: acoll.Communicator) -> int:
+            r = c.rank
+            with cp.cuda.Device(c.device):
+                base = cp.arange(count, dtype=cp.float32) % 1000
+                x, inplace, out = cp.empty_like(base), cp.empty_like(base), cp.empty_like(base)
+                gathered = cp.empty(n * count, cp.float32)
+                block = cp.empty(count // n * n, cp.float32)
+                part = cp.empty(count // n, cp.float32)
+                a2a = cp.empty(count // n * n, cp.float32)
+            host = np.arange(count, dtype=np.float32) % 1000
+            for k in range(4):
+                with cp.cuda.Device(c.device):
+                    x[...] = base + (r + k)
+                    inplace[...] = base * (r + 1) + k
+                    block[...] = base[:block.size] + r
+                await c.all_reduce(x, out)
+                await c.all_reduce(inplace, op="max")
+                await c.all_gather(x, gathered)
+                await c.reduce_scatter(block, part)
+                await c.broadcast(x, root=1)
+                await c.reduce(inplace, out, root=0, op="min")
+                await c.all_to_all(block, a2a)
+                with cp.cuda.Device(c.device):
+                    got = {name: cp.asnumpy(v) for name, v in [
+                        ("inplace", inplace), ("out", out), ("gathered", gathered),
+                        ("part", part), ("x", x), ("a2a", a2a)]}
+                want_sum = sum(host + (q + k) for q in range(n))
+                want_max = host * n + k
+                assert np.array_equal(got["inplace"], want_max), (k, "max")
+                assert np.array_equal(got["x"], host + (1 + k)), (k, "broadcast")
+                if r == 0:  # reduce's min of the max results (equal on every rank)
+                    assert np.array_equal(got["out"], want_max), (k, "reduce")
+                else:  # all_reduce's sum, untouched by reduce off the root
+                    assert np.array_equal(got["out"], want_sum), (k, "sum")
+                assert np.array_equal(got["gathered"].reshape(n, count),
+                                      np.stack([host + (q + k) for q in range(n)])), k
+                m = count // n
+                blk = host[:m * n]
+                assert np.array_equal(got["part"], (sum(blk + q for q in range(n)))[
+                    r * m:(r + 1) * m]), (k, "reduce_scatter")
+                assert np.array_equal(got["a2a"].reshape(n, m),
+                                      np.stack([(blk + q)[r * m:(r + 1) * m]
+                                                for q in range(n)])), (k, "all_to_all")
+            return _hits(c)
+        hits = await asyncio.gather(*(one(c) for c in comms))
+        assert all(h >= 3 * 7 for h in hits), hits
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+@pytest.mark.timeout(200)
+async def test_prepared_calls_on_alternating_streams_keep_launch_order() -> None:
+    """In-place all_reduces alternating between two streams (and the current stream) of
+    each rank: each launch follows the rank's previous one, so every call doubles the
+    previous result exactly."""
+    comms = await _form(_devices(2))
+    rounds = 12
+    try:
+        async def one(c: acoll.Communicator) -> float:
+            with cp.cuda.Device(c.device):
+                x = cp.ones(4 << 20, cp.float32)  # two-shot, 16 MiB
+                streams = [cp.cuda.Stream(non_blocking=True) for _ in range(2)]
+                cp.cuda.get_current_stream().synchronize()
+            for k in range(rounds):
+                await c.all_reduce(x, stream=None if k % 3 == 2 else streams[k % 2])
+            with cp.cuda.Device(c.device):
+                for st in streams:
+                    st.synchronize()
+                got = cp.asnumpy(x)
+            assert _hits(c) >= rounds - 1
+            assert np.all(got == got[0]), got
+            return float(got[0])
+        got = await asyncio.gather(*(one(c) for c in comms))
+        assert got == [2.0 ** rounds] * 2
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+async def test_prepared_calls_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_P2P_PREPARED", "0")
+    comms = await _form(_devices(2))
+    try:
+        assert all(c._p2p is not None and c._prepared is None for c in comms)
+        x = [to_device(c.device or 0)(np.full(100, c.rank + 1.0, np.float32)) for c in comms]
+        for _ in range(3):
+            await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, x, strict=True)))
+        assert [float(to_host(b)[0]) for b in x] == [12.0, 12.0]
+    finally:
+        await _close(comms)
+
+
+async def test_a_prepared_call_against_another_call_is_named() -> None:
+    comms = await _form(_devices(2), timeout=20)
+    try:
+        async def one(c: acoll.Communicator) -> BaseException | None:
+            with cp.cuda.Device(c.device):
+                x = cp.ones(1000, cp.float32)
+                y = cp.ones(2000, cp.float32)
+            await c.all_reduce(x)
+            await c.all_reduce(x)
+            hits = _hits(c)
+            try:
+                await c.all_reduce(x if c.rank == 0 else y)  # rank 0: prepared
+            except acoll.AcollError as exc:
+                assert _hits(c) == hits + (c.rank == 0)
+                return exc
+            return None
+        t0 = time.monotonic()
+        errs = await asyncio.gather(*(one(c) for c in comms))
+        assert time.monotonic() - t0 < 10
+        for err in errs:
+            assert isinstance(err, acoll.InvalidUsage), err
+            assert "mismatched" in str(err)
+        assert "2000 x float32" in str(errs[0])
+        assert "1000 x float32" in str(errs[1])
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_a_prepared_call_the_other_rank_never_makes_times_out() -> None:
+    comms = await _form(_devices(2), timeout=3)
+    try:
+        xs = [to_device(c.device or 0)(np.ones(1 << 16, np.float32)) for c in comms]
+        for _ in range(2):
+            await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, xs, strict=True)))
+        hits = _hits(comms[0])
+        t0 = time.monotonic()
+        with pytest.raises(acoll.TimeoutError):
+            await comms[0].all_reduce(xs[0])
+        assert _hits(comms[0]) == hits + 1
+        assert 2.5 < time.monotonic() - t0 < 8
+        with pytest.raises(acoll.AcollError):
+            await asyncio.wait_for(comms[1].all_reduce(xs[1]), 10)
+    finally:
+        for c in comms:
+            c.abort()
+
+
 def _run_pair(script: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     return subprocess.run([sys.executable, "-m", "acoll.run", "-n", "2", "--", sys.executable,
@@ -208,6 +371,14 @@ def test_matrix_across_processes_over_cuda_ipc() -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("copy mode") == 2, proc.stdout
     assert proc.stdout.count("checks passed") == 2, proc.stdout
+
+
+@two_gpus
+@pytest.mark.timeout(200)
+def test_prepared_calls_across_processes_follow_registrations() -> None:
+    proc = _run_pair("mp_p2p.py", "prepared", timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("prepared calls exact") == 2, proc.stdout
 
 
 @two_gpus

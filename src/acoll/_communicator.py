@@ -94,6 +94,7 @@ from ._uid import UniqueId
 
 if TYPE_CHECKING:
     from ._p2p.domain import P2PDomain
+    from ._p2p.fast import PreparedCalls
 from .errors import (
     AcollError,
     BootstrapError,
@@ -323,6 +324,7 @@ class Communicator:
         self._closed = False
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
+        self._prepared: PreparedCalls | None = None  # its prepared calls (_p2p/fast.py)
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
         self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
         self._host_mem = HostSpace()  # for device ops run on host copies (and scratch)
@@ -403,8 +405,11 @@ class Communicator:
             if p2p and comm.size > 1 and len({i.host_hash for i in infos}) == 1 and all(
                     msgpack.unpackb(r).get("p2p", False) for r in raw):
                 from ._p2p.domain import P2PDomain
+                from ._p2p.fast import PREPARED, PreparedCalls
                 comm._p2p = await P2PDomain.establish(comm.mem, comm.rank, comm.size, boot,
                                                       timeout)
+                if comm._p2p is not None and PREPARED.resolve():
+                    comm._prepared = PreparedCalls(comm, comm._p2p)
         except BaseException:
             comm.abort()
             raise
@@ -617,6 +622,13 @@ class Communicator:
                      op=0 if op is None else int(op), dtype_code=dtype_code(s.dtype),
                      total=count, name=name)
 
+    def _learn(self, name: str, send: Any, recv: Any, op: Any, root: int,
+                p2p: P2POp | None) -> None:
+        """Keep a P2P call's launches for later calls like it (:mod:`acoll._p2p.fast`)."""
+        fast = self._prepared
+        if fast is not None and p2p is not None:
+            fast.learn(fast.key(name, send, recv, op, root), p2p)
+
     async def _execute(self, desc: Descriptor, p2p: P2POp | None, make: MakeAlgorithm
                        ) -> None:
         """Run a call: ``p2p`` when the call is on the intra-host GPU path, else ``make``.
@@ -703,6 +715,13 @@ class Communicator:
         is ordered there. Without ``stream=`` the op is ordered after CuPy's current
         stream's work and the await returns when the result can be read.
         """
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('all_reduce', send, recv, op, 0, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return send if recv is None else recv
         key = _plan_key(send, op) if self._lane_plans and stream is None else None
         if key is not None:
             # A call like a recent one (dtype, count, op): its lane plan, with this call's
@@ -763,6 +782,7 @@ class Communicator:
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
                               "all_reduce", s, r, s.count, order, op=rop)
+        self._learn("all_reduce", send, recv, op, 0, make)
         if make is None and order is not None and s.nbytes <= self._via_limit():
             await self._execute(desc, None, self._via_host(
                 lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order,
@@ -862,6 +882,13 @@ class Communicator:
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
         """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('broadcast', buf, None, None, root, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return buf
         b = self.mem.adopt(buf, "buf", writable=True)
         root = check_root(root, self.size)
         order = self.mem.order(stream)
@@ -877,6 +904,7 @@ class Communicator:
                 self._lane, b.nbytes, self._lane.limit, root))
             return buf
         make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
+        self._learn("broadcast", buf, None, None, root, make)
         await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, b, root), order))
         return buf
 
@@ -887,6 +915,13 @@ class Communicator:
 
         ``recv=None`` means in place on the root; non-root ranks' buffers are not changed.
         """
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('reduce', send, recv, op, root, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return send if recv is None else recv
         rop = ReduceOp.coerce(op)
         root = check_root(root, self.size)
         r: Buffer | None
@@ -910,6 +945,7 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
                               op=rop, root=root)
+        self._learn("reduce", send, recv, op, root, make)
         await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
                                                       order))
         return out
@@ -920,6 +956,13 @@ class Communicator:
 
         In place when ``send`` is this rank's block of ``recv``.
         """
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('all_gather', send, recv, None, 0, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return recv
         s, r, out = self._pair(send, recv, "all_gather", 1, self.size)
         order = self.mem.order(stream)
         desc = descriptor(Coll.ALL_GATHER, s)
@@ -937,6 +980,7 @@ class Communicator:
                 self._lane, block, self._lane.limit))
             return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
+        self._learn("all_gather", send, recv, None, 0, make)
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
         return out
@@ -945,6 +989,13 @@ class Communicator:
     async def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp | str = ReduceOp.SUM,
                              *, stream: Any = None) -> Any:
         """Reduce ``send`` (``size`` blocks) across ranks; block ``rank`` lands in ``recv``."""
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('reduce_scatter', send, recv, op, 0, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return recv
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
         check_op_dtype(rop, s.dtype, "reduce_scatter")
@@ -966,6 +1017,7 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
+        self._learn("reduce_scatter", send, recv, op, 0, make)
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
         return out
@@ -973,6 +1025,13 @@ class Communicator:
     @_announced
     async def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> Any:
         """Block ``p`` of ``send`` goes to rank ``p``; block ``q`` of ``recv`` comes from ``q``."""
+        fast = self._prepared
+        if fast is not None:
+            started = fast.start('all_to_all', send, recv, None, 0, stream)
+            if started is not False:
+                if started is not True:
+                    await started
+                return recv
         s, r, out = self._pair(send, recv, "all_to_all")
         if s.count % self.size:
             raise InvalidUsage(f"all_to_all: {s.count} elements do not split into "
@@ -994,6 +1053,7 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)
+        self._learn("all_to_all", send, recv, None, 0, make)
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.DirectAllToAll(ctx, s, r), order))
         return out

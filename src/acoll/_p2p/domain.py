@@ -296,6 +296,16 @@ class P2PDomain:
         self._regs: list[_Registration] = []
         self._next_reg = 0
         self._regtab: Any = None  # device u64[MAX_REGS * MAXR]
+        #: Changes with every registration and deregistration (prepared calls that chose
+        #: where peers read by the registrations then are stale).
+        self.generation = 0
+        # Launch order across streams: the stream of this rank's last launch and an event
+        # recorded after it (from a small ring, see mark()).
+        self._ring: list[Any] = []
+        self._ring_next = 0
+        self._last_stream: Any = None
+        self._last_ptr = -1
+        self._last_event: Any = None
 
     def _device_pointer(self, host_ptr: int) -> int:
         rt = self.cp.cuda.runtime
@@ -480,6 +490,11 @@ class P2PDomain:
             timer.cancel()
             self._waiting = None
 
+    @property
+    def failed(self) -> bool:
+        """Whether a kernel recorded an error (:meth:`check` raises it)."""
+        return self._failed is not None or bool(self._flag[0])
+
     def check(self) -> None:
         """Raise the first error a kernel recorded (and keep raising it)."""
         if self._failed is not None:
@@ -515,6 +530,92 @@ class P2PDomain:
     #: Describes this rank's last call, for mismatch reports (set by the launcher).
     mine: Callable[[], str] = staticmethod(lambda: "")
 
+    # -- launch order across streams
+    def follow(self, stream: Any) -> None:
+        """Order what is enqueued next on ``stream`` (a CuPy stream of this device) after
+        this rank's last launch, when that went to another stream: every launch of a rank
+        uses its workspace and advances its epochs, so launches never overlap. Call under
+        this device's context, then :meth:`mark` after the launch."""
+        event = self._last_event
+        if event is not None and stream.ptr != self._last_ptr:
+            stream.wait_event(event)
+
+    def mark(self, stream: Any) -> Any:
+        """Record that this rank's last launch went to ``stream`` (call under this
+        device's context, right after it). Returns an event that passes when that launch
+        is done.
+
+        The events come from a ring of eight, so one may be recorded again by a later
+        launch while a waiter still polls it: it then passes later, never earlier (every
+        launch of this rank starts after the previous one ended)."""
+        ring = self._ring
+        if not ring:
+            ring.extend(self.cp.cuda.Event(block=False, disable_timing=True)
+                        for _ in range(8))
+        event = ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) & 7
+        event.record(stream)
+        self._last_stream, self._last_ptr, self._last_event = stream, stream.ptr, event
+        return event
+
+    @property
+    def busy(self) -> bool:
+        """Whether a launch of this rank may still run (or the device cannot tell)."""
+        try:
+            last = self._last_event
+            return not self.space.stream.done or (last is not None and not last.done)
+        except Exception:
+            return True
+
+    def args_for(self, step: Step, *, own_ws: bool, mode_sig: int, total: int, root: int,
+                 in_ptr: int, out_ptr: int, reg: int = 0, reg_in_off: int = 0,
+                 reg_out_off: int = 0) -> tuple[Any, Any]:
+        """``(args, params)`` for launching ``step`` with :meth:`launch_prepared`: a
+        parameter block of its own (a prepared call keeps it; each launch sets only the
+        epoch)."""
+        a = _Args()
+        common = self._args
+        a.tab, a.err, a.abort = common.tab, common.err, common.abort
+        a.rank, a.nranks, a.timeout, a.regtab = (common.rank, common.nranks, common.timeout,
+                                                 common.regtab)
+        self._fill(a, step, own_ws, mode_sig, total, root, in_ptr, out_ptr, reg, reg_in_off,
+                   reg_out_off)
+        base = ctypes.addressof(a)
+        params = (ctypes.c_void_p * len(_Args._fields_))(
+            *(base + getattr(_Args, field[0]).offset for field in _Args._fields_))
+        return a, params
+
+    @staticmethod
+    def _fill(a: Any, step: Step, own_ws: bool, mode_sig: int, total: int, root: int,
+              in_ptr: int, out_ptr: int, reg: int, reg_in_off: int, reg_out_off: int) -> None:
+        a.root, a.mode, a.sig, a.sig2 = root, step.mode, mode_sig, total
+        a.inp, a.out, a.n, a.own_ws = in_ptr, out_ptr, step.n, own_ws
+        a.out_stride, a.src_stride, a.user_stride = (step.out_stride, step.src_stride,
+                                                     step.user_stride)
+        a.reg, a.reg_in_off, a.reg_out_off = reg, reg_in_off, reg_out_off
+
+    def function(self, src: P2PSource) -> int:
+        """The ``CUfunction`` of ``src`` on this device, or 0 while it is not compiled
+        or launches cannot go through the driver library (then :meth:`launch` only)."""
+        fn = self._functions.get(src.name)
+        if fn is None:
+            kern = self.loaded(src)
+            if kern is None or _cu_launch() is None:
+                return 0
+            fn = self._functions[src.name] = int(kern.kernel.ptr)
+        return fn
+
+    def launch_prepared(self, fn: int, blocks: int, args: Any, params: Any,
+                        stream_ptr: int) -> None:
+        """Enqueue one prepared step (:meth:`args_for`) on ``stream_ptr`` (under this
+        device's context, between :meth:`follow` and :meth:`mark`)."""
+        self.epoch += 1
+        args.epoch = self.epoch
+        rc = _libcuda[0](fn, blocks, 1, 1, THREADS, 1, 1, 0, stream_ptr, params, None)
+        if rc != 0:
+            raise RemoteError(f"rank {self.rank}: launching a GPU peer-to-peer kernel "
+                              f"failed (CUresult {rc})", None)
+
     def launch(self, kern: Any, src: P2PSource, step: Step, *, own_ws: bool, mode_sig: int,
                total: int, root: int, in_ptr: int, out_ptr: int, reg: int = 0,
                reg_in_off: int = 0, reg_out_off: int = 0) -> None:
@@ -537,11 +638,9 @@ class P2PDomain:
                 stream=self.space.stream)
             return
         a = self._args
-        a.root, a.mode, a.epoch, a.sig, a.sig2 = root, step.mode, self.epoch, mode_sig, total
-        a.inp, a.out, a.n, a.own_ws = in_ptr, out_ptr, step.n, own_ws
-        a.out_stride, a.src_stride, a.user_stride = (step.out_stride, step.src_stride,
-                                                     step.user_stride)
-        a.reg, a.reg_in_off, a.reg_out_off = reg, reg_in_off, reg_out_off
+        a.epoch = self.epoch
+        self._fill(a, step, own_ws, mode_sig, total, root, in_ptr, out_ptr, reg, reg_in_off,
+                   reg_out_off)
         rc = cu(fn, step.blocks, 1, 1, THREADS, 1, 1, 0, self.space.stream.ptr,
                 self._params, None)
         if rc != 0:
@@ -590,6 +689,7 @@ class P2PDomain:
             raise
         await self.space.settle(asyncio.get_running_loop().time() + self.timeout_ns / 1e9)
         self._regs.append(_Registration(index, me["base"], me["size"], opened))
+        self.generation += 1
         log.info("rank %d: registered %d bytes at %#x as #%d", self.rank, me["size"],
                  me["base"], index)
         return index
@@ -600,6 +700,7 @@ class P2PDomain:
         if reg is None:
             raise InvalidUsage(f"no registration #{index} on this communicator")
         self._regs.remove(reg)
+        self.generation += 1
         await self.space.settle(asyncio.get_running_loop().time() + self.timeout_ns / 1e9)
         await boot.barrier()  # every rank's kernels that could read it are done
         for h in reg.opened:
@@ -644,12 +745,7 @@ class P2PDomain:
                 _local_groups.pop(self._local_key, None)
             self._local = None
         cp = self.cp
-        busy = False
-        try:
-            busy = not self.space.stream.done
-        except Exception:
-            busy = True
-        if busy:
+        if self.busy:
             log.info("rank %d: P2P workspace kept (a step is still running)", self.rank)
             return
         for handle in self._handles:

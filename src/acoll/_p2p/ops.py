@@ -35,6 +35,11 @@ class Sequencer:
         self._waiters: dict[int, asyncio.Future[None]] = {}
         self._error: BaseException | None = None
 
+    @property
+    def idle(self) -> bool:
+        """No ticket is waiting for its turn and none failed."""
+        return self._served == self._next and self._error is None
+
     def ticket(self) -> int:
         self._next += 1
         return self._next - 1
@@ -129,30 +134,45 @@ class P2POp:
             await dom.space.settle(asyncio.get_running_loop().time() + self.timeout)
             dom.check()
 
-    def _enqueue(self, kern: Any) -> None:
+    def launches(self) -> list[tuple[Step, list[tuple[int, int, int]], dict[str, Any]]]:
+        """Per step: the step in kernel units, the copies into the workspace that go
+        before it (``(dst, src, nbytes)``), and the launch's arguments (see
+        :meth:`P2PDomain.launch`): all fixed by the buffers' addresses, the plan and the
+        registrations made so far."""
         dom = self.dom
-        cp = dom.cp
         isz = self.send.dtype.itemsize
-        stream = dom.space.stream.ptr
         copy_kernel = self.src.dtype is None
         own_ws, rin, rout = self.placement()
         reg = 0 if rin is None or rout is None else (rin[0] + 1) | (rout[0] + 1) << 16
+        out = []
+        for step in self.steps:
+            copies = [(dom.workspace + piece.dst * isz, self.send.ptr + piece.src * isz,
+                       piece.count * isz) for piece in (step.pieces if own_ws else ())]
+            args = {
+                "own_ws": own_ws, "total": self.total, "root": self.root, "reg": reg,
+                "mode_sig": pack_sig(step.mode, self.dtype_code, self.op, self.root,
+                                     step.index),
+                "in_ptr": self.send.ptr + step.in_off * isz,
+                "out_ptr": self.recv.ptr + step.out_off * isz,
+                "reg_in_off": 0 if rin is None else rin[1] + step.in_off * isz,
+                "reg_out_off": 0 if rout is None else rout[1] + step.out_off * isz}
+            out.append((_scaled(step, isz) if copy_kernel else step, copies, args))
+        return out
+
+    def _enqueue(self, kern: Any) -> None:
+        dom = self.dom
+        memcpy = dom.cp.cuda.runtime.memcpyAsync
+        stream = dom.space.stream
         dom.mine = self.describe
         self.order.start()
-        with cp.cuda.Device(dom.device):
-            for step in self.steps:
-                for piece in step.pieces if own_ws else ():
-                    dom.copied += piece.count * isz
-                    cp.cuda.runtime.memcpyAsync(
-                        dom.workspace + piece.dst * isz, self.send.ptr + piece.src * isz,
-                        piece.count * isz, _DEFAULT, stream)
-                sig = pack_sig(step.mode, self.dtype_code, self.op, self.root, step.index)
-                dom.launch(kern, self.src, _scaled(step, isz) if copy_kernel else step,
-                           own_ws=own_ws, mode_sig=sig, total=self.total, root=self.root,
-                           in_ptr=self.send.ptr + step.in_off * isz,
-                           out_ptr=self.recv.ptr + step.out_off * isz, reg=reg,
-                           reg_in_off=0 if rin is None else rin[1] + step.in_off * isz,
-                           reg_out_off=0 if rout is None else rout[1] + step.out_off * isz)
+        with dom.cp.cuda.Device(dom.device):
+            dom.follow(stream)
+            for step, copies, args in self.launches():
+                for dst, src, nbytes in copies:
+                    dom.copied += nbytes
+                    memcpy(dst, src, nbytes, _DEFAULT, stream.ptr)
+                dom.launch(kern, self.src, step, **args)
+            dom.mark(stream)
         self.order.finish()
 
 

@@ -1,0 +1,233 @@
+"""Prepared calls: the short route for a P2P collective like a recent one.
+
+The general route of a GPU collective adopts and checks its buffers, builds a descriptor,
+orders the communicator's stream after the caller's with events, plans the call and fills
+the kernel's arguments: tens of microseconds of Python per call, as long as the kernel
+itself for small messages. NCCL users call the same collective on the same buffers over
+and over; so does a serving loop. Here such a call costs a dictionary lookup and a
+launch.
+
+A call on the general route that reaches the P2P path is *learned*: keyed by the
+collective, each buffer's address, element count and dtype, the op and the root, the
+launches it made are kept (steps, copies into the workspace, a kernel parameter block per
+step). A later call with the same key, on CuPy arrays (contiguous, on this device) runs
+**prepared** when
+
+- the communicator is usable and idle (no op running or queued, no group, no P2P launch
+  waiting for its turn, no kernel error recorded),
+- its kernel is compiled, and ``stream=`` is ``None`` or a CuPy stream of this device;
+
+otherwise it takes the general route (which also reports every misuse). A prepared call
+launches on the caller's stream itself (no events between streams; NCCL does the same),
+after :meth:`~acoll._p2p.domain.P2PDomain.follow` orders it after this rank's last launch
+when that went to another stream. Without ``stream=`` it then polls the event recorded
+after its launch for :data:`~acoll._memory.cuda.TIGHT_SPIN_S` without yielding (a small
+all-reduce over NVLink ends within it), then sleeps in the loop like every GPU wait.
+Errors and cancellation end the communicator as on the general route.
+
+Where the peers read this rank's data depends on the registrations: a registration or
+deregistration forgets every prepared call. At most :data:`MOST` are kept (the oldest
+goes). ``ACOLL_P2P_PREPARED=0`` turns the route off.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
+
+from .._config import Setting, parse_bool
+from .._cuda.p2p_kernels import P2PSource
+from .._dtypes import ReduceOp
+from .._memory.cuda import TIGHT_SPIN_S
+from ..errors import AcollError
+
+if TYPE_CHECKING:
+    from .._communicator import Communicator
+    from .domain import P2PDomain
+    from .ops import P2POp
+
+__all__ = ["MOST", "PREPARED", "Prepared", "PreparedCalls"]
+
+PREPARED = Setting("P2P_PREPARED", parse_bool, True,
+                   "Repeated P2P collectives on the same buffers skip the general route "
+                   "(see acoll._p2p.fast).", "P2P")
+#: Prepared calls kept per communicator.
+MOST = 64
+
+_DEFAULT = 4  # cudaMemcpyDefault
+Key = tuple[Any, ...]
+
+
+class Prepared:
+    """One learned call: its launches (each with its copies and parameter block). It
+    holds addresses only, never the call's arrays (their memory may be freed and reused:
+    a later call on the same addresses is the same call)."""
+
+    __slots__ = ("copied", "describe", "fn", "name", "src", "steps")
+
+    def __init__(self, op: P2POp) -> None:
+        dom = op.dom
+        self.name = op.name
+        self.src: P2PSource = op.src
+        text = op.describe()
+        self.describe: Callable[[], str] = lambda: text
+        self.fn = 0  # CUfunction, once known
+        self.steps: list[tuple[int, Any, Any, list[tuple[int, int, int]]]] = []
+        self.copied = 0
+        for step, copies, kw in op.launches():
+            args, params = dom.args_for(step, **kw)
+            self.steps.append((step.blocks, args, params, copies))
+            self.copied += sum(c[2] for c in copies)
+
+
+def _contiguous(a: Any) -> bool:
+    flags = a.flags
+    return bool(flags.c_contiguous or flags.f_contiguous)
+
+
+class PreparedCalls:
+    """A communicator's prepared calls (see the module docstring)."""
+
+    def __init__(self, comm: Communicator, dom: P2PDomain) -> None:
+        import cupy as cp
+        self.comm, self.dom = comm, dom
+        self.ndarray = cp.ndarray
+        self.stream_type = cp.cuda.Stream
+        self.runtime = cp.cuda.runtime
+        self.current_stream = cp.cuda.get_current_stream
+        self.calls: dict[Key, Prepared] = {}
+        self.generation = dom.generation
+        #: Calls run prepared so far (tests and benchmarks read it).
+        self.hits = 0
+
+    # ------------------------------------------------------------------ keys
+    def key(self, name: str, send: Any, recv: Any, op: Any, root: int) -> Key | None:
+        """The key of a call on CuPy arrays of this device (``None``: never prepared)."""
+        nd = self.ndarray
+        if type(send) is not nd or (recv is not None and type(recv) is not nd):
+            return None
+        sdata = send.data
+        if sdata.device_id != self.dom.device:
+            return None
+        if recv is None:
+            rkey: tuple[Any, ...] = ()
+        else:
+            rdata = recv.data
+            if rdata.device_id != self.dom.device:
+                return None
+            rkey = (rdata.ptr, recv.size, recv.dtype)
+        if op is not None and type(op) is not ReduceOp:
+            op = ReduceOp.coerce(op)
+        return (name, sdata.ptr, send.size, send.dtype, rkey, op, root)
+
+    def learn(self, key: Key | None, op: P2POp | None) -> None:
+        """Keep the launches of general-route call ``op`` under ``key``."""
+        if key is None or op is None:
+            return
+        self._sync()
+        if key in self.calls:
+            return
+        if len(self.calls) >= MOST:
+            del self.calls[next(iter(self.calls))]
+        self.calls[key] = Prepared(op)
+
+    def _sync(self) -> None:
+        if self.generation != self.dom.generation:
+            self.calls.clear()
+            self.generation = self.dom.generation
+
+    # ------------------------------------------------------------------ running
+    def start(self, name: str, send: Any, recv: Any, op: Any, root: int,
+              stream: Any) -> Coroutine[Any, Any, None] | bool:
+        """Launch the call prepared if it can be (see the module docstring).
+
+        Returns ``False`` (nothing done: take the general route), ``True`` (done: the
+        result is readable, or ordered on ``stream``) or a coroutine to await for that.
+        """
+        comm, dom = self.comm, self.dom
+        if self.generation != dom.generation:
+            self._sync()
+            return False
+        key = self.key(name, send, recv, op, root)
+        prep = self.calls.get(key) if key is not None else None
+        if prep is None or not _contiguous(send) or (recv is not None and
+                                                     not _contiguous(recv)):
+            return False
+        ex = comm._exec
+        if (comm._error is not None or comm._closed or not ex.idle
+                or not comm._p2p_seq.idle or dom.failed):
+            return False
+        fn = prep.fn or dom.function(prep.src)
+        if not fn:
+            return False
+        prep.fn = fn
+        rt = self.runtime
+        prev = rt.getDevice()
+        if stream is None:
+            if prev == dom.device:
+                st = self.current_stream()
+            else:
+                rt.setDevice(dom.device)
+                try:
+                    st = self.current_stream()
+                finally:
+                    rt.setDevice(prev)
+        elif (type(stream) is self.stream_type
+              and getattr(stream, "device_id", -1) == dom.device):
+            st = stream
+        else:
+            return False
+        self.hits += 1
+        ex.skip()
+        seq = ex.seq - 1
+        done: list[Any] = []
+        try:
+            waiter = dom.submit(lambda: self._launch(prep, st, done), comm.timeout, name)
+            if waiter is None and stream is not None:
+                return True
+            if waiter is None:
+                event = done[0]
+                end = time.perf_counter() + TIGHT_SPIN_S
+                while not event.done:
+                    if time.perf_counter() >= end:
+                        break
+                else:
+                    dom.check()
+                    return True
+        except AcollError as exc:
+            first = comm.error
+            comm.fail(exc)
+            raise (first or exc) from None
+        return ex.run_now(name, seq, self._finish(waiter, done, stream is None))
+
+    def _launch(self, prep: Prepared, stream: Any, done: list[Any]) -> None:
+        dom = self.dom
+        rt = self.runtime
+        prev = rt.getDevice()
+        if prev != dom.device:
+            rt.setDevice(dom.device)
+        try:
+            dom.mine = prep.describe
+            dom.follow(stream)
+            ptr = stream.ptr
+            fn = prep.fn
+            for blocks, args, params, copies in prep.steps:
+                for dst, src, nbytes in copies:
+                    rt.memcpyAsync(dst, src, nbytes, _DEFAULT, ptr)
+                dom.launch_prepared(fn, blocks, args, params, ptr)
+            dom.copied += prep.copied
+            done.append(dom.mark(stream))
+        finally:
+            if prev != dom.device:
+                rt.setDevice(prev)
+
+    async def _finish(self, waiter: Any, done: list[Any], settle: bool) -> None:
+        dom = self.dom
+        if waiter is not None:
+            await waiter
+        if settle:
+            loop = asyncio.get_running_loop()
+            await dom.space.wait_event(done[0], loop.time() + self.comm.timeout)
+            dom.check()
