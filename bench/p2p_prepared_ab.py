@@ -1,6 +1,6 @@
 """Prepared P2P calls against the general route, interleaved in one run (issue 10).
 
-    python bench/p2p_prepared_ab.py inproc [--rounds R] [--iters N]   # 2 ranks, 1 process
+    python bench/p2p_prepared_ab.py inproc [--rounds R] [--iters N] [--eager]  # 1 process
     python -m acoll.run -n 2 -- python bench/p2p_prepared_ab.py procs  # 2 processes
 
 For each size (float32 sum all_reduce, out of place), ``--rounds`` rounds each time the
@@ -171,8 +171,16 @@ if __name__ == "__main__":
     ap.add_argument("--iters", type=int, default=500)
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--uvloop", action="store_true")
+    ap.add_argument("--eager", action="store_true",
+                    help="the loop's eager task factory (Python 3.12+: gather starts each "
+                         "rank's call at once instead of scheduling a task)")
     a = ap.parse_args()
     if a.uvloop:
         import uvloop
         uvloop.install()
-    asyncio.run(main(a))
+
+    async def top() -> None:
+        if a.eager:
+            asyncio.get_running_loop().set_task_factory(asyncio.eager_task_factory)
+        await main(a)
+    asyncio.run(top())

@@ -296,6 +296,54 @@ async def test_prepared_calls_on_alternating_streams_keep_launch_order() -> None
     await _close(comms)
 
 
+@pytest.mark.timeout(120)
+async def test_prepared_calls_of_ranks_sharing_a_gpu_share_no_stream() -> None:
+    """Two ranks on one GPU, called on the device's default stream, then on one stream
+    object passed to both: each rank's kernel goes to a stream of its own (on a shared
+    stream the first kernel would wait for its peer queued behind it until the timeout)."""
+    comms = await _form([0, 0], timeout=10)
+    try:
+        assert all(c._p2p is not None and c._p2p.shares_gpu for c in comms)
+        with cp.cuda.Device(0):
+            xs = [cp.ones(1 << 18, cp.float32) for _ in comms]
+            shared = cp.cuda.Stream(non_blocking=True)
+            cp.cuda.get_current_stream().synchronize()
+        for _ in range(4):
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        for _ in range(4):
+            await asyncio.gather(*(c.all_reduce(x, stream=shared)
+                                   for c, x in zip(comms, xs, strict=True)))
+        with cp.cuda.Device(0):
+            shared.synchronize()
+            got = [cp.asnumpy(x) for x in xs]
+        assert all(_hits(c) >= 6 for c in comms)
+        assert all(bool((g == 2.0 ** 8).all()) for g in got), [g[:4] for g in got]
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+async def test_prepared_calls_keep_no_array_alive() -> None:
+    import gc
+    import weakref
+    comms = await _form(_devices(2))
+    try:
+        for calls, hits in [(1, 0), (2, 1)]:  # learned only; then run prepared too
+            xs = [to_device(c.device or 0)(np.ones(1000 * calls, np.float32)) for c in comms]
+            for _ in range(calls):
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs,
+                                                                       strict=True)))
+            assert all(_hits(c) == hits for c in comms)
+            refs = [weakref.ref(x) for x in xs]
+            del xs
+            gc.collect()
+            assert all(ref() is None for ref in refs)
+    finally:
+        await _close(comms)
+
+
 async def test_prepared_calls_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_P2P_PREPARED", "0")
     comms = await _form(_devices(2))

@@ -259,6 +259,10 @@ class P2PDomain:
         self.most_blocks = most_blocks
         self.one_shot_max = one_shot_max
         self.epoch = 0
+        #: Another rank of the domain drives this GPU (from this thread: see above). Its
+        #: kernels must not share a stream with ours: on one stream, the first of two
+        #: kernels waiting for each other would wait forever for the second.
+        self.shares_gpu = False
         self._block = block  # my cudaMalloc'd signal area + workspace
         self._handles: list[bytes] = []  # peers' IPC handles I opened
         self._table: Any = None  # device u64[2 * MAXR]
@@ -369,6 +373,7 @@ class P2PDomain:
         direct = same_proc and all(r["direct"] for r in records)
         dom = cls(space, rank, nranks, block, min(r["cap"] for r in records), direct, most,
                   min(r["one"] for r in records))
+        dom.shares_gpu = buses.count(buses[rank]) > 1
         try:
             dom._map(records)
         except BaseException:

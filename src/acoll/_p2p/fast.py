@@ -20,7 +20,10 @@ step). A later call with the same key, on CuPy arrays (contiguous, on this devic
 otherwise it takes the general route (which also reports every misuse). A prepared call
 launches on the caller's stream itself (no events between streams; NCCL does the same),
 after :meth:`~acoll._p2p.domain.P2PDomain.follow` orders it after this rank's last launch
-when that went to another stream. Without ``stream=`` it then polls the event recorded
+when that went to another stream; ranks sharing a GPU (one thread drives them) launch on
+their own streams instead, ordered after the caller's by events as on the general route
+(on one stream, such as the device's default stream, the kernel launched first would wait
+forever for its peer queued behind it). Without ``stream=`` it then polls the event recorded
 after its launch for :data:`~acoll._memory.cuda.TIGHT_SPIN_S` without yielding (a small
 all-reduce over NVLink ends within it), then sleeps in the loop like every GPU wait.
 Errors and cancellation end the communicator as on the general route.
@@ -183,8 +186,10 @@ class PreparedCalls:
         ex.skip()
         seq = ex.seq - 1
         done: list[Any] = []
+        settle = stream is None
         try:
-            waiter = dom.submit(lambda: self._launch(prep, st, done), comm.timeout, name)
+            waiter = dom.submit(lambda: self._launch(prep, st, done, settle), comm.timeout,
+                                name)
             if waiter is None and stream is not None:
                 return True
             if waiter is None:
@@ -200,9 +205,9 @@ class PreparedCalls:
             first = comm.error
             comm.fail(exc)
             raise (first or exc) from None
-        return ex.run_now(name, seq, self._finish(waiter, done, stream is None))
+        return ex.run_now(name, seq, self._finish(waiter, done, settle))
 
-    def _launch(self, prep: Prepared, stream: Any, done: list[Any]) -> None:
+    def _launch(self, prep: Prepared, caller: Any, done: list[Any], settle: bool) -> None:
         dom = self.dom
         rt = self.runtime
         prev = rt.getDevice()
@@ -210,6 +215,14 @@ class PreparedCalls:
             rt.setDevice(dom.device)
         try:
             dom.mine = prep.describe
+            stream = caller
+            if dom.shares_gpu:  # our own stream, ordered after the caller's
+                space = dom.space
+                stream = space.stream
+                ready = space.take_event()
+                ready.record(caller)
+                stream.wait_event(ready)
+                space.give_event(ready)
             dom.follow(stream)
             ptr = stream.ptr
             fn = prep.fn
@@ -218,7 +231,10 @@ class PreparedCalls:
                     rt.memcpyAsync(dst, src, nbytes, _DEFAULT, ptr)
                 dom.launch_prepared(fn, blocks, args, params, ptr)
             dom.copied += prep.copied
-            done.append(dom.mark(stream))
+            event = dom.mark(stream)
+            if stream is not caller and not settle:
+                caller.wait_event(event)
+            done.append(event)
         finally:
             if prev != dom.device:
                 rt.setDevice(prev)
