@@ -316,6 +316,7 @@ async def test_prepared_calls_of_ranks_sharing_a_gpu_share_no_stream() -> None:
         with cp.cuda.Device(0):
             shared.synchronize()
             got = [cp.asnumpy(x) for x in xs]
+        assert not any(c._p2p is None or c._p2p.failed for c in comms)
         assert all(_hits(c) >= 6 for c in comms)
         assert all(bool((g == 2.0 ** 8).all()) for g in got), [g[:4] for g in got]
     except BaseException:
@@ -329,17 +330,22 @@ async def test_prepared_calls_keep_no_array_alive() -> None:
     import gc
     import weakref
     comms = await _form(_devices(2))
+
+    async def call(c: acoll.Communicator, x: Any) -> None:
+        await c.all_reduce(x)  # (returns None: gather's result holds no array)
+
     try:
         for calls, hits in [(1, 0), (2, 1)]:  # learned only; then run prepared too
             xs = [to_device(c.device or 0)(np.ones(1000 * calls, np.float32)) for c in comms]
             for _ in range(calls):
-                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs,
-                                                                       strict=True)))
+                await asyncio.gather(*(call(c, x) for c, x in zip(comms, xs, strict=True)))
             assert all(_hits(c) == hits for c in comms)
             refs = [weakref.ref(x) for x in xs]
             del xs
             gc.collect()
-            assert all(ref() is None for ref in refs)
+            alive = [ref() for ref in refs if ref() is not None]
+            assert not alive, (calls, [[type(h).__name__ + ":" + repr(h)[:120] for h in
+                                        gc.get_referrers(a)] for a in alive])
     finally:
         await _close(comms)
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Coroutine
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from .._config import Setting, parse_bool
 from .._cuda.p2p_kernels import P2PSource
@@ -47,9 +47,24 @@ from .._memory.cuda import TIGHT_SPIN_S
 from ..errors import AcollError
 
 if TYPE_CHECKING:
-    from .._communicator import Communicator
     from .domain import P2PDomain
     from .ops import P2POp
+
+
+class _Host(Protocol):
+    """What a prepared call uses of its communicator (a protocol, so that this part
+    does not import the communicator's module, which imports it)."""
+
+    _exec: Any
+    _error: Any
+    _closed: bool
+    _p2p_seq: Any
+    timeout: float
+
+    @property
+    def error(self) -> AcollError | None: ...
+
+    def fail(self, error: AcollError) -> None: ...
 
 __all__ = ["MOST", "PREPARED", "Prepared", "PreparedCalls"]
 
@@ -93,7 +108,7 @@ def _contiguous(a: Any) -> bool:
 class PreparedCalls:
     """A communicator's prepared calls (see the module docstring)."""
 
-    def __init__(self, comm: Communicator, dom: P2PDomain) -> None:
+    def __init__(self, comm: _Host, dom: P2PDomain) -> None:
         import cupy as cp
         self.comm, self.dom = comm, dom
         self.ndarray = cp.ndarray
@@ -182,14 +197,28 @@ class PreparedCalls:
             st = stream
         else:
             return False
+        ready = None
+        if dom.shares_gpu:
+            # The kernel goes to our own stream, after the caller's work queued so far:
+            # recorded now, not at the launch, which may run after the other local
+            # ranks' launches made the caller's stream wait for their kernels.
+            space = dom.space
+            if prev != dom.device:
+                rt.setDevice(dom.device)
+            try:
+                ready = space.take_event()
+                ready.record(st)
+            finally:
+                if prev != dom.device:
+                    rt.setDevice(prev)
         self.hits += 1
         ex.skip()
         seq = ex.seq - 1
         done: list[Any] = []
         settle = stream is None
         try:
-            waiter = dom.submit(lambda: self._launch(prep, st, done, settle), comm.timeout,
-                                name)
+            waiter = dom.submit(lambda: self._launch(prep, st, ready, done, settle),
+                                comm.timeout, name)
             if waiter is None and stream is not None:
                 return True
             if waiter is None:
@@ -205,9 +234,12 @@ class PreparedCalls:
             first = comm.error
             comm.fail(exc)
             raise (first or exc) from None
-        return ex.run_now(name, seq, self._finish(waiter, done, settle))
+        finish: Coroutine[Any, Any, None] = ex.run_now(name, seq,
+                                                       self._finish(waiter, done, settle))
+        return finish
 
-    def _launch(self, prep: Prepared, caller: Any, done: list[Any], settle: bool) -> None:
+    def _launch(self, prep: Prepared, caller: Any, ready: Any, done: list[Any],
+                settle: bool) -> None:
         dom = self.dom
         rt = self.runtime
         prev = rt.getDevice()
@@ -216,11 +248,9 @@ class PreparedCalls:
         try:
             dom.mine = prep.describe
             stream = caller
-            if dom.shares_gpu:  # our own stream, ordered after the caller's
+            if ready is not None:  # our own stream, after the caller's (see start())
                 space = dom.space
                 stream = space.stream
-                ready = space.take_event()
-                ready.record(caller)
                 stream.wait_event(ready)
                 space.give_event(ready)
             dom.follow(stream)
