@@ -78,7 +78,8 @@ DISABLE = Setting("P2P_DISABLE", parse_bool, False,
 BUFFER = Setting("P2P_BUFFER", parse_size, 64 << 20,
                  "Device workspace per GPU rank for the P2P path (bytes; copy mode moves "
                  "calls through it in steps of this size).", "P2P")
-BLOCKS = Setting("P2P_BLOCKS", int, 64, "Most thread blocks per P2P kernel launch.", "P2P")
+BLOCKS = Setting("P2P_BLOCKS", int, 128,
+                 "Most thread blocks per P2P kernel launch (at most 128).", "P2P")
 ONE_SHOT_MAX = Setting("P2P_ONE_SHOT_MAX", parse_size, 256 << 10,
                        "Largest all_reduce (bytes) run one-shot; larger ones are two-shot.",
                        "P2P")
