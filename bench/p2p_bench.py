@@ -346,13 +346,26 @@ def main() -> None:
     ap.add_argument("--no-nccl", action="store_true")
     ap.add_argument("--register", action="store_true",
                     help="register the buffers (procs: peers read them in place)")
+    ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
+                    help="event loop of the one-process run (default: uvloop when "
+                         "installed, as acoll-run and the processes here use)")
     ap.add_argument("--json")
     args = ap.parse_args()
+    if args.loop is None:
+        try:
+            import uvloop
+            args.loop = "uvloop"
+        except ImportError:
+            args.loop = "asyncio"
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     rows: list[dict[str, Any]] = []
     t0 = time.time()
     if args.where == "inproc":
-        asyncio.run(_acoll_inproc(args, rows.append))
+        if args.loop == "uvloop":
+            import uvloop
+            uvloop.run(_acoll_inproc(args, rows.append))
+        else:
+            asyncio.run(_acoll_inproc(args, rows.append))
         if not args.no_nccl:
             try:
                 _nccl_inproc(args, rows.append)
@@ -370,7 +383,8 @@ def main() -> None:
                 port = s.getsockname()[1]
             rows += _spawn(_torch_proc, [port], args)
     print(f"# {args.where}, {args.nranks} ranks, float32 sum, {time.time() - t0:.0f} s; "
-          f"modes: {sorted({r['mode'] for r in rows})}")
+          f"modes: {sorted({r['mode'] for r in rows})}; loop: "
+          + (args.loop if args.where == "inproc" else "uvloop"))
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -75,7 +75,7 @@ log = get_logger("P2P")
 
 DISABLE = Setting("P2P_DISABLE", parse_bool, False,
                   "Never use the intra-host GPU path (peer access / CUDA IPC kernels).", "P2P")
-BUFFER = Setting("P2P_BUFFER", parse_size, 64 << 20,
+BUFFER = Setting("P2P_BUFFER", parse_size, 256 << 20,
                  "Device workspace per GPU rank for the P2P path (bytes; copy mode moves "
                  "calls through it in steps of this size).", "P2P")
 BLOCKS = Setting("P2P_BLOCKS", int, 128,
