@@ -136,8 +136,21 @@ async def prepared(comm: acoll.Communicator) -> None:
     await rounds(0, copies=True)
     regs = [await comm.register(x) for x in (a, b)]
     await rounds(10, copies=False)
+    # A prepared call on a stream, behind 200 ms of other work, then deregistering: the
+    # peers' mappings go only once its kernel is done (else: an illegal address).
+    from acoll._cuda.spin import spin
+    with cp.cuda.Device(comm.device):
+        a[...] = r + 1
+        cp.cuda.get_current_stream().synchronize()
+        spin(0.2, streams[0])
+    hits = fast.hits
+    await comm.all_reduce(a, b, stream=streams[0])
+    assert fast.hits == hits + 1
     for reg in regs:
         await comm.deregister(reg)
+    with cp.cuda.Device(comm.device):
+        streams[0].synchronize()
+        assert bool((b == n * (n + 1) // 2).all()), float(b[0])
     await rounds(20, copies=True)
     with cp.cuda.Device(comm.device):
         a[...] = 1

@@ -350,6 +350,92 @@ async def test_prepared_calls_keep_no_array_alive() -> None:
         await _close(comms)
 
 
+async def test_prepared_calls_without_stream_leave_the_callers_stream_alone() -> None:
+    """Without stream= a prepared kernel goes to the communicator's stream (after an event
+    on the caller's), as on the general route: the caller's stream, which the application
+    may share between communicators, never waits for a kernel spinning for its peers. A
+    root that is not an int never keys a prepared call."""
+    comms = await _form(_devices(2))
+    try:
+        xs = [to_device(c.device or 0)(np.ones(1000, np.float32)) for c in comms]
+        for _ in range(3):
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        for c in comms:
+            assert _hits(c) == 2
+            assert c._p2p is not None
+            assert c._p2p._last_ptr == c._p2p.space.stream.ptr
+            assert c._prepared is not None
+            assert c._prepared.key("broadcast", xs[0], None, None, np.int64(1)) is None
+    finally:
+        await _close(comms)
+
+
+@pytest.mark.timeout(120)
+async def test_close_waits_for_prepared_kernels_on_callers_streams(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A prepared call with stream= leaves its kernel on the caller's stream behind 200 ms
+    of other work; close() must wait for it before it frees the workspace (not keep the
+    workspace because a kernel still runs)."""
+    import logging
+
+    from acoll._cuda.spin import spin
+    caplog.set_level(logging.INFO, logger="acoll")
+    comms = await _form(_devices(2))
+    streams = []
+    for c in comms:
+        with cp.cuda.Device(c.device):
+            streams.append(cp.cuda.Stream(non_blocking=True))
+    xs = [to_device(c.device or 0)(np.ones(1 << 16, np.float32)) for c in comms]
+    try:
+        for k in range(2):
+            if k:
+                for c, st in zip(comms, streams, strict=True):
+                    with cp.cuda.Device(c.device):
+                        spin(0.2, st)
+            await asyncio.gather(*(c.all_reduce(x, stream=st)
+                                   for c, x, st in zip(comms, xs, streams, strict=True)))
+        assert all(_hits(c) == 1 for c in comms)
+        assert all(c._p2p is not None and c._p2p.busy for c in comms)
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+    assert "workspace kept" not in caplog.text
+    for c, st, x in zip(comms, streams, xs, strict=True):
+        with cp.cuda.Device(c.device):
+            st.synchronize()
+            assert bool((x == 4).all())
+
+
+@pytest.mark.timeout(120)
+async def test_two_prepared_calls_of_one_rank_in_flight_fail_at_once_on_abort() -> None:
+    """Two calls of rank 0 waiting for rank 1 (which makes neither): the first prepared,
+    the second behind it (one launch of a rank waits for the other local ranks at a
+    time); abort() ends both at once, not at the 30 s timeout."""
+    comms = await _form(_devices(2), timeout=30)
+    try:
+        pairs = [[to_device(c.device or 0)(np.ones(n, np.float32)) for c in comms]
+                 for n in (1000, 2000)]
+        for xs in pairs:
+            for _ in range(2):
+                await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs,
+                                                                       strict=True)))
+        hits = _hits(comms[0])
+        tasks = [asyncio.ensure_future(comms[0].all_reduce(xs[0])) for xs in pairs]
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks)
+        assert _hits(comms[0]) == hits + 1  # the second waits its turn
+        t0 = time.monotonic()
+        comms[0].abort()
+        done, _ = await asyncio.wait(tasks, timeout=5)
+        assert len(done) == 2, time.monotonic() - t0
+        assert all(isinstance(t.exception(), acoll.AcollError) for t in tasks)
+    finally:
+        for c in comms:
+            c.abort()
+
+
 async def test_prepared_calls_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_P2P_PREPARED", "0")
     comms = await _form(_devices(2))

@@ -533,6 +533,7 @@ class Communicator:
                 failure = exc
         if self._p2p is not None:
             with contextlib.suppress(AcollError):
+                self._p2p.gather_launches()
                 await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
             self._p2p.close()
         self._closed = True

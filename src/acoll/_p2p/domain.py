@@ -564,6 +564,13 @@ class P2PDomain:
         self._last_stream, self._last_ptr, self._last_event = stream, stream.ptr, event
         return event
 
+    def gather_launches(self) -> None:
+        """Make the communicator's stream wait for this rank's last launch (prepared calls
+        launch on callers' streams), so that settling that stream covers every launch."""
+        if self._last_event is not None and not self._freed:
+            with self.cp.cuda.Device(self.device):
+                self.follow(self.space.stream)
+
     @property
     def busy(self) -> bool:
         """Whether a launch of this rank may still run (or the device cannot tell)."""
@@ -707,6 +714,7 @@ class P2PDomain:
             raise InvalidUsage(f"no registration #{index} on this communicator")
         self._regs.remove(reg)
         self.generation += 1
+        self.gather_launches()  # (a prepared call's kernel may still read it)
         await self.space.settle(asyncio.get_running_loop().time() + self.timeout_ns / 1e9)
         await boot.barrier()  # every rank's kernels that could read it are done
         for h in reg.opened:

@@ -17,13 +17,15 @@ step). A later call with the same key, on CuPy arrays (contiguous, on this devic
   waiting for its turn, no kernel error recorded),
 - its kernel is compiled, and ``stream=`` is ``None`` or a CuPy stream of this device;
 
-otherwise it takes the general route (which also reports every misuse). A prepared call
-launches on the caller's stream itself (no events between streams; NCCL does the same),
-after :meth:`~acoll._p2p.domain.P2PDomain.follow` orders it after this rank's last launch
-when that went to another stream; ranks sharing a GPU (one thread drives them) launch on
-their own streams instead, ordered after the caller's by events as on the general route
-(on one stream, such as the device's default stream, the kernel launched first would wait
-forever for its peer queued behind it). Without ``stream=`` it then polls the event recorded
+otherwise it takes the general route (which also reports every misuse). With
+``stream=`` a prepared call launches on that stream itself (no events between streams;
+NCCL does the same), after :meth:`~acoll._p2p.domain.P2PDomain.follow` orders it after
+this rank's last launch when that went to another stream. Without ``stream=``, and for
+ranks sharing a GPU (one thread drives them), it launches on the communicator's stream
+after an event recorded on the caller's at the call, as on the general route: the
+caller's stream never waits for the kernel then (kernels that spin for their peers on a
+stream shared by two communicators, or by two ranks of one GPU, could wait for each other
+forever). Without ``stream=`` it then polls the event recorded
 after its launch for :data:`~acoll._memory.cuda.TIGHT_SPIN_S` without yielding (a small
 all-reduce over NVLink ends within it), then sleeps in the loop like every GPU wait.
 Errors and cancellation end the communicator as on the general route.
@@ -138,6 +140,8 @@ class PreparedCalls:
             rkey = (rdata.ptr, recv.size, recv.dtype)
         if op is not None and type(op) is not ReduceOp:
             op = ReduceOp.coerce(op)
+        if type(root) is not int:  # (1.0 or np.int64(1) would hash like a checked 1)
+            return None
         return (name, sdata.ptr, send.size, send.dtype, rkey, op, root)
 
     def learn(self, key: Key | None, op: P2POp | None) -> None:
@@ -198,10 +202,13 @@ class PreparedCalls:
         else:
             return False
         ready = None
-        if dom.shares_gpu:
-            # The kernel goes to our own stream, after the caller's work queued so far:
-            # recorded now, not at the launch, which may run after the other local
-            # ranks' launches made the caller's stream wait for their kernels.
+        if dom.shares_gpu or stream is None:
+            # The kernel goes to our own stream, after the caller's work queued so far
+            # (recorded now, not at the launch, which may run after the other local
+            # ranks' launches made the caller's stream wait for their kernels). Without
+            # stream= the caller's stream never waits for the kernel, as on the general
+            # route: kernels spinning for their peers on a stream the application shares
+            # between communicators (the default stream) could wait for each other.
             space = dom.space
             if prev != dom.device:
                 rt.setDevice(dom.device)
@@ -214,11 +221,21 @@ class PreparedCalls:
         self.hits += 1
         ex.skip()
         seq = ex.seq - 1
+        # A ticket, as on the general route: a later P2P call of this rank waits until
+        # this one's launch ran (at most one launch of a rank waits for the others').
+        turns = comm._p2p_seq
+        ticket = turns.ticket()
         done: list[Any] = []
         settle = stream is None
         try:
-            waiter = dom.submit(lambda: self._launch(prep, st, ready, done, settle),
-                                comm.timeout, name)
+            try:
+                waiter = dom.submit(lambda: self._launch(prep, st, ready, done, settle),
+                                    comm.timeout, name)
+            except BaseException:
+                turns.done(ticket)
+                raise
+            if waiter is None:  # launched (else _finish gives the ticket back)
+                turns.done(ticket)
             if waiter is None and stream is not None:
                 return True
             if waiter is None:
@@ -234,8 +251,8 @@ class PreparedCalls:
             first = comm.error
             comm.fail(exc)
             raise (first or exc) from None
-        finish: Coroutine[Any, Any, None] = ex.run_now(name, seq,
-                                                       self._finish(waiter, done, settle))
+        finish: Coroutine[Any, Any, None] = ex.run_now(
+            name, seq, self._finish(waiter, ticket, done, settle))
         return finish
 
     def _launch(self, prep: Prepared, caller: Any, ready: Any, done: list[Any],
@@ -269,10 +286,14 @@ class PreparedCalls:
             if prev != dom.device:
                 rt.setDevice(prev)
 
-    async def _finish(self, waiter: Any, done: list[Any], settle: bool) -> None:
+    async def _finish(self, waiter: Any, ticket: int, done: list[Any], settle: bool
+                      ) -> None:
         dom = self.dom
         if waiter is not None:
-            await waiter
+            try:
+                await waiter
+            finally:
+                self.comm._p2p_seq.done(ticket)
         if settle:
             loop = asyncio.get_running_loop()
             await dom.space.wait_event(done[0], loop.time() + self.comm.timeout)
