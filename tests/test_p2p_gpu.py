@@ -436,6 +436,52 @@ async def test_two_prepared_calls_of_one_rank_in_flight_fail_at_once_on_abort() 
             c.abort()
 
 
+@pytest.mark.parametrize("route", ["prepared", "general"])
+async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
+        route: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA call that fails while rank 0 enqueues a P2P call (injected) is a
+    TransportError there, naming the path, with the CUDA error as its cause; the
+    communicator fails, and rank 1 learns it (an error, not a hang)."""
+    comms = await _form(_devices(2), timeout=20)
+    try:
+        xs = [to_device(c.device or 0)(np.ones(1000, np.float32)) for c in comms]
+        await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        dom = comms[0]._p2p
+        assert dom is not None
+
+        def broken(*args: Any, **kw: Any) -> None:
+            raise cp.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
+
+        monkeypatch.setattr(dom, "launch_prepared" if route == "prepared" else "launch",
+                            broken)
+        if route == "general":
+            comms[0]._prepared = None
+        t0 = time.monotonic()
+        got = await asyncio.gather(*(asyncio.wait_for(c.all_reduce(x), 15)
+                                     for c, x in zip(comms, xs, strict=True)),
+                                   return_exceptions=True)
+        assert time.monotonic() - t0 < 12
+        assert isinstance(got[0], acoll.TransportError), got
+        assert "peer-to-peer" in str(got[0])
+        assert isinstance(got[0].__cause__, cp.cuda.runtime.CUDARuntimeError)
+        assert isinstance(got[1], acoll.AcollError), got
+        assert comms[0].error is not None
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_a_closed_domain_is_never_read() -> None:
+    comms = await _form(_devices(2))
+    await _close(comms)
+    for c in comms:
+        dom = c._p2p
+        assert dom is not None
+        assert dom.failed
+        with pytest.raises(acoll.ClosedError):
+            dom.check()
+
+
 async def test_prepared_calls_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_P2P_PREPARED", "0")
     comms = await _form(_devices(2))

@@ -623,6 +623,18 @@ class Communicator:
                      op=0 if op is None else int(op), dtype_code=dtype_code(s.dtype),
                      total=count, name=name)
 
+    async def _ran_prepared(self, name: str, send: Any, recv: Any, op: Any, root: Any,
+                            stream: Any) -> bool:
+        """Run the call as a prepared call if it is one (:mod:`acoll._p2p.fast`); False:
+        nothing was done, take the general route."""
+        assert self._prepared is not None
+        started = self._prepared.start(name, send, recv, op, root, stream)
+        if started is False:
+            return False
+        if started is not True:
+            await started
+        return True
+
     def _learn(self, name: str, send: Any, recv: Any, op: Any, root: int,
                 p2p: P2POp | None) -> None:
         """Keep a P2P call's launches for later calls like it (:mod:`acoll._p2p.fast`)."""
@@ -716,13 +728,9 @@ class Communicator:
         is ordered there. Without ``stream=`` the op is ordered after CuPy's current
         stream's work and the await returns when the result can be read.
         """
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('all_reduce', send, recv, op, 0, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return send if recv is None else recv
+        if self._prepared is not None and await self._ran_prepared(
+                "all_reduce", send, recv, op, 0, stream):
+            return send if recv is None else recv
         key = _plan_key(send, op) if self._lane_plans and stream is None else None
         if key is not None:
             # A call like a recent one (dtype, count, op): its lane plan, with this call's
@@ -883,13 +891,9 @@ class Communicator:
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
         """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('broadcast', buf, None, None, root, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return buf
+        if self._prepared is not None and await self._ran_prepared(
+                "broadcast", buf, None, None, root, stream):
+            return buf
         b = self.mem.adopt(buf, "buf", writable=True)
         root = check_root(root, self.size)
         order = self.mem.order(stream)
@@ -916,13 +920,9 @@ class Communicator:
 
         ``recv=None`` means in place on the root; non-root ranks' buffers are not changed.
         """
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('reduce', send, recv, op, root, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return send if recv is None else recv
+        if self._prepared is not None and await self._ran_prepared(
+                "reduce", send, recv, op, root, stream):
+            return send if recv is None else recv
         rop = ReduceOp.coerce(op)
         root = check_root(root, self.size)
         r: Buffer | None
@@ -957,13 +957,9 @@ class Communicator:
 
         In place when ``send`` is this rank's block of ``recv``.
         """
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('all_gather', send, recv, None, 0, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return recv
+        if self._prepared is not None and await self._ran_prepared(
+                "all_gather", send, recv, None, 0, stream):
+            return recv
         s, r, out = self._pair(send, recv, "all_gather", 1, self.size)
         order = self.mem.order(stream)
         desc = descriptor(Coll.ALL_GATHER, s)
@@ -990,13 +986,9 @@ class Communicator:
     async def reduce_scatter(self, send: Any, recv: Any, op: ReduceOp | str = ReduceOp.SUM,
                              *, stream: Any = None) -> Any:
         """Reduce ``send`` (``size`` blocks) across ranks; block ``rank`` lands in ``recv``."""
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('reduce_scatter', send, recv, op, 0, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return recv
+        if self._prepared is not None and await self._ran_prepared(
+                "reduce_scatter", send, recv, op, 0, stream):
+            return recv
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
         check_op_dtype(rop, s.dtype, "reduce_scatter")
@@ -1026,13 +1018,9 @@ class Communicator:
     @_announced
     async def all_to_all(self, send: Any, recv: Any, *, stream: Any = None) -> Any:
         """Block ``p`` of ``send`` goes to rank ``p``; block ``q`` of ``recv`` comes from ``q``."""
-        fast = self._prepared
-        if fast is not None:
-            started = fast.start('all_to_all', send, recv, None, 0, stream)
-            if started is not False:
-                if started is not True:
-                    await started
-                return recv
+        if self._prepared is not None and await self._ran_prepared(
+                "all_to_all", send, recv, None, 0, stream):
+            return recv
         s, r, out = self._pair(send, recv, "all_to_all")
         if s.count % self.size:
             raise InvalidUsage(f"all_to_all: {s.count} elements do not split into "

@@ -65,7 +65,7 @@ from .._cuda.p2p_kernels import (
     reduce_source,
 )
 from .._dtypes import DTYPE_NAMES, ReduceOp
-from ..errors import AcollError, InvalidUsage, RemoteError
+from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 from .plan import Step, describe, plan
 
@@ -462,6 +462,16 @@ class P2PDomain:
                 capacity=None if whole else self.capacity, most_blocks=self.most_blocks)
         return steps
 
+    def translated(self, exc: BaseException) -> TransportError | None:
+        """``exc`` raised while enqueueing a call, as the acoll error to raise from it (the
+        path's boundary: a failed CUDA call is a :class:`~acoll.TransportError`), or
+        ``None`` for anything else."""
+        cuda = self.cp.cuda
+        if isinstance(exc, (cuda.runtime.CUDARuntimeError, cuda.driver.CUDADriverError)):
+            return TransportError(f"rank {self.rank}: a CUDA call of the GPU peer-to-peer "
+                                  f"path failed: {exc}")
+        return None
+
     def submit(self, launch: Callable[[], None], timeout: float, name: str
                ) -> Awaitable[None] | None:
         """Run ``launch`` (this rank's enqueue of one call) together with the same call of
@@ -498,13 +508,19 @@ class P2PDomain:
 
     @property
     def failed(self) -> bool:
-        """Whether a kernel recorded an error (:meth:`check` raises it)."""
-        return self._failed is not None or bool(self._flag[0])
+        """Whether a kernel recorded an error or the domain is closed (:meth:`check`
+        raises)."""
+        return self._failed is not None or self._freed or bool(self._flag[0])
 
     def check(self) -> None:
-        """Raise the first error a kernel recorded (and keep raising it)."""
+        """Raise the first error a kernel recorded (and keep raising it), or
+        :class:`~acoll.ClosedError` once the domain is closed (its error rows are host
+        memory freed at close: never read after)."""
         if self._failed is not None:
             raise self._failed
+        if self._freed:
+            raise ClosedError(f"rank {self.rank}: the communicator's GPU peer-to-peer "
+                              "path was closed while a call used it")
         if not self._flag[0]:
             return
         rows = np.flatnonzero(self._err[:, 0])

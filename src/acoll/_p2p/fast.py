@@ -282,6 +282,11 @@ class PreparedCalls:
             if stream is not caller and not settle:
                 caller.wait_event(event)
             done.append(event)
+        except Exception as exc:
+            err = dom.translated(exc)
+            if err is None:
+                raise
+            raise err from exc
         finally:
             if prev != dom.device:
                 rt.setDevice(prev)

@@ -167,16 +167,22 @@ class P2POp:
         # (what a mismatch report says this rank called: not a method of this op, which
         # holds the call's arrays until the domain's next call)
         dom.mine = functools.partial(_describe, self.name, self.total, self.send.dtype)
-        self.order.start()
-        with dom.cp.cuda.Device(dom.device):
-            dom.follow(stream)
-            for step, copies, args in self.launches():
-                for dst, src, nbytes in copies:
-                    dom.copied += nbytes
-                    memcpy(dst, src, nbytes, _DEFAULT, stream.ptr)
-                dom.launch(kern, self.src, step, **args)
-            dom.mark(stream)
-        self.order.finish()
+        try:
+            self.order.start()
+            with dom.cp.cuda.Device(dom.device):
+                dom.follow(stream)
+                for step, copies, args in self.launches():
+                    for dst, src, nbytes in copies:
+                        dom.copied += nbytes
+                        memcpy(dst, src, nbytes, _DEFAULT, stream.ptr)
+                    dom.launch(kern, self.src, step, **args)
+                dom.mark(stream)
+            self.order.finish()
+        except Exception as exc:
+            err = dom.translated(exc)
+            if err is None:
+                raise
+            raise err from exc
 
 
 def _describe(name: str, total: int, dtype: Any) -> str:
