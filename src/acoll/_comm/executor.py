@@ -140,7 +140,9 @@ class Executor:
         except AcollError as exc:
             first = self.host.error
             self.host.fail(exc)
-            raise (first or exc) from None
+            if first is None:
+                raise  # (keeps what it was raised from)
+            raise first from None
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
@@ -174,7 +176,9 @@ class Executor:
         except AcollError as exc:
             first = host.error
             host.fail(exc)
-            raise (first or exc) from None
+            if first is None:
+                raise  # (keeps what it was raised from)
+            raise first from None
         finally:
             self.running.discard(ctx)
             if check is not None and not check.done():

@@ -250,7 +250,9 @@ class PreparedCalls:
         except AcollError as exc:
             first = comm.error
             comm.fail(exc)
-            raise (first or exc) from None
+            if first is None:
+                raise  # (keeps what it was raised from)
+            raise first from None
         finish: Coroutine[Any, Any, None] = ex.run_now(
             name, seq, self._finish(waiter, ticket, done, settle))
         return finish
