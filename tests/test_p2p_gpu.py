@@ -386,6 +386,9 @@ async def test_close_waits_for_prepared_kernels_on_callers_streams(
         with cp.cuda.Device(c.device):
             streams.append(cp.cuda.Stream(non_blocking=True))
     xs = [to_device(c.device or 0)(np.ones(1 << 16, np.float32)) for c in comms]
+    for c in comms:  # (the copies to the device are on the default stream, which the
+        with cp.cuda.Device(c.device):  # non-blocking streams above do not wait for)
+            cp.cuda.get_current_stream().synchronize()
     try:
         for k in range(2):
             if k:
