@@ -317,11 +317,13 @@ def test_recv_aliasing_send_in_other_objects_is_in_place() -> None:
 
 def test_all_gather_in_steps_keeps_the_loop_responsive() -> None:
     """Found by review: the own 64 MiB block was copied in one go at the end (about
-    20 to 60 ms without a yield)."""
+    20 to 60 ms without a yield). Bounded on the part of each gap the loop's thread spent
+    running (its CPU time): a gap from the scheduler running another process (a test
+    worker beside it on two cores: 21 to 28 ms seen) is not the loop's."""
     for res in _run("gather_lag", 2, cpus=4):
         assert res is not None
         assert res["ticks"] > 20, res
-        assert res["worst_lag"] < 0.015, res
+        assert res["worst_busy_lag"] < 0.015, res
 
 
 def test_a_stall_in_the_middle_of_steps_is_named_with_the_step() -> None:

@@ -485,6 +485,40 @@ async def test_a_closed_domain_is_never_read() -> None:
             dom.check()
 
 
+@pytest.mark.timeout(120)
+async def test_a_rooted_call_queued_on_one_rank_and_idle_on_the_other() -> None:
+    """broadcast and reduce (rooted: on the general route the ranks agree on the call over
+    the network) made while rank 0's executor is busy (its lock held for 0.2 s) and rank
+    1's idle: rank 0 runs the call through its queue, rank 1 at once. The kernels check
+    that both run the same call; an agreement on rank 0 would wait for rank 1, which
+    takes no part in it, until the 10 s timeout."""
+    comms = await _form(_devices(2), timeout=10)
+    try:
+        xs = [to_device(c.device or 0)(np.full(1000, c.rank + 1.0, np.float32))
+              for c in comms]
+        lock = comms[0]._exec.lock
+
+        async def release_later() -> None:
+            await asyncio.sleep(0.2)
+            lock.release()
+
+        for call in ("broadcast", "reduce", "broadcast"):
+            await lock.acquire()
+            t0 = time.monotonic()
+            if call == "broadcast":
+                calls = [c.broadcast(x, root=1) for c, x in zip(comms, xs, strict=True)]
+            else:
+                calls = [c.reduce(x, root=0) for c, x in zip(comms, xs, strict=True)]
+            await asyncio.gather(*calls, release_later())
+            assert time.monotonic() - t0 < 5, call
+        # broadcast from rank 1: 2 everywhere; reduce to rank 0 in place: 4 there; then
+        # rank 1's 2 everywhere again
+        assert [float(to_host(x)[0]) for x in xs] == [2.0, 2.0]
+    finally:
+        for c in comms:
+            c.abort()
+
+
 async def test_prepared_calls_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("ACOLL_P2P_PREPARED", "0")
     comms = await _form(_devices(2))

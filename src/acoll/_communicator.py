@@ -656,7 +656,7 @@ class Communicator:
             await ex.execute(desc, make)
             return
         if not ex.idle:
-            await ex.execute(desc, lambda ctx: p2p)
+            await ex.execute(desc, lambda ctx: p2p, self_checked=True)
             return
         self.check_usable()
         ex.skip()
@@ -699,7 +699,8 @@ class Communicator:
         ex = self._exec
         if not ex.idle:
             full = ex.seq  # (the number execute() gives it, at once)
-            await ex.execute(desc, lambda ctx: _PlanAt(call, full, ctx, mine, res), lane=True)
+            await ex.execute(desc, lambda ctx: _PlanAt(call, full, ctx, mine, res),
+                             self_checked=True)
             return
         await ex.lock.acquire()
         try:

@@ -98,11 +98,14 @@ class Executor:
         self.seq += 1
 
     async def execute(self, desc: Descriptor, make: MakeAlgorithm,
-                      tag_base: int | None = None, *, lane: bool = False) -> None:
+                      tag_base: int | None = None, *, self_checked: bool = False) -> None:
         """Number (unless ``tag_base`` is given: point-to-point), then run or enqueue.
 
-        ``lane=True``: a lane op (:mod:`.lane`), which checks on its own that every rank
-        runs it: no agreement exchange, no announcement."""
+        ``self_checked=True``: an op that checks on its own that every rank runs it (a
+        lane op, :mod:`.lane`; a P2P op, whose kernels compare the ranks' descriptors):
+        no agreement exchange, no announcement. Such an op may run on the idle fast path
+        on one rank and here on another: an agreement would wait for a rank that never
+        takes part."""
         self.host.check_usable()
         full = self.seq
         if tag_base is None:
@@ -111,7 +114,7 @@ class Executor:
             self.seq += 1
             self.checker.issue(seq, desc, in_group=self._group is not None)
         if self._group is not None:
-            self._group.append((tag_base >> 32, desc, tag_base, make, lane, full))
+            self._group.append((tag_base >> 32, desc, tag_base, make, self_checked, full))
             return
         self.queued += 1
         try:
@@ -125,7 +128,7 @@ class Executor:
         try:
             self.host.check_usable()
             await self._run(OpContext(self.host, tag_base >> 32, desc, False, tag_base), make,
-                            lane, full)
+                            self_checked, full)
         finally:
             self.lock.release()
 
@@ -149,10 +152,11 @@ class Executor:
         self.host.fail(RemoteError(f"rank {rank} cancelled {name} #{seq}; the "
                                    "communicator was aborted", rank))
 
-    async def _run(self, ctx: OpContext, make: MakeAlgorithm, lane: bool = False,
+    async def _run(self, ctx: OpContext, make: MakeAlgorithm, self_checked: bool = False,
                    full: int = 0) -> None:
         host = self.host
-        if self.announce is not None and not lane and ctx.desc.coll != Coll.SEND_RECV:
+        if (self.announce is not None and not self_checked
+                and ctx.desc.coll != Coll.SEND_RECV):
             self.announce(full, ctx.desc)
         ctx.deadline = self._loop.time() + host.timeout
         self.running.add(ctx)
@@ -160,7 +164,8 @@ class Executor:
             self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
-            if not lane and ctx.check and host.size > 1 and (ctx.desc.coll in _ROOTED or (
+            if not self_checked and ctx.check and host.size > 1 and (
+                    ctx.desc.coll in _ROOTED or (
                     ctx.desc.count == 0 and ctx.desc.coll not in _NO_DATA)):
                 check = await start_agreement(ctx)
             await make(ctx).run()
@@ -259,8 +264,8 @@ class Executor:
         try:
             self.host.check_usable()
             results = await asyncio.gather(
-                *(self._run(OpContext(self.host, seq, desc, True, tag), make, lane, full)
-                  for seq, desc, tag, make, lane, full in ops), return_exceptions=True)
+                *(self._run(OpContext(self.host, seq, desc, True, tag), make, checked, full)
+                  for seq, desc, tag, make, checked, full in ops), return_exceptions=True)
         finally:
             self.lock.release()
         for res in results:
