@@ -1,0 +1,380 @@
+"""Prepared P2P calls (``acoll._p2p.fast``) without a GPU: which calls are keyed, when a
+learned call runs prepared and when it takes the general route, where its launch goes,
+and what an error at launch does. CuPy, the domain and the communicator are stand-ins
+that record what the prepared route asks of them (``tests/test_p2p_gpu.py`` runs the
+route on real GPUs)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from typing import Any
+
+import numpy as np
+import pytest
+
+from acoll._dtypes import ReduceOp
+from acoll._p2p.ops import Sequencer
+from acoll.errors import AcollError, TransportError
+
+DEV = 1
+
+
+class _Data:
+    def __init__(self, ptr: int, device_id: int) -> None:
+        self.ptr, self.device_id = ptr, device_id
+
+
+class _Array:  # cupy.ndarray's few attributes the route reads
+    def __init__(self, ptr: int, size: int, dtype: Any = np.float32, device: int = DEV,
+                 contiguous: bool = True) -> None:
+        self.data = _Data(ptr, device)
+        self.size, self.dtype = size, np.dtype(dtype)
+        self.flags = types.SimpleNamespace(c_contiguous=contiguous, f_contiguous=False)
+
+
+class _Stream:
+    def __init__(self, ptr: int, device_id: int = DEV) -> None:
+        self.ptr, self.device_id = ptr, device_id
+        self.waits: list[Any] = []
+
+    def wait_event(self, event: Any) -> None:
+        self.waits.append(event)
+
+
+class _Event:
+    def __init__(self) -> None:
+        self.done = True
+        self.records: list[Any] = []
+
+    def record(self, stream: Any) -> None:
+        self.records.append(stream)
+
+
+class _Runtime:
+    def __init__(self) -> None:
+        self.device = 0
+        self.copies: list[tuple[int, int, int, int]] = []
+
+    def getDevice(self) -> int:  # (CuPy's names)
+        return self.device
+
+    def setDevice(self, device: int) -> None:
+        self.device = device
+
+    def memcpyAsync(self, dst: int, src: int, n: int, kind: int,
+                    stream: int) -> None:
+        self.copies.append((dst, src, n, stream))
+
+
+class _Cuda(types.SimpleNamespace):
+    pass
+
+
+@pytest.fixture
+def fake_cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
+    runtime = _Runtime()
+    current = _Stream(0)
+    cuda = _Cuda(Stream=_Stream, runtime=runtime, get_current_stream=lambda: current,
+                 current=current)
+    mod = types.ModuleType("cupy")
+    mod.ndarray = _Array  # type: ignore[attr-defined]
+    mod.cuda = cuda  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "cupy", mod)
+    return mod
+
+
+class _Space:
+    def __init__(self) -> None:
+        self.stream = _Stream(77)
+        self.taken = self.given = 0
+
+    def take_event(self) -> _Event:
+        self.taken += 1
+        return _Event()
+
+    def give_event(self, event: Any) -> None:
+        self.given += 1
+
+
+class _Domain:
+    """The domain calls the route makes, recorded."""
+
+    def __init__(self) -> None:
+        self.device = DEV
+        self.generation = 0
+        self.shares_gpu = False
+        self.failed = False
+        self.space = _Space()
+        self.fn = 1234
+        self.copied = 0
+        self.mine: Any = None
+        self.launched: list[tuple[int, int, int]] = []  # (fn, blocks, stream ptr)
+        self.followed: list[int] = []
+        self.last: Any = None
+        self.raise_at_launch: BaseException | None = None
+        self.checks = 0
+
+    def function(self, src: Any) -> int:
+        return self.fn
+
+    def args_for(self, step: Any, **kw: Any) -> tuple[Any, Any]:
+        return dict(kw), object()
+
+    def follow(self, stream: Any) -> None:
+        self.followed.append(stream.ptr)
+
+    def launch_prepared(self, fn: int, blocks: int, args: Any, params: Any,
+                        stream_ptr: int) -> None:
+        if self.raise_at_launch is not None:
+            raise self.raise_at_launch
+        self.launched.append((fn, blocks, stream_ptr))
+
+    def mark(self, stream: Any) -> _Event:
+        self.last = _Event()
+        self.last.record(stream)
+        return self.last
+
+    def translated(self, exc: BaseException) -> TransportError | None:
+        return TransportError(f"cuda: {exc}") if isinstance(exc, OSError) else None
+
+    def submit(self, launch: Any, timeout: float, name: str) -> None:
+        launch()
+
+    def check(self) -> None:
+        self.checks += 1
+
+
+class _Executor:
+    def __init__(self) -> None:
+        self.idle = True
+        self.seq = 0
+
+    def skip(self) -> None:
+        self.seq += 1
+
+    async def run_now(self, name: str, seq: int, op: Any) -> None:
+        await op
+
+
+class _Host:
+    def __init__(self) -> None:
+        self._exec = _Executor()
+        self._error: AcollError | None = None
+        self._closed = False
+        self._p2p_seq = Sequencer()
+        self.timeout = 5.0
+        self.failed_with: list[AcollError] = []
+
+    @property
+    def error(self) -> AcollError | None:
+        return self._error
+
+    def fail(self, error: AcollError) -> None:
+        self.failed_with.append(error)
+        self._error = self._error or error
+
+
+class _Step:
+    def __init__(self, blocks: int) -> None:
+        self.blocks = blocks
+
+
+class _Op:  # a general-route P2POp, as far as learning reads it
+    def __init__(self, dom: _Domain, copies: bool = False) -> None:
+        self.dom, self.name, self.src = dom, "all_reduce", "src"
+        self._copies = [(900, 100, 64)] if copies else []
+
+    def describe(self) -> str:
+        return "all_reduce of 16 x float32"
+
+    def launches(self) -> list[tuple[_Step, list[tuple[int, int, int]], dict[str, Any]]]:
+        return [(_Step(4), list(self._copies), {"in_ptr": 100}),
+                (_Step(2), [], {"in_ptr": 164})]
+
+
+def _calls(fake_cupy: Any) -> tuple[Any, _Host, _Domain]:
+    from acoll._p2p.fast import PreparedCalls
+    host, dom = _Host(), _Domain()
+    return PreparedCalls(host, dom), host, dom  # type: ignore[arg-type]
+
+
+def _learned(fast: Any, dom: _Domain, send: _Array, recv: _Array | None = None, *,
+             op: Any = "sum", copies: bool = False) -> None:
+    fast.learn(fast.key("all_reduce", send, recv, op, 0), _Op(dom, copies))
+
+
+def test_keys_name_only_calls_that_can_be_prepared(fake_cupy: Any) -> None:
+    fast, _, _ = _calls(fake_cupy)
+    x = _Array(100, 16)
+    assert fast.key("all_reduce", x, None, "sum", 0) == fast.key("all_reduce", x, None,
+                                                                  ReduceOp.SUM, 0)
+    assert fast.key("all_reduce", x, None, "sum", 0) != fast.key("all_reduce", x, None,
+                                                                  "max", 0)
+    assert fast.key("all_reduce", np.ones(16, np.float32), None, "sum", 0) is None
+    assert fast.key("all_reduce", _Array(100, 16, device=0), None, "sum", 0) is None
+    assert fast.key("all_reduce", x, _Array(200, 16, device=0), "sum", 0) is None
+    assert fast.key("broadcast", x, None, None, np.int64(1)) is None  # root not an int
+    assert fast.key("broadcast", x, None, None, 1.0) is None
+    # the receive buffer's address, size and dtype are part of the call
+    k1 = fast.key("all_reduce", x, _Array(200, 16), "sum", 0)
+    assert k1 != fast.key("all_reduce", x, _Array(200, 16, np.int32), "sum", 0)
+    assert k1 != fast.key("all_reduce", x, _Array(208, 16), "sum", 0)
+    assert k1 != fast.key("all_reduce", x, None, "sum", 0)
+
+
+async def test_a_learned_call_on_a_stream_launches_there(fake_cupy: Any) -> None:
+    fast, host, dom = _calls(fake_cupy)
+    x, st = _Array(100, 16), _Stream(55)
+    assert fast.start("all_reduce", x, None, "sum", 0, st) is False  # not learned yet
+    _learned(fast, dom, x, copies=True)
+    assert fast.start("all_reduce", x, None, "sum", 0, st) is True
+    assert dom.launched == [(1234, 4, 55), (1234, 2, 55)]  # every step, on the stream
+    assert fake_cupy.cuda.runtime.copies == [(900, 100, 64, 55)]
+    assert dom.copied == 64
+    assert dom.followed == [55]
+    assert dom.mine() == "all_reduce of 16 x float32"
+    assert fast.hits == 1
+    assert host._exec.seq == 1  # the call used up its sequence number
+    assert host._p2p_seq.idle  # and gave its launch ticket back
+    assert fake_cupy.cuda.runtime.device == 0  # the caller's device is restored
+    assert st.waits == []  # the stream holds the kernel itself: no event
+
+
+async def test_without_a_stream_the_kernel_goes_to_the_communicators_stream(
+        fake_cupy: Any) -> None:
+    fast, _, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    assert fast.start("all_reduce", x, None, "sum", 0, None) is True  # (event done)
+    own = dom.space.stream
+    assert {ptr for _, _, ptr in dom.launched} == {own.ptr}
+    assert len(own.waits) == 1  # after an event recorded on the caller's stream
+    assert own.waits[0].records == [fake_cupy.cuda.current]
+    assert fake_cupy.cuda.current.waits == []  # the caller's stream never waits
+    assert dom.checks == 1  # kernel errors are read before the call returns
+    assert dom.space.taken == dom.space.given == 1
+
+
+async def test_an_awaited_call_still_running_is_awaited(fake_cupy: Any) -> None:
+    fast, _, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    waited: list[Any] = []
+
+    async def wait_event(event: Any, deadline: float | None = None) -> None:
+        waited.append(event)
+
+    dom.space.wait_event = wait_event  # type: ignore[attr-defined]
+    real_mark = dom.mark
+
+    def running(stream: Any) -> _Event:
+        event = real_mark(stream)
+        event.done = False
+        return event
+
+    dom.mark = running  # type: ignore[method-assign]
+    started = fast.start("all_reduce", x, None, "sum", 0, None)
+    assert asyncio.iscoroutine(started)
+    assert dom.checks == 0
+    await started
+    assert waited == [dom.last]
+    assert dom.checks == 1
+
+
+@pytest.mark.parametrize("why", ["busy", "ticket", "failed", "error", "closed", "kernel",
+                                 "strided", "stream type", "stream device"])
+async def test_the_general_route_takes_what_cannot_run_prepared(fake_cupy: Any,
+                                                                why: str) -> None:
+    fast, host, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    stream: Any = _Stream(55)
+    if why == "busy":
+        host._exec.idle = False
+    elif why == "ticket":
+        host._p2p_seq.ticket()  # a general-route P2P call waits for its turn
+    elif why == "failed":
+        dom.failed = True
+    elif why == "error":
+        host._error = AcollError("gone")
+    elif why == "closed":
+        host._closed = True
+    elif why == "kernel":
+        dom.fn = 0  # not compiled yet
+    elif why == "strided":
+        x = _Array(100, 16, contiguous=False)
+    elif why == "stream type":
+        stream = 55  # a raw handle
+    elif why == "stream device":
+        stream = _Stream(55, device_id=0)
+    assert fast.start("all_reduce", x, None, "sum", 0, stream) is False
+    assert dom.launched == []
+    assert fast.hits == 0
+    assert host._exec.seq == 0
+
+
+async def test_a_registration_forgets_every_prepared_call(fake_cupy: Any) -> None:
+    fast, _, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    dom.generation += 1
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55)) is False
+    assert fast.calls == {}
+    _learned(fast, dom, x)
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55)) is True
+
+
+async def test_at_most_most_calls_are_kept_the_oldest_goes(fake_cupy: Any) -> None:
+    from acoll._p2p.fast import MOST
+    fast, _, dom = _calls(fake_cupy)
+    arrays = [_Array(1000 + 64 * k, 16) for k in range(MOST + 1)]
+    for a in arrays:
+        _learned(fast, dom, a)
+    assert len(fast.calls) == MOST
+    assert fast.start("all_reduce", arrays[0], None, "sum", 0, _Stream(55)) is False
+    assert fast.start("all_reduce", arrays[-1], None, "sum", 0, _Stream(55)) is True
+
+
+async def test_a_cuda_error_at_launch_fails_the_communicator(fake_cupy: Any) -> None:
+    fast, host, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    dom.raise_at_launch = OSError("launch failed")  # (the stand-in's "CUDA error")
+    with pytest.raises(TransportError) as info:
+        fast.start("all_reduce", x, None, "sum", 0, _Stream(55))
+    assert isinstance(info.value.__cause__, OSError)
+    assert host.failed_with == [info.value]
+    assert host._p2p_seq.idle  # the ticket went back
+    assert fake_cupy.cuda.runtime.device == 0
+
+
+async def test_a_second_call_waits_for_the_first_launch(fake_cupy: Any) -> None:
+    """While a prepared call's launch waits for the other local ranks, the next call of
+    the rank is not prepared (it waits its turn on the general route)."""
+    fast, host, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    pending: list[Any] = []
+    later = asyncio.get_running_loop().create_future()
+
+    def submit(launch: Any, timeout: float, name: str) -> Any:
+        pending.append(launch)
+
+        async def wait() -> None:
+            await later
+        return wait()
+
+    dom.submit = submit  # type: ignore[method-assign]
+    first = fast.start("all_reduce", x, None, "sum", 0, _Stream(55))
+    assert asyncio.iscoroutine(first)
+    task = asyncio.ensure_future(first)
+    await asyncio.sleep(0)
+    assert not host._p2p_seq.idle
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55)) is False
+    pending[0]()  # the last local rank launches it
+    later.set_result(None)
+    await task
+    assert host._p2p_seq.idle
+    assert dom.launched
