@@ -378,3 +378,25 @@ async def test_a_second_call_waits_for_the_first_launch(fake_cupy: Any) -> None:
     await task
     assert host._p2p_seq.idle
     assert dom.launched
+
+
+async def test_a_withdrawn_launch_gives_its_event_back(fake_cupy: Any) -> None:
+    """A call whose launch never ran (the other local ranks never came: timeout) gives
+    the event it took for the communicator's stream back to the pool, and its ticket."""
+    fast, host, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+
+    def submit(launch: Any, timeout: float, name: str) -> Any:
+        async def expired() -> None:
+            raise TimeoutError("the other ranks of this process did not make the call")
+        return expired()
+
+    dom.submit = submit  # type: ignore[method-assign]
+    started = fast.start("all_reduce", x, None, "sum", 0, None)
+    assert asyncio.iscoroutine(started)
+    with pytest.raises(TimeoutError):
+        await started
+    assert dom.launched == []
+    assert dom.space.taken == dom.space.given == 1
+    assert host._p2p_seq.idle

@@ -254,7 +254,7 @@ class PreparedCalls:
                 raise  # (keeps what it was raised from)
             raise first from None
         finish: Coroutine[Any, Any, None] = ex.run_now(
-            name, seq, self._finish(waiter, ticket, done, settle))
+            name, seq, self._finish(waiter, ticket, ready, done, settle))
         return finish
 
     def _launch(self, prep: Prepared, caller: Any, ready: Any, done: list[Any],
@@ -293,12 +293,16 @@ class PreparedCalls:
             if prev != dom.device:
                 rt.setDevice(prev)
 
-    async def _finish(self, waiter: Any, ticket: int, done: list[Any], settle: bool
-                      ) -> None:
+    async def _finish(self, waiter: Any, ticket: int, ready: Any, done: list[Any],
+                      settle: bool) -> None:
         dom = self.dom
         if waiter is not None:
             try:
                 await waiter
+            except BaseException:
+                if not done and ready is not None:  # withdrawn: never launched
+                    dom.space.give_event(ready)
+                raise
             finally:
                 self.comm._p2p_seq.done(ticket)
         if settle:
