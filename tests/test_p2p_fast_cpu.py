@@ -89,6 +89,11 @@ class _Space:
     def __init__(self) -> None:
         self.stream = _Stream(77)
         self.taken = self.given = 0
+        self.current: Any = None  # CuPy's current stream on the device
+
+    def resolve_stream(self, stream: Any) -> Any:
+        assert stream is None
+        return self.current
 
     def take_event(self) -> _Event:
         self.taken += 1
@@ -197,6 +202,7 @@ class _Op:  # a general-route P2POp, as far as learning reads it
 def _calls(fake_cupy: Any) -> tuple[Any, _Host, _Domain]:
     from acoll._p2p.fast import PreparedCalls
     host, dom = _Host(), _Domain()
+    dom.space.current = fake_cupy.cuda.current
     return PreparedCalls(host, dom), host, dom  # type: ignore[arg-type]
 
 

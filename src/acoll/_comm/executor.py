@@ -17,7 +17,7 @@ import asyncio
 import contextlib
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
 from ..errors import AcollError, RemoteError
@@ -48,6 +48,24 @@ class ExecHost(OpHost, Protocol):
 
     def check_usable(self) -> None:
         """Raise the communicator's error, or ClosedError once closed."""
+
+
+class _Failing(Protocol):
+    @property
+    def error(self) -> AcollError | None: ...
+
+    def fail(self, error: AcollError) -> None: ...
+
+
+def fail_and_raise(host: _Failing, exc: AcollError) -> NoReturn:
+    """Fail ``host`` with ``exc`` (an op's own error) and raise: ``exc`` itself, keeping
+    what it was raised from, when it is the communicator's first error; else that first
+    error (the cause every rank reports)."""
+    first = host.error
+    host.fail(exc)
+    if first is None:
+        raise exc
+    raise first from None
 
 
 class Executor:
@@ -141,11 +159,7 @@ class Executor:
             self.cancelled(name, seq)
             raise
         except AcollError as exc:
-            first = self.host.error
-            self.host.fail(exc)
-            if first is None:
-                raise  # (keeps what it was raised from)
-            raise first from None
+            fail_and_raise(self.host, exc)
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
@@ -179,11 +193,7 @@ class Executor:
             self.cancelled(ctx.desc.coll.name.lower(), ctx.seq)
             raise
         except AcollError as exc:
-            first = host.error
-            host.fail(exc)
-            if first is None:
-                raise  # (keeps what it was raised from)
-            raise first from None
+            fail_and_raise(host, exc)
         finally:
             self.running.discard(ctx)
             if check is not None and not check.done():

@@ -650,31 +650,23 @@ class P2PDomain:
                reg_in_off: int = 0, reg_out_off: int = 0) -> None:
         """Enqueue one step on the communicator's stream (the caller copied its pieces;
         call under this device's context)."""
-        self.epoch += 1
-        cu = _cu_launch()
-        fn = self._functions.get(src.name) if cu is not None else None
-        if cu is not None and fn is None:
-            fn = self._functions[src.name] = int(kern.kernel.ptr)
-        if fn is None:
-            u64, i32 = np.uint64, np.int32
-            kern((step.blocks,), (THREADS,), (
-                u64(self._table.data.ptr), u64(self._err_dev), u64(self._abort_dev),
-                i32(self.rank), i32(self.nranks), i32(root), i32(step.mode),
-                i32(own_ws), u64(self.epoch), u64(self.timeout_ns), u64(mode_sig),
-                u64(total), u64(in_ptr), u64(out_ptr), u64(step.n), u64(0),
-                u64(step.out_stride), u64(step.src_stride), u64(step.user_stride),
-                u64(self._regtab.data.ptr), u64(reg), u64(reg_in_off), u64(reg_out_off)),
-                stream=self.space.stream)
+        fn = self.function(src)
+        if fn:
+            self._fill(self._args, step, own_ws, mode_sig, total, root, in_ptr, out_ptr, reg,
+                       reg_in_off, reg_out_off)
+            self.launch_prepared(fn, step.blocks, self._args, self._params,
+                                 self.space.stream.ptr)
             return
-        a = self._args
-        a.epoch = self.epoch
-        self._fill(a, step, own_ws, mode_sig, total, root, in_ptr, out_ptr, reg, reg_in_off,
-                   reg_out_off)
-        rc = cu(fn, step.blocks, 1, 1, THREADS, 1, 1, 0, self.space.stream.ptr,
-                self._params, None)
-        if rc != 0:
-            raise RemoteError(f"rank {self.rank}: launching a GPU peer-to-peer kernel "
-                              f"failed (CUresult {rc})", None)
+        self.epoch += 1  # (no driver library: through CuPy)
+        u64, i32 = np.uint64, np.int32
+        kern((step.blocks,), (THREADS,), (
+            u64(self._table.data.ptr), u64(self._err_dev), u64(self._abort_dev),
+            i32(self.rank), i32(self.nranks), i32(root), i32(step.mode),
+            i32(own_ws), u64(self.epoch), u64(self.timeout_ns), u64(mode_sig),
+            u64(total), u64(in_ptr), u64(out_ptr), u64(step.n), u64(0),
+            u64(step.out_stride), u64(step.src_stride), u64(step.user_stride),
+            u64(self._regtab.data.ptr), u64(reg), u64(reg_in_off), u64(reg_out_off)),
+            stream=self.space.stream)
 
     # ------------------------------------------------------------------ registration
     async def register(self, ptr: int, boot: Any) -> int:

@@ -42,6 +42,7 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._comm.executor import fail_and_raise
 from .._config import Setting, parse_bool
 from .._cuda.p2p_kernels import P2PSource
 from .._dtypes import ReduceOp
@@ -85,11 +86,10 @@ class Prepared:
     holds addresses only, never the call's arrays (their memory may be freed and reused:
     a later call on the same addresses is the same call)."""
 
-    __slots__ = ("copied", "describe", "fn", "name", "src", "steps")
+    __slots__ = ("copied", "describe", "fn", "src", "steps")
 
     def __init__(self, op: P2POp) -> None:
         dom = op.dom
-        self.name = op.name
         self.src: P2PSource = op.src
         text = op.describe()
         self.describe: Callable[[], str] = lambda: text
@@ -116,7 +116,6 @@ class PreparedCalls:
         self.ndarray = cp.ndarray
         self.stream_type = cp.cuda.Stream
         self.runtime = cp.cuda.runtime
-        self.current_stream = cp.cuda.get_current_stream
         self.calls: dict[Key, Prepared] = {}
         self.generation = dom.generation
         #: Calls run prepared so far (tests and benchmarks read it).
@@ -188,14 +187,7 @@ class PreparedCalls:
         rt = self.runtime
         prev = rt.getDevice()
         if stream is None:
-            if prev == dom.device:
-                st = self.current_stream()
-            else:
-                rt.setDevice(dom.device)
-                try:
-                    st = self.current_stream()
-                finally:
-                    rt.setDevice(prev)
+            st = dom.space.resolve_stream(None)  # (CuPy's current stream on the device)
         elif (type(stream) is self.stream_type
               and getattr(stream, "device_id", -1) == dom.device):
             st = stream
@@ -248,11 +240,7 @@ class PreparedCalls:
                     dom.check()
                     return True
         except AcollError as exc:
-            first = comm.error
-            comm.fail(exc)
-            if first is None:
-                raise  # (keeps what it was raised from)
-            raise first from None
+            fail_and_raise(comm, exc)
         finish: Coroutine[Any, Any, None] = ex.run_now(
             name, seq, self._finish(waiter, ticket, ready, done, settle))
         return finish
