@@ -11,6 +11,8 @@ reduce_scatter: the input), float32 sum. For every size and collective it prints
   from it (nccl-tests' factors: all_reduce 2(n-1)/n, the others (n-1)/n);
 - ``await``: time per op awaited without ``stream=`` (the await returns with the result
   readable), against NCCL plus a stream synchronize after each op;
+- in one process, one task calls both ranks inside ``acoll.group()`` (``--drive group``,
+  the default: NCCL's group calls) or as two tasks (``--drive gather``);
 - NCCL's numbers the same two ways: ``cupy.cuda.nccl`` in one process (group calls over the
   two GPUs), ``torch.distributed`` with the nccl backend across processes.
 
@@ -75,6 +77,8 @@ def _call(comm: Any, coll: str, send: Any, recv: Any, stream: Any) -> Any:
 async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
                             emit: Any) -> None:
     """Time every (coll, size) on the given ranks (all in this loop)."""
+    import acoll
+
     n = comms[0].size
     for coll in args.colls:
         for nbytes in args.sizes:
@@ -94,6 +98,11 @@ async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
                 if len(comms) == 1:  # one rank per process: no task per call (gather's)
                     (s, r, _), st = bufs[0], streams[0]
                     await _call(comms[0], coll, s, r, st if pipe else None)
+                    return
+                if args.drive == "group":  # one task calls every rank (ncclGroupStart/End)
+                    async with acoll.group():
+                        for c, (s, r, _), st in zip(comms, bufs, streams, strict=True):
+                            await _call(c, coll, s, r, st if pipe else None)
                     return
                 await asyncio.gather(*(_call(c, coll, s, r, st if pipe else None)
                                        for c, (s, r, _), st in zip(comms, bufs, streams,
@@ -136,6 +145,7 @@ async def _acoll_rank_sizes(comms: list[Any], args: argparse.Namespace, cp: Any,
             if comms[0].rank == 0:
                 emit({"lib": "acoll", "coll": coll, "bytes": nbytes, "pipe_s": pipe,
                       "await_s": awaited, "ok": ok, "n": n,
+                      "drive": args.drive if len(comms) > 1 else "one rank",
                       "mode": "direct" if comms[0]._p2p and comms[0]._p2p.direct else
                       ("registered" if args.register else "copy") if comms[0]._p2p
                       else "staged"})
@@ -349,6 +359,9 @@ def main() -> None:
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default=None,
                     help="event loop of the one-process run (default: uvloop when "
                          "installed, as acoll-run and the processes here use)")
+    ap.add_argument("--drive", choices=["group", "gather"], default="group",
+                    help="inproc: how one thread calls its ranks: inside acoll.group() "
+                         "(as NCCL's group calls) or as tasks through asyncio.gather")
     ap.add_argument("--json")
     args = ap.parse_args()
     if args.loop is None:
@@ -384,7 +397,8 @@ def main() -> None:
             rows += _spawn(_torch_proc, [port], args)
     print(f"# {args.where}, {args.nranks} ranks, float32 sum, {time.time() - t0:.0f} s; "
           f"modes: {sorted({r['mode'] for r in rows})}; loop: "
-          + (args.loop if args.where == "inproc" else "uvloop"))
+          + (args.loop if args.where == "inproc" else "uvloop")
+          + (f"; ranks driven by {args.drive}" if args.where == "inproc" else ""))
     print(_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -20,8 +20,10 @@ What it does, step by step as the original:
 4. Each process drives ``D`` communicator ranks ("devices"), ranks ``rank * D + i`` of
    ``nprocs * D``, initialised together (``ncclGroupStart``/``ncclCommInitRank``/
    ``ncclGroupEnd`` in the original; here ``asyncio.gather`` in one event loop).
-5. Each rank all-reduces a buffer of ones (SUM) and checks every element equals the number
-   of ranks; then the communicators are closed (``ncclCommDestroy``).
+5. Each rank all-reduces a buffer of ones (SUM), one call per device inside
+   ``async with acoll.group():`` (``ncclGroupStart``/``ncclGroupEnd`` in the original), and
+   checks every element equals the number of ranks; then the communicators are closed
+   (``ncclCommDestroy``).
 
 Devices: with ``--gpus`` (or ``USE_GPUS = True``), as in the original, ``D`` is the
 number of visible GPUs, slot ``i`` of local rank ``l`` uses GPU ``(l * D + i) % ngpus``
@@ -107,8 +109,9 @@ async def run_process(uid: acoll.UniqueId, rank: int, nprocs: int, local_rank: i
     try:
         sends = [alloc(c, 1) for c in comms]
         recvs = [alloc(c, 0) for c in comms]
-        await asyncio.gather(*(c.all_reduce(s, r, op=acoll.SUM)
-                               for c, s, r in zip(comms, sends, recvs, strict=True)))
+        async with acoll.group():  # ncclGroupStart ... ncclGroupEnd
+            for c, s, r in zip(comms, sends, recvs, strict=True):
+                await c.all_reduce(s, r, op=acoll.SUM)
         ok = [bool((r == nranks).all()) for r in recvs]
     except BaseException:
         for c in comms:

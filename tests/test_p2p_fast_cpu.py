@@ -153,7 +153,8 @@ class _Domain:
 
 class _Executor:
     def __init__(self) -> None:
-        self.idle = True
+        self.idle = True  # (False inside a group: acoll._comm.executor)
+        self.quiet = True
         self.seq = 0
 
     def skip(self) -> None:
@@ -282,9 +283,9 @@ async def test_an_awaited_call_still_running_is_awaited(fake_cupy: Any) -> None:
 
     dom.mark = running  # type: ignore[method-assign]
     started = fast.start("all_reduce", x, None, "sum", 0, None)
-    assert asyncio.iscoroutine(started)
+    assert callable(started)
     assert dom.checks == 0
-    await started
+    await started()
     assert waited == [dom.last]
     assert dom.checks == 1
 
@@ -319,6 +320,22 @@ async def test_the_general_route_takes_what_cannot_run_prepared(fake_cupy: Any,
     assert dom.launched == []
     assert fast.hits == 0
     assert host._exec.seq == 0
+
+
+@pytest.mark.parametrize("quiet", [True, False])
+async def test_a_call_in_a_group_runs_prepared_only_with_no_other_op_in_it(
+        fake_cupy: Any, quiet: bool) -> None:
+    """Inside a group (``grouped=True``) the executor is not idle (calls must join the
+    group), yet a prepared call may launch when the communicator has no op in the group,
+    nothing running or queued (``quiet``); else it joins the group on the general route."""
+    fast, host, dom = _calls(fake_cupy)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    host._exec.idle = False
+    host._exec.quiet = quiet
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55)) is False  # not grouped
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55), True) is quiet
+    assert bool(dom.launched) is quiet
 
 
 async def test_a_registration_forgets_every_prepared_call(fake_cupy: Any) -> None:
@@ -374,8 +391,8 @@ async def test_a_second_call_waits_for_the_first_launch(fake_cupy: Any) -> None:
 
     dom.submit = submit  # type: ignore[method-assign]
     first = fast.start("all_reduce", x, None, "sum", 0, _Stream(55))
-    assert asyncio.iscoroutine(first)
-    task = asyncio.ensure_future(first)
+    assert callable(first)
+    task = asyncio.ensure_future(first())
     await asyncio.sleep(0)
     assert not host._p2p_seq.idle
     assert fast.start("all_reduce", x, None, "sum", 0, _Stream(55)) is False
@@ -400,9 +417,9 @@ async def test_a_withdrawn_launch_gives_its_event_back(fake_cupy: Any) -> None:
 
     dom.submit = submit  # type: ignore[method-assign]
     started = fast.start("all_reduce", x, None, "sum", 0, None)
-    assert asyncio.iscoroutine(started)
+    assert callable(started)
     with pytest.raises(TimeoutError):
-        await started
+        await started()
     assert dom.launched == []
     assert dom.space.taken == dom.space.given == 1
     assert host._p2p_seq.idle

@@ -580,6 +580,121 @@ async def test_a_prepared_call_the_other_rank_never_makes_times_out() -> None:
             c.abort()
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("where", ["devices", "one gpu"])
+async def test_one_task_drives_every_rank_through_a_group(where: str) -> None:
+    """The seed program's pattern on GPUs: one task calls every rank inside
+    ``acoll.group()``. Repeated calls run prepared (launched at the call, awaited at the
+    exit, no task per rank), every collective exact, in place and not, one-shot and
+    two-shot; ranks sharing one GPU too."""
+    comms = await _form(_devices(2) if where == "devices" else [0, 0])
+    n = len(comms)
+    rounds = 6
+    try:
+        bufs: dict[int, dict[str, Any]] = {}
+        for c in comms:
+            with cp.cuda.Device(c.device):
+                bufs[c.rank] = {"small": cp.empty(1000, cp.float32),
+                                "big": cp.empty(600_001, cp.float32),
+                                "out": cp.empty(600_001, cp.float32),
+                                "gathered": cp.empty(2000, cp.float32),
+                                "part": cp.empty(500, cp.float32)}
+                cp.cuda.get_current_stream().synchronize()
+        for k in range(rounds):
+            for c in comms:
+                b = bufs[c.rank]
+                with cp.cuda.Device(c.device):
+                    b["small"].fill(c.rank + k)
+                    b["big"].fill(c.rank + 2 * k)
+            async with acoll.group():
+                for c in comms:
+                    b = bufs[c.rank]
+                    await c.all_reduce(b["small"])
+                    await c.all_reduce(b["big"], b["out"], op="max")
+                    await c.all_gather(b["small"], b["gathered"])
+                    await c.reduce_scatter(b["gathered"], b["part"])
+            for c in comms:
+                b = bufs[c.rank]
+                with cp.cuda.Device(c.device):
+                    small = cp.asnumpy(b["small"])
+                    out = cp.asnumpy(b["out"])
+                    part = cp.asnumpy(b["part"])
+                want = sum(q + k for q in range(n))
+                assert bool((small == want).all()), (k, small[:4])
+                assert bool((out == n - 1 + 2 * k).all()), (k, out[:4])
+                assert bool((part == n * want).all()), (k, part[:4])
+        hits = [_hits(c) for c in comms]
+        assert all(h >= 4 * (rounds - 1) for h in hits), hits
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
+@pytest.mark.timeout(120)
+async def test_a_group_raising_after_a_prepared_launch_fails_fast() -> None:
+    """Rank 0's prepared call waits in the group for rank 1's, which the block never
+    makes: the block raises, both communicators fail at once (no wait for the timeout),
+    and nothing is left waiting."""
+    comms = await _form(_devices(2), timeout=20)
+    try:
+        xs = [to_device(c.device or 0)(np.ones(1 << 12, np.float32)) for c in comms]
+        for _ in range(2):
+            await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, xs, strict=True)))
+        hits = _hits(comms[0])
+        t0 = time.monotonic()
+
+        async def block() -> None:
+            async with acoll.group():
+                await comms[0].all_reduce(xs[0])
+                raise KeyError("user code failed")
+
+        with pytest.raises(KeyError):
+            await block()
+        assert _hits(comms[0]) == hits + 1
+        assert time.monotonic() - t0 < 5
+        assert isinstance(comms[0].error, acoll.RemoteError), comms[0].error
+        with pytest.raises(acoll.AcollError):
+            await asyncio.wait_for(comms[1].all_reduce(xs[1]), 5)
+    finally:
+        for c in comms:
+            c.abort()
+
+
+@pytest.mark.timeout(120)
+async def test_a_group_mixing_prepared_and_general_calls_keeps_their_order() -> None:
+    """In one group, a prepared call on one communicator and general-route calls on the
+    other (first seen: not prepared yet; then a new buffer) meet at the exit; repeated
+    in-place sums double exactly each round."""
+    comms = await _form(_devices(2))
+    try:
+        with cp.cuda.Device(comms[0].device):
+            a = cp.ones(1 << 10, cp.float32)
+        with cp.cuda.Device(comms[1].device):
+            b = cp.ones(1 << 10, cp.float32)
+            cp.cuda.get_current_stream().synchronize()
+        await asyncio.gather(comms[0].all_reduce(a), comms[1].all_reduce(b))  # learned
+        for k in range(3):
+            with cp.cuda.Device(comms[1].device):
+                fresh = b.copy()  # a new address: the general route on rank 1
+                cp.cuda.get_current_stream().synchronize()
+            async with acoll.group():
+                await comms[0].all_reduce(a)
+                await comms[1].all_reduce(fresh)
+            with cp.cuda.Device(comms[1].device):
+                b = fresh
+            with cp.cuda.Device(comms[0].device):
+                assert float(cp.asnumpy(a)[0]) == 2.0 ** (k + 2), k
+            with cp.cuda.Device(comms[1].device):
+                assert bool((cp.asnumpy(b) == 2.0 ** (k + 2)).all()), k
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+
+
 def _run_pair(script: str, *args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     return subprocess.run([sys.executable, "-m", "acoll.run", "-n", "2", "--", sys.executable,

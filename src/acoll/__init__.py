@@ -11,7 +11,7 @@ Quick start::
 from __future__ import annotations
 
 from . import errors
-from ._communicator import Communicator, Registration, get_unique_id, init_rank
+from ._communicator import Communicator, Registration, get_unique_id, group, init_rank
 from ._dtypes import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ._env import init_from_env
 from ._exitreport import install as _install_exit_report
@@ -50,6 +50,7 @@ __all__ = [
     "UniqueId",
     "errors",
     "get_unique_id",
+    "group",
     "init_from_env",
     "init_rank",
 ]

@@ -10,8 +10,9 @@ Execution model. Every rank must issue collectives on a communicator in the same
 (a FIFO queue): two tasks may call collectives on one communicator concurrently, but the
 order in which they *call* must match across ranks; a mismatch is detected by the
 descriptor check and raised as :class:`~acoll.InvalidUsage` on every rank. Inside
-``async with comm.group():`` calls only enqueue (they return at once, results are ready
-when the block exits) and then run concurrently, like ``ncclGroupStart/End``.
+``async with acoll.group():`` (or ``comm.group()``) calls on any communicator only enqueue
+(they return at once, results are ready when the block exits) and then run concurrently,
+like ``ncclGroupStart/End`` (:mod:`acoll._comm.groups`).
 
 Memory. A communicator made with ``device=k`` takes GPU buffers on CUDA device ``k``
 (:mod:`acoll._memory.cuda`): its ops run on its own stream, fitted into the caller's stream
@@ -48,6 +49,8 @@ from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
 from ._comm.args import buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
+from ._comm.groups import Group
+from ._comm.groups import current as current_group
 from ._comm.lane import (
     AllReducePlan,
     Lane,
@@ -207,6 +210,26 @@ def get_unique_id(*, ifname: str | None = None,
     start_root(RootServer(sock, uid.job_key, TIMEOUT.resolve()))
     log.info("unique id %r made on %s", uid, iface.name)
     return uid
+
+
+def group() -> contextlib.AbstractAsyncContextManager[None]:
+    """A group across communicators (``ncclGroupStart``/``ncclGroupEnd``).
+
+    Collectives and send/recv called on any communicator inside ``async with
+    acoll.group():`` (by this task, or by tasks it starts in the block) return at once and
+    run together when the block exits; their buffers hold results after it. This is how
+    one task drives several ranks, one per GPU, as the seed article's program does::
+
+        async with acoll.group():
+            for comm, buf in zip(comms, bufs):
+                await comm.all_reduce(buf)
+
+    The exit raises the first error of any call. If the block raises, its calls never run
+    and each communicator they were made on fails (as a cancelled call fails it). Nested
+    groups (``comm.group()`` included) join the outermost one. ``close()`` is refused
+    inside a group.
+    """
+    return Group()
 
 
 async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
@@ -523,6 +546,9 @@ class Communicator:
         """
         if self._closed:
             return
+        if self._exec.in_group or current_group() is not None:
+            raise InvalidUsage(f"rank {self.rank}: close() inside a group block (the "
+                               "group's calls run when the block exits): close after it")
         failure: AcollError | None = None
         was_failed = self._error is not None
         if not was_failed:
@@ -569,10 +595,12 @@ class Communicator:
     def group(self) -> contextlib.AbstractAsyncContextManager[None]:
         """Run the operations issued inside together (``ncclGroupStart/End``).
 
-        Calls inside the block return at once; their buffers hold results only after the
-        block exits. Nested groups join the outermost one.
+        :func:`acoll.group` with this communicator in it from the start: calls on any
+        communicator made in the block's context (and calls other tasks make on this one
+        meanwhile) return at once; their buffers hold results only after the block
+        exits. Nested groups join the outermost one.
         """
-        return self._exec.group()
+        return Group(self._exec)
 
     async def _small_or_empty(self, desc: Descriptor, count: int) -> bool:
         """Handle 0 elements (check only).
@@ -628,11 +656,17 @@ class Communicator:
         """Run the call as a prepared call if it is one (:mod:`acoll._p2p.fast`); False:
         nothing was done, take the general route."""
         assert self._prepared is not None
-        started = self._prepared.start(name, send, recv, op, root, stream)
+        group = current_group()
+        started = self._prepared.start(name, send, recv, op, root, stream,
+                                       group is not None)
         if started is False:
             return False
         if started is not True:
-            await started
+            if group is not None:  # launched; the group's exit awaits it
+                ex = self._exec
+                group.defer(ex, ex.seq - 1, started)
+            else:
+                await started()
         return True
 
     def _learn(self, name: str, send: Any, recv: Any, op: Any, root: int,

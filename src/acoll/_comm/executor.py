@@ -3,8 +3,9 @@
 Every rank must issue collectives on a communicator in the same order (as with NCCL
 streams). Calls are numbered when made and run one at a time in that order: two tasks may
 call collectives on one communicator concurrently, but the order in which they *call*
-must match across ranks. Inside ``async with comm.group():`` calls only enqueue (they
-return at once) and run concurrently when the block exits, like ``ncclGroupStart/End``.
+must match across ranks. Inside a group (``async with acoll.group():`` or ``comm.group()``,
+:mod:`.groups`) calls only enqueue (they return at once) and run concurrently when the
+block exits, like ``ncclGroupStart/End``.
 
 Each op has a deadline (the communicator's timeout). When it passes, the communicator
 fails with :class:`~acoll.TimeoutError` naming the rank(s) the op waited for. A cancelled
@@ -16,13 +17,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
 from ..errors import AcollError, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .agreement import start_agreement
+from .groups import current as current_group
 from .ordering import SEQ_MASK, OrderChecker
 
 __all__ = ["Algorithm", "ExecHost", "Executor", "MakeAlgorithm"]
@@ -94,12 +96,18 @@ class Executor:
         return self._group is not None
 
     @property
-    def idle(self) -> bool:
-        """No op running or waiting for its turn, no group open: a call made now is the
-        next to run, so a fast path may start it at once (an op's turn may have come while
-        it has not resumed yet: the lock is free then, but the op still goes first)."""
+    def quiet(self) -> bool:
+        """No op running or waiting for its turn, no group of this communicator open: a
+        call made now is the next to run (an op's turn may have come while it has not
+        resumed yet: the lock is free then, but the op still goes first)."""
         return not (self._group is not None or self.running or self.queued
                     or self.lock.locked())
+
+    @property
+    def idle(self) -> bool:
+        """:attr:`quiet`, and no group open in the caller's context (a call made there
+        must join it): a fast path may start a call made now at once."""
+        return self.quiet and current_group() is None
 
     def p2p_stamp(self) -> int:
         """The collective sequence number a send/recv issued now is stamped with.
@@ -108,6 +116,8 @@ class Executor:
         matter (they run together, as in NCCL): such calls carry ``ANY_SEQ`` and are not
         order-checked.
         """
+        if self._group is None:
+            self._join_group()
         return ANY_SEQ if self._group is not None else self.seq & SEQ_MASK
 
     def skip(self) -> None:
@@ -125,6 +135,8 @@ class Executor:
         on one rank and here on another: an agreement would wait for a rank that never
         takes part."""
         self.host.check_usable()
+        if self._group is None:
+            self._join_group()
         full = self.seq
         if tag_base is None:
             seq = self.seq & SEQ_MASK
@@ -248,21 +260,20 @@ class Executor:
                                     f"{host.timeout:g} s on rank {host.rank}{waited}",
                                     peers[0] if len(peers) == 1 else None))
 
-    @contextlib.asynccontextmanager
-    async def group(self) -> AsyncIterator[None]:
-        """See :meth:`acoll.Communicator.group`."""
-        self.host.check_usable()
-        if self._group is not None:
-            yield
-            return
+    def open_group(self) -> None:
+        """Queue calls from now on until :meth:`run_group` or :meth:`abandon_group`
+        (called by :class:`~acoll._comm.groups.Group`)."""
         self._group = []
-        try:
-            yield
-        except BaseException:
-            ops, self._group = self._group, None
-            if ops:  # enqueued ops hold sequence numbers the peers will wait for
-                self.cancelled("group", ops[0][0])
-            raise
+
+    def abandon_group(self) -> None:
+        """The group's block raised: drop its ops; queued ones fail the communicator
+        (their sequence numbers were promised to the peers)."""
+        ops, self._group = self._group, None
+        if ops:
+            self.cancelled("group", ops[0][0])
+
+    async def run_group(self) -> None:
+        """Run the group's ops together (the block exited)."""
         ops, self._group = self._group, None
         if not ops:
             return
@@ -281,6 +292,12 @@ class Executor:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
+
+    def _join_group(self) -> None:
+        """A call made while a group is open in this context joins it."""
+        group = current_group()
+        if group is not None:
+            group.join(self)
 
 
 def _watch(ref: weakref.ref[Executor]) -> None:

@@ -486,6 +486,9 @@ class P2PDomain:
         fut = self._local.submit(index, self.rank, launch)
         if fut is None:
             return None
+        # Known to abort() from now on, not only once awaited (a call in a group is
+        # awaited when the group exits).
+        self._waiting = (index, fut)
         return self._wait_local(index, fut, timeout, name)
 
     async def _wait_local(self, index: int, fut: asyncio.Future[None], timeout: float,
@@ -498,12 +501,19 @@ class P2PDomain:
                     f"{name} did not start within {timeout:g} s on rank {self.rank}: the "
                     "other ranks of this process did not make the call"))
 
+        if fut.done():  # (launched already: by the last local rank's call in a group)
+            self._not_waiting(fut)
+            fut.result()
+            return
         timer = asyncio.get_running_loop().call_later(timeout, expire)
-        self._waiting = (index, fut)
         try:
             await fut
         finally:
             timer.cancel()
+            self._not_waiting(fut)
+
+    def _not_waiting(self, fut: asyncio.Future[None]) -> None:
+        if self._waiting is not None and self._waiting[1] is fut:
             self._waiting = None
 
     @property

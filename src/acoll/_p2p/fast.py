@@ -161,11 +161,15 @@ class PreparedCalls:
 
     # ------------------------------------------------------------------ running
     def start(self, name: str, send: Any, recv: Any, op: Any, root: int,
-              stream: Any) -> Coroutine[Any, Any, None] | bool:
+              stream: Any, grouped: bool = False
+              ) -> Callable[[], Coroutine[Any, Any, None]] | bool:
         """Launch the call prepared if it can be (see the module docstring).
 
         Returns ``False`` (nothing done: take the general route), ``True`` (done: the
-        result is readable, or ordered on ``stream``) or a coroutine to await for that.
+        result is readable, or ordered on ``stream``) or a function whose coroutine
+        completes that (awaited at once, or when the group exits). ``grouped``: the call
+        is made inside a group (:mod:`acoll._comm.groups`), which it may not join when
+        the communicator already has ops in it.
         """
         comm, dom = self.comm, self.dom
         if self.generation != dom.generation:
@@ -177,7 +181,8 @@ class PreparedCalls:
                                                      not _contiguous(recv)):
             return False
         ex = comm._exec
-        if (comm._error is not None or comm._closed or not ex.idle
+        if (comm._error is not None or comm._closed
+                or not (ex.quiet if grouped else ex.idle)
                 or not comm._p2p_seq.idle or dom.failed):
             return False
         fn = prep.fn or dom.function(prep.src)
@@ -241,9 +246,8 @@ class PreparedCalls:
                     return True
         except AcollError as exc:
             fail_and_raise(comm, exc)
-        finish: Coroutine[Any, Any, None] = ex.run_now(
-            name, seq, self._finish(waiter, ticket, ready, done, settle))
-        return finish
+        return lambda: ex.run_now(name, seq, self._finish(waiter, ticket, ready, done,
+                                                          settle))
 
     def _launch(self, prep: Prepared, caller: Any, ready: Any, done: list[Any],
                 settle: bool) -> None:
@@ -294,6 +298,12 @@ class PreparedCalls:
             finally:
                 self.comm._p2p_seq.done(ticket)
         if settle:
-            loop = asyncio.get_running_loop()
-            await dom.space.wait_event(done[0], loop.time() + self.comm.timeout)
+            event = done[0]
+            if waiter is not None:  # (else start() polled it already)
+                end = time.perf_counter() + TIGHT_SPIN_S
+                while not event.done and time.perf_counter() < end:
+                    pass
+            if not event.done:
+                loop = asyncio.get_running_loop()
+                await dom.space.wait_event(event, loop.time() + self.comm.timeout)
             dom.check()

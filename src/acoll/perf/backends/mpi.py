@@ -103,7 +103,9 @@ class MpiBackend(Backend):
 
             mpi4py.rc.initialize = False  # MPI_Init_thread below, at the level asked for
             mpi4py.rc.finalize = False
-            from mpi4py import MPI as mpi
+            from mpi4py import MPI
+
+            mpi = MPI
 
             binding = f"mpi4py {mpi4py.__version__}"
         self.MPI = MPI = mpi
