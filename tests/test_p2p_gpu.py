@@ -598,7 +598,7 @@ async def test_one_task_drives_every_rank_through_a_group(where: str) -> None:
                                 "big": cp.empty(600_001, cp.float32),
                                 "out": cp.empty(600_001, cp.float32),
                                 "gathered": cp.empty(2000, cp.float32),
-                                "part": cp.empty(500, cp.float32)}
+                                "part": cp.empty(1000, cp.float32)}
                 cp.cuda.get_current_stream().synchronize()
         for k in range(rounds):
             for c in comms:
