@@ -125,15 +125,26 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=50)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     ap.add_argument("--no-nccl", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="run acoll's loop under cProfile and print the top functions")
     args = ap.parse_args()
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     import cupy as cp
 
+    prof = None
+    if args.profile:
+        import cProfile
+        prof = cProfile.Profile()
+        prof.enable()
     if args.loop == "uvloop":
         import uvloop
         got = uvloop.run(_acoll(args, cp))
     else:
         got = asyncio.run(_acoll(args, cp))
+    if prof is not None:
+        import pstats
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(28)
     print(f"# one process, 2 ranks ({cp.cuda.runtime.getDeviceCount()} GPU(s)), "
           f"{args.bytes} B float32 sum all_reduce, awaited, {args.iters} iterations, "
           f"{args.loop}; medians in us")

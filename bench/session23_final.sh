@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 23 (2x H200): the whole suite at the last code commit (acoll.group(), its GPU
-# tests' fix, the loop-lag test's bound), then the group breakdown once more.
+# Session 23 (2x H200): the whole suite at the last code commit (acoll.group() after the
+# review's fixes), then the group breakdown once more, and under cProfile.
 # OUT=dir bash bench/session23_final.sh
 set -u
 OUT=${OUT:-$PWD/session23_out}
@@ -14,5 +14,6 @@ for b in 8 1024; do
   timeout 100 python3 bench/group_breakdown.py --bytes $b >"$S/breakdown_$b.txt" 2>&1
   echo "== exit $?" >>"$S/breakdown_$b.txt"
 done
-cat "$S"/breakdown_*.txt
+timeout 100 python3 bench/group_breakdown.py --bytes 8 --no-nccl --profile >"$S/profile_8.txt" 2>&1
+cat "$S"/breakdown_*.txt; head -12 "$S/profile_8.txt"
 tar czf "$OUT/final.tgz" -C "$S" . && rm -rf "$S"

@@ -7,6 +7,7 @@ calls inside groups are in ``test_p2p_gpu.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from collections.abc import AsyncIterator
 
@@ -154,18 +155,13 @@ async def test_other_tasks_are_not_in_the_group(comms: list[acoll.Communicator])
                 await c.all_reduce(bufs[c.rank])
             # Another task, made with a context of its own (no group in it).
             task = asyncio.get_running_loop().create_task(
-                _all(others, outside), context=_fresh_context())
+                _all(others, outside), context=contextvars.Context())
             await asyncio.wait_for(task, QUICK)
             assert float(outside[0][0]) == 2.0 * n  # ran inside the block
             assert float(bufs[0][0]) == 1.0
         assert float(bufs[0][0]) == n
     finally:
         await asyncio.gather(*(c.close() for c in others))
-
-
-def _fresh_context():  # type: ignore[no-untyped-def]
-    import contextvars
-    return contextvars.Context()
 
 
 async def _all(comms: list[acoll.Communicator], bufs: list[np.ndarray]) -> None:
@@ -245,6 +241,8 @@ async def test_a_cancelled_exit_fails_the_communicators_and_does_not_hang(
 
 
 async def test_close_inside_a_group_is_refused(comms: list[acoll.Communicator]) -> None:
+    """close() in the group's own context is refused (it would wait for the group's calls
+    to run, which wait for the block to exit)."""
     bufs = [np.ones(8) for _ in comms]
     async with acoll.group():
         for c in comms:
@@ -266,3 +264,175 @@ async def test_a_group_on_a_failed_communicator_is_refused(
             await comms[0].all_reduce(np.ones(8))
     for c in comms[1:]:
         c.abort()
+
+
+# ---------------------------------------------------------------- review cases (helper 20)
+
+async def test_an_exit_cancelled_before_its_runs_start_fails_the_communicators(
+        comms: list[acoll.Communicator]) -> None:
+    """Cancelled right after the exit made its tasks (before any ran a line): the ops
+    were promised to the peers, so every communicator fails; none is left held."""
+    bufs = [np.ones(8) for _ in comms]
+
+    async def driver() -> None:
+        async with acoll.group():
+            for c in comms:
+                await c.all_reduce(bufs[c.rank])
+
+    async def cancel_soon(task: asyncio.Future[None]) -> None:
+        task.cancel()
+
+    task = asyncio.ensure_future(driver())
+    canceller = asyncio.ensure_future(cancel_soon(task))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await canceller
+    assert not any(c._exec.in_group for c in comms)
+    assert all(isinstance(c.error, acoll.RemoteError) for c in comms), \
+        [c.error for c in comms]
+    with pytest.raises(acoll.RemoteError):
+        await asyncio.wait_for(comms[0].all_reduce(np.ones(8)), QUICK)
+
+
+async def test_a_group_object_is_entered_once_at_a_time_and_may_be_reused(
+        comms: list[acoll.Communicator]) -> None:
+    g = acoll.group()
+    async with g:
+        with pytest.raises(acoll.InvalidUsage, match="already open"):
+            async with g:
+                pass
+    held = comms[0].group()
+    bufs = [np.ones(8) for _ in comms]
+    async with acoll.group(), held:  # held nested once...
+        for c in comms:
+            await c.all_reduce(bufs[c.rank])
+    more = [np.ones(8) for _ in comms]
+    async with held:  # ...then the outermost block
+        for c in comms:
+            await c.all_reduce(more[c.rank])
+    n = len(comms)
+    assert all(float(b[0]) == n for b in bufs + more)
+    assert not any(c._exec.in_group for c in comms)
+
+
+async def test_another_tasks_call_waits_for_the_group_then_runs(
+        comms: list[acoll.Communicator]) -> None:
+    """A task outside the group calling a communicator the group holds: its call is
+    numbered after the group's and runs after them (it neither joins the group nor
+    returns early); close() from another task waits the same way."""
+    n = len(comms)
+    bufs = [np.ones(8) for _ in comms]
+    outside = [np.full(8, 2.0) for _ in comms]
+
+    async def other() -> None:
+        await asyncio.gather(*(c.all_reduce(outside[c.rank]) for c in comms))
+
+    async with comms[0].group():
+        for c in comms:
+            await c.all_reduce(bufs[c.rank])
+        assert not comms[0]._exec.idle
+        task = asyncio.get_running_loop().create_task(other(),
+                                                      context=contextvars.Context())
+        done, _ = await asyncio.wait({task}, timeout=0.3)
+        assert not done, "the other task's call returned while the group held its comm"
+        assert float(outside[0][0]) == 2.0
+    await asyncio.wait_for(task, QUICK)
+    assert all(float(b[0]) == n for b in bufs)
+    assert all(float(o[0]) == 2.0 * n for o in outside)
+
+
+async def test_a_group_of_a_task_started_in_another_block_is_its_own(
+        comms: list[acoll.Communicator]) -> None:
+    """A child task started inside the parent's block opens its own group and uses it
+    after the parent's block ended: it still drives every rank from one task."""
+    bufs = [np.ones(8) for _ in comms]
+    go = asyncio.Event()
+
+    async def child() -> None:
+        async with acoll.group():
+            await go.wait()
+            for c in comms:
+                await c.all_reduce(bufs[c.rank])
+
+    async with acoll.group():
+        task = asyncio.ensure_future(child())
+        await asyncio.sleep(0)
+    go.set()
+    await asyncio.wait_for(task, QUICK)
+    assert all(float(b[0]) == len(comms) for b in bufs)
+
+
+@pytest.mark.parametrize("comms", [2], indirect=True)
+@pytest.mark.parametrize("send_at", ["before the recv", "during the block", "after it"])
+async def test_a_recv_in_a_group_matches_a_plain_send(comms: list[acoll.Communicator],
+                                                      send_at: str) -> None:
+    """Rank 0 receives inside a group (then all-reduces); rank 1 sends plainly, then
+    all-reduces: no order mismatch whenever its send arrives."""
+    a, b = comms
+    got = np.zeros(8)
+    x = [np.ones(8), np.ones(8)]
+    delay = {"before the recv": 0.0, "during the block": 0.1, "after it": 0.5}[send_at]
+
+    async def rank0() -> None:
+        if send_at == "before the recv":
+            await asyncio.sleep(0.2)
+        async with a.group():
+            await a.recv(got, 1)
+            await a.all_reduce(x[0])
+            await asyncio.sleep(0.3)
+
+    async def rank1() -> None:
+        await asyncio.sleep(delay)
+        await b.send(np.full(8, 5.0), 0)
+        await b.all_reduce(x[1])
+
+    await asyncio.wait_for(asyncio.gather(rank0(), rank1()), QUICK)
+    assert float(got[0]) == 5.0
+    assert [float(v[0]) for v in x] == [2.0, 2.0]
+
+
+async def test_send_and_recv_first_in_a_group_carry_no_order_stamp(
+        comms: list[acoll.Communicator]) -> None:
+    """send/recv as a communicator's first call in a group join it (their stamp says
+    'anywhere in the group'), and a ring exchange of one task completes."""
+    n = len(comms)
+    ins = [np.full(4, float(r)) for r in range(n)]
+    outs = [np.empty(4) for _ in range(n)]
+    async with acoll.group():
+        for c in comms:
+            await c.recv(outs[c.rank], (c.rank - 1) % n)
+            assert c._exec.in_group
+            await c.send(ins[c.rank], (c.rank + 1) % n)
+            await c.all_reduce(ins[c.rank])
+    for r in range(n):
+        assert float(outs[r][0]) == float((r - 1) % n)
+
+
+@pytest.mark.parametrize("what", ["split", "register", "deregister"])
+async def test_calls_that_cannot_be_queued_are_refused_inside_a_group(
+        comms: list[acoll.Communicator], what: str) -> None:
+    reg = await asyncio.gather(*(c.register(np.ones(4)) for c in comms))
+    call = {"split": lambda: comms[0].split(0),
+            "register": lambda: comms[0].register(np.ones(4)),
+            "deregister": lambda: comms[0].deregister(reg[0])}[what]
+    t = time.monotonic()
+    async with acoll.group():
+        with pytest.raises(acoll.InvalidUsage, match="inside a group"):
+            await call()
+    assert time.monotonic() - t < QUICK
+    assert all(c.error is None for c in comms)
+
+
+async def test_idle_is_false_inside_a_group(comms: list[acoll.Communicator]) -> None:
+    """The fast paths (lane, via-host, P2P) start a call at once only when the executor
+    is idle: never inside a group, whose calls must queue."""
+    ex = comms[0]._exec
+    assert (ex.idle, ex.quiet) == (True, True)
+    async with acoll.group():
+        assert not ex.idle
+        assert ex.quiet  # (no op of this communicator in the group yet)
+        await comms[0].barrier()
+        assert not ex.quiet
+        for c in comms[1:]:
+            await c.barrier()
+    assert (ex.idle, ex.quiet) == (True, True)

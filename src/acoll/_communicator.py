@@ -546,9 +546,7 @@ class Communicator:
         """
         if self._closed:
             return
-        if self._exec.in_group or current_group() is not None:
-            raise InvalidUsage(f"rank {self.rank}: close() inside a group block (the "
-                               "group's calls run when the block exits): close after it")
+        self._not_in_group("close()")
         failure: AcollError | None = None
         was_failed = self._error is not None
         if not was_failed:
@@ -601,6 +599,13 @@ class Communicator:
         exits. Nested groups join the outermost one.
         """
         return Group(self._exec)
+
+    def _not_in_group(self, what: str) -> None:
+        """Refuse a call that cannot be queued in a group (it runs at once, or waits for
+        the group's calls), made inside one."""
+        if current_group() is not None:
+            raise InvalidUsage(f"rank {self.rank}: {what} inside a group block (the "
+                               f"group's calls run when the block exits): call it after")
 
     async def _small_or_empty(self, desc: Descriptor, count: int) -> bool:
         """Handle 0 elements (check only).
@@ -1130,8 +1135,9 @@ class Communicator:
             await self._exec.execute(desc, self._ordered(
                 lambda ctx: _Recv(ctx, peer, b, checker, index), order),
                 tag_base=p2p_tag(index))
-        finally:
+        except BaseException:
             checker.recv_done(peer, index)
+            raise
         return buf
 
     # ------------------------------------------------------------------ registration
@@ -1147,6 +1153,7 @@ class Communicator:
         (host buffers, ranks in one process, no intra-host path) this is a no-op that
         still returns a handle.
         """
+        self._not_in_group("register()")
         self.check_usable()
         b = self.mem.adopt(buf, "buf")
         if self._p2p is None or self._p2p.direct:
@@ -1160,6 +1167,7 @@ class Communicator:
         """Undo :meth:`register` (collective, like it)."""
         if not isinstance(reg, Registration) or reg.comm is not self:
             raise InvalidUsage("deregister takes a Registration of this communicator")
+        self._not_in_group("deregister()")
         self.check_usable()
         if reg.index < 0 or self._p2p is None:
             return
@@ -1174,6 +1182,7 @@ class Communicator:
         Ranks are ordered by ``key`` (then by parent rank). ``color=None`` joins none and
         returns ``None``. Every rank of this communicator must call it.
         """
+        self._not_in_group("split()")
         self.check_usable()
         if color is not None and (isinstance(color, bool) or not isinstance(color, int)
                                   or color < 0):
@@ -1352,10 +1361,14 @@ class _Recv:
         self.ctx, self.peer, self.buf, self.checker, self.index = ctx, peer, buf, checker, index
 
     async def run(self) -> None:
-        await self.ctx.connect(self.peer)
-        fut = self.ctx.post_recv(self.peer, self.buf, 0)
-        self.checker.recv_futs[(self.peer, self.index & 0x7FFFFFFF)] = fut
-        await self.ctx.wait_recv(fut, self.peer)
+        # (done when the recv ran, not when it was called: in a group that is later)
+        try:
+            await self.ctx.connect(self.peer)
+            fut = self.ctx.post_recv(self.peer, self.buf, 0)
+            self.checker.recv_futs[(self.peer, self.index & 0x7FFFFFFF)] = fut
+            await self.ctx.wait_recv(fut, self.peer)
+        finally:
+            self.checker.recv_done(self.peer, self.index)
 
 
 _nofile_raised = False

@@ -24,6 +24,7 @@ from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
 from ..errors import AcollError, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .agreement import start_agreement
+from .groups import Group
 from .groups import current as current_group
 from .ordering import SEQ_MASK, OrderChecker
 
@@ -80,6 +81,8 @@ class Executor:
         self._loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
         self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]] | None = None
+        self._owner: Group | None = None  # the group whose block queues calls
+        self._group_end: asyncio.Future[None] | None = None  # resolved when it ends
         self.running: set[OpContext] = set()
         self.queued = 0  # calls waiting for the lock (woken ones included)
         # One timer for every running op's deadline (re-armed for the next deadline when
@@ -116,9 +119,11 @@ class Executor:
         matter (they run together, as in NCCL): such calls carry ``ANY_SEQ`` and are not
         order-checked.
         """
-        if self._group is None:
-            self._join_group()
-        return ANY_SEQ if self._group is not None else self.seq & SEQ_MASK
+        group = current_group()
+        if self._group is None and group is not None:
+            group.join(self)
+        return ANY_SEQ if (self._group is not None and self._owner is group) \
+            else self.seq & SEQ_MASK
 
     def skip(self) -> None:
         """Use up a sequence number without running anything (a zero-element call with
@@ -135,8 +140,9 @@ class Executor:
         on one rank and here on another: an agreement would wait for a rank that never
         takes part."""
         self.host.check_usable()
-        if self._group is None:
-            self._join_group()
+        group = current_group()
+        if self._owner is not group:  # (the owner is None exactly when no group holds it)
+            await self._wait_other_group(group)
         full = self.seq
         if tag_base is None:
             seq = self.seq & SEQ_MASK
@@ -260,28 +266,50 @@ class Executor:
                                     f"{host.timeout:g} s on rank {host.rank}{waited}",
                                     peers[0] if len(peers) == 1 else None))
 
-    def open_group(self) -> None:
-        """Queue calls from now on until :meth:`run_group` or :meth:`abandon_group`
-        (called by :class:`~acoll._comm.groups.Group`)."""
+    def open_group(self, owner: Group) -> None:
+        """Queue calls made in ``owner``'s context from now on, until :meth:`take_group`
+        or :meth:`abandon_group` (called by :class:`~acoll._comm.groups.Group`); calls of
+        other contexts wait until then."""
         self._group = []
+        self._owner = owner
+        self._group_end = self._loop.create_future()
+
+    def end_group(self) -> None:
+        """The group no longer holds this communicator: calls that waited for it go on
+        (after the group's ops, which hold the lock by then, or failed)."""
+        self._group, self._owner = None, None
+        end, self._group_end = self._group_end, None
+        if end is not None and not end.done():
+            end.set_result(None)
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops; queued ones fail the communicator
         (their sequence numbers were promised to the peers)."""
-        ops, self._group = self._group, None
+        ops = self._group
+        self.end_group()
         if ops:
             self.cancelled("group", ops[0][0])
 
-    async def run_group(self) -> None:
-        """Run the group's ops together (the block exited)."""
-        ops, self._group = self._group, None
-        if not ops:
-            return
+    def take_group(self) -> list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]]:
+        """The group's ops (its block exited), for :meth:`run_ops`. The communicator stays
+        held (other calls wait) until they hold the lock, or until :meth:`end_group`."""
+        ops = self._group or []
+        if ops:
+            self._group = []
+        else:
+            self.end_group()
+        return ops
+
+    async def run_ops(self, ops: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]]
+                      ) -> None:
+        """Run a group's ops together (from :meth:`take_group`)."""
         try:
             await self.lock.acquire()
         except asyncio.CancelledError:
+            self.end_group()
             self.cancelled("group", ops[0][0])
             raise
+        self.end_group()
         try:
             self.host.check_usable()
             results = await asyncio.gather(
@@ -293,10 +321,20 @@ class Executor:
             if isinstance(res, BaseException):
                 raise res
 
-    def _join_group(self) -> None:
-        """A call made while a group is open in this context joins it."""
-        group = current_group()
-        if group is not None:
+    async def _wait_other_group(self, group: Group | None) -> None:
+        """A call made outside the group that holds this communicator waits until that
+        group has run (its ops were numbered first), then joins ``group`` (the caller's
+        own, if any) or runs plainly."""
+        while self._group is not None and self._owner is not group:
+            end = self._group_end
+            assert end is not None
+            self.queued += 1
+            try:
+                await asyncio.shield(end)
+            finally:
+                self.queued -= 1
+            self.host.check_usable()
+        if self._group is None and group is not None:
             group.join(self)
 
 

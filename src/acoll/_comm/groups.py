@@ -7,30 +7,40 @@ program): a lone blocking call on the first rank would wait forever for the seco
 
 Here the thread is the asyncio *context*: the open group lives in a context variable, so
 calls made by the task that opened it, and by tasks it starts inside the block (they
-inherit its context), join it; other tasks are not affected. Every communicator a call
-joins gets its own queue of the group's ops (:meth:`Executor.run_group`), and every queue
-runs, concurrently, when the outermost block exits; the exit raises the first error.
-Calls inside the block return at once; their buffers hold results after the exit.
+inherit its context), join it. Every communicator a call joins gets its own queue of the
+group's ops, and every queue runs, concurrently, when the outermost block exits; the exit
+raises the first error. Calls inside the block return at once; their buffers hold results
+after the exit.
 
-``comm.group()`` is the same group with ``comm`` joined at the start (so that calls other
-tasks make on ``comm`` meanwhile queue into it too, as before groups spanned
-communicators). Nested blocks join the outermost one. A call of a task that outlives the
-block (the group has ended) runs as a plain call.
+- A communicator a group holds (it has calls in it) queues only that group's calls: a call
+  made on it from another context (another task, or after the block) waits until the
+  group's ops hold the communicator's lock, then goes after them, as its number says.
+- ``comm.group()`` is the same group with ``comm`` joined at the start. Blocks nested in
+  one task join the outermost one; a task started inside a block that opens a group of
+  its own gets a group of its own. A group object is entered once at a time (it may be
+  entered again after it exited).
+- If the block raises, the group's ops never run: every communicator with ops in it
+  fails (its peers were promised them), as a cancelled call does; so does every
+  communicator whose ops had not started when the exit was cancelled.
+- Calls that cannot wait for the exit (``close``, ``split``, ``register``,
+  ``deregister``: they run at once, or wait for the group's calls) are refused inside a
+  group.
 
 A *prepared* call (``acoll._p2p.fast``) made inside a group launches at the call, like
-NCCL's kernels, only when its communicator has no other op in the group: its
-completion is then :meth:`Group.defer`-red to the exit, where it is awaited inline (no
-task per call: the point of one thread driving all its GPUs). If the block raises, the
-group's ops never run: every communicator with ops in it fails (its peers were promised
-them), as a cancelled call does.
+NCCL's kernels, when its communicator has no other op in the group: its completion is
+then :meth:`Group.defer`-red to the exit, where it is awaited inline (no task per call:
+the point of one thread driving all its GPUs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Callable, Coroutine
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any
+
+from ..errors import InvalidUsage
 
 if TYPE_CHECKING:
     from .executor import Executor
@@ -49,13 +59,17 @@ def current() -> Group | None:
 
 
 class Group:
-    """One ``async with`` block (see the module docstring)."""
+    """One ``async with`` block (see the module docstring). An object may be entered again
+    after it exited, never while it is open."""
 
-    __slots__ = ("_first", "_outer", "_token", "deferred", "executors", "open")
+    __slots__ = ("_active", "_first", "_outer", "_task", "_token", "deferred", "executors",
+                 "open")
 
     def __init__(self, first: Executor | None = None) -> None:
         self._first = first
+        self._active = False
         self._outer: Group | None = None
+        self._task: asyncio.Task[Any] | None = None
         self._token: Token[Group | None] | None = None
         self.open = False
         #: communicators with queued ops, in the order they joined
@@ -65,7 +79,7 @@ class Group:
 
     def join(self, ex: Executor) -> None:
         """Queue ``ex``'s calls in this group from now on (``ex`` has no group yet)."""
-        ex.open_group()
+        ex.open_group(self)
         self.executors.append(ex)
 
     def defer(self, ex: Executor, seq: int, done: Thunk) -> None:
@@ -73,15 +87,23 @@ class Group:
         self.deferred.append((ex, seq, done))
 
     async def __aenter__(self) -> None:
-        outer = current()
+        if self._active:
+            raise InvalidUsage("this group block is already open (a group object is "
+                               "entered once at a time)")
         first = self._first
         if first is not None:
             first.host.check_usable()
-        if outer is not None:  # nested: the outermost block runs everything
+        task = asyncio.current_task()
+        outer = current()
+        self._active = True
+        if outer is not None and outer._task is task:
+            # Nested in this task: the outermost block runs everything. (A group opened
+            # by a task started inside another task's block is a group of its own.)
             self._outer = outer
             if first is not None and not first.in_group:
                 outer.join(first)
             return
+        self._task = task
         self.open = True
         self._token = _OPEN.set(self)
         if first is not None and not first.in_group:
@@ -89,9 +111,12 @@ class Group:
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: object) -> None:
+        self._active = False
         if self._outer is not None:
+            self._outer = None
             return
         self.open = False
+        self._task = None
         if self._token is not None:
             _OPEN.reset(self._token)
             self._token = None
@@ -104,18 +129,49 @@ class Group:
                 ex.cancelled("group", seq)
             await _drain(deferred)
             return
-        if not executors:
+        # Every queue is taken now, before the first await: a cancellation at any point
+        # below leaves no communicator holding a group.
+        queues = [(ex, ops) for ex in executors if (ops := ex.take_group())]
+        if not queues:
             await _inline(deferred)
             return
-        if len(executors) == 1 and not deferred:
-            await executors[0].run_group()
+        if len(queues) == 1 and not deferred:
+            ex, ops = queues[0]
+            await ex.run_ops(ops)
             return
-        results = await asyncio.gather(*(ex.run_group() for ex in executors),
-                                       *(done() for _, _, done in deferred),
-                                       return_exceptions=True)
+        runs = [_Started(ex, ops[0][0], functools.partial(ex.run_ops, ops), False)
+                for ex, ops in queues]
+        runs += [_Started(ex, seq, done, True) for ex, seq, done in deferred]
+        try:
+            results = await asyncio.gather(*(r.run() for r in runs), return_exceptions=True)
+        except asyncio.CancelledError:
+            # Runs cancelled before they started never failed their communicator (their
+            # ops were promised to the peers): fail it here and let prepared calls end.
+            late = [r for r in runs if not r.started]
+            for r in late:
+                if not r.deferred:
+                    r.ex.end_group()
+                r.ex.cancelled("group", r.seq)
+            await _drain([(r.ex, r.seq, r.fn) for r in late if r.deferred])
+            raise
         for res in results:
             if isinstance(res, BaseException):
                 raise res
+
+
+class _Started:
+    """One run of a group's exit, noting whether it started (a task cancelled before its
+    first step never runs a line of it)."""
+
+    __slots__ = ("deferred", "ex", "fn", "seq", "started")
+
+    def __init__(self, ex: Executor, seq: int, fn: Thunk, deferred: bool) -> None:
+        self.ex, self.seq, self.fn, self.deferred = ex, seq, fn, deferred
+        self.started = False
+
+    async def run(self) -> None:
+        self.started = True
+        await self.fn()
 
 
 async def _inline(deferred: list[tuple[Executor, int, Thunk]]) -> None:
@@ -139,9 +195,15 @@ async def _inline(deferred: list[tuple[Executor, int, Thunk]]) -> None:
 
 
 async def _drain(deferred: list[tuple[Executor, int, Thunk]]) -> None:
-    """Let the completions of failed communicators end (their waits end at once)."""
+    """Let the completions of failed communicators end (their waits end at once); a
+    cancellation meanwhile is raised after all ended."""
+    cancelled = False
     for _, _, done in deferred:
         try:
             await done()
+        except asyncio.CancelledError:
+            cancelled = True
         except BaseException:  # each communicator holds its error
             pass
+    if cancelled:
+        raise asyncio.CancelledError
