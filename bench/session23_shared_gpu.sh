@@ -10,7 +10,7 @@ device_site
 S=$OUT/shared; mkdir -p "$S"
 device_machine "$S"
 export ACOLL_TIMEOUT=10
-K="group_of_different_kernels or sharing_a_gpu or one_task_drives or repeated_calls_run_prepared"
+K="group_of_different_kernels or sharing_a_gpu or one_task_drives"
 run() {  # label, tree, extra environment
   local i
   for i in 1 2 3 4 5; do
