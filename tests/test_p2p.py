@@ -136,6 +136,69 @@ def test_sequencer_is_idle_only_with_nothing_pending() -> None:
     assert not seq.idle
 
 
+async def test_local_launches_run_together_in_rank_order() -> None:
+    from acoll._p2p.domain import LocalLaunch
+    local = LocalLaunch(3)
+    ran: list[int] = []
+    first = local.submit(0, 2, lambda: ran.append(2))
+    second = local.submit(0, 0, lambda: ran.append(0))
+    assert first is not None
+    assert second is not None
+    assert ran == []
+    assert local.submit(0, 1, lambda: ran.append(1)) is None  # the last one launches
+    assert ran == [0, 1, 2]
+    assert first.done()
+    assert second.done()
+
+
+async def test_local_launches_wait_while_a_kernel_module_loads() -> None:
+    """While another thread loads a kernel module (it holds the kernel lock), the ranks'
+    launches wait, all of them, the last rank included, and run in rank order once the
+    load ended: a load waits for running kernels, so a first rank's kernel spinning for
+    the next rank's could otherwise hold the next launch until the kernel's timeout."""
+    import threading
+
+    from acoll._p2p import domain
+    local = domain.LocalLaunch(2)
+    ran: list[int] = []
+    release = threading.Event()
+    holding = threading.Event()
+
+    def load() -> None:
+        with domain._kernels_lock:
+            holding.set()
+            release.wait(5)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    try:
+        assert holding.wait(5)
+        first = local.submit(7, 0, lambda: ran.append(0))
+        last = local.submit(7, 1, lambda: ran.append(1))
+        assert first is not None
+        assert last is not None
+        await asyncio.sleep(0.01)
+        assert ran == []
+        release.set()
+        await asyncio.wait_for(asyncio.gather(first, last), 5)
+        assert ran == [0, 1]
+        assert local.pending == {}
+    finally:
+        release.set()
+        loader.join()
+    # A rank that withdrew meanwhile (its wait expired) leaves the others waiting for
+    # their own deadlines, never a launch of some ranks only.
+    with domain._kernels_lock:
+        a = local.submit(8, 0, lambda: ran.append(10))
+        b = local.submit(8, 1, lambda: ran.append(11))
+        local.withdraw(8, 0)
+    await asyncio.sleep(0.01)
+    assert ran == [0, 1]
+    assert a is not None
+    assert b is not None
+    assert not b.done()
+
+
 async def test_sequencer_failure_wakes_waiters() -> None:
     seq = Sequencer()
     seq.ticket()  # never done: an op abandoned when its communicator failed

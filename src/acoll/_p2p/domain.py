@@ -136,7 +136,17 @@ class LocalLaunch:
     :meth:`submit` takes rank ``rank``'s launch for its call number ``index``; the last
     local rank to submit runs every local rank's launch, in rank order. The others get a
     future that completes then (or fails with that rank's launch error).
+
+    Never while a kernel module is being loaded (:data:`_kernels_lock` held by a compile
+    in a worker thread): loading a module waits for the device's running kernels and
+    holds the context meanwhile, so with two ranks on one GPU the first rank's kernel,
+    spinning for the second's, would hold the load, which holds the second launch, until
+    the kernel's timeout (seen on an H200). The launches then wait (a timer, off the
+    lock) and the last rank gets a future too.
     """
+
+    #: Seconds between tries while a module loads.
+    RETRY_S = 0.0005
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
@@ -151,8 +161,40 @@ class LocalLaunch:
             fut = asyncio.get_running_loop().create_future()
             entries[rank] = (launch, fut)
             return fut
-        del self.pending[index]
-        entries[rank] = (launch, None)
+        if not _kernels_lock.acquire(blocking=False):
+            loop = asyncio.get_running_loop()
+            fut = loop.create_future()
+            entries[rank] = (launch, fut)
+            loop.call_later(self.RETRY_S, self._retry, index)
+            return fut
+        try:
+            del self.pending[index]
+            entries[rank] = (launch, None)
+            mine = self._run(entries)
+        finally:
+            _kernels_lock.release()
+        if mine is not None:
+            raise mine
+        return None
+
+    def _retry(self, index: int) -> None:
+        entries = self.pending.get(index)
+        if entries is None or len(entries) < self.expected:
+            return  # withdrawn (timeout, abort): the others' waits end on their own
+        if not _kernels_lock.acquire(blocking=False):
+            asyncio.get_running_loop().call_later(self.RETRY_S, self._retry, index)
+            return
+        try:
+            del self.pending[index]
+            self._run(entries)
+        finally:
+            _kernels_lock.release()
+
+    @staticmethod
+    def _run(entries: dict[int, tuple[Callable[[], None], asyncio.Future[None] | None]]
+             ) -> BaseException | None:
+        """Run every rank's launch in rank order; the error of the rank without a future
+        (the caller's) is returned, the others' go to their futures."""
         mine: BaseException | None = None
         for r in sorted(entries):
             run, waiter = entries[r]
@@ -166,9 +208,7 @@ class LocalLaunch:
                 continue
             if waiter is not None and not waiter.done():
                 waiter.set_result(None)
-        if mine is not None:
-            raise mine
-        return None
+        return mine
 
     def withdraw(self, index: int, rank: int) -> None:
         entries = self.pending.get(index)
