@@ -498,7 +498,7 @@ def test_gpu_int64_average_truncates_toward_zero() -> None:
 
 # ------------------------------------------------------------------------ GPU: completion
 
-METHODS = ["pipe", "hostfunc", "poll", "spin"]
+METHODS = ["pipe", "hostfunc", "poll", "spin", "thread"]
 
 
 def _run(coro: Any, use_uvloop: bool = False) -> Any:

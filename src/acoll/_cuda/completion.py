@@ -50,18 +50,20 @@ import asyncio
 import ctypes
 import os
 import platform
+import queue
 import sys
 import threading
 from collections.abc import Awaitable
 from typing import Any
 
+from .._config import Setting
 from ..errors import InvalidUsage
 from ..errors import TimeoutError as AcollTimeoutError
 from . import CudaUnavailable, import_cupy
 
 __all__ = ["DEFAULT_METHOD", "METHODS", "arm_stream", "wait_event", "wait_stream"]
 
-METHODS = ("pipe", "hostfunc", "poll", "spin")
+METHODS = ("pipe", "hostfunc", "poll", "spin", "thread")
 DEFAULT_METHOD = "pipe"
 POLL_MIN_S = 50e-6
 POLL_MAX_S = 1e-3
@@ -72,8 +74,25 @@ def _timeout(what: str) -> AcollTimeoutError:
     return AcollTimeoutError(f"timed out waiting for {what}")
 
 
+def _parse_method(text: str) -> str:
+    m = text.strip().lower()
+    if m not in METHODS:
+        raise ValueError(f"use one of {', '.join(METHODS)}")
+    return m
+
+
+WAIT = Setting("GPU_WAIT", _parse_method, DEFAULT_METHOD,
+               "How a wait for GPU work that outlasts the first poll learns it ended "
+               "(see acoll._cuda.completion).", "COLL")
+_default: list[str] = []
+
+
 def _method(method: str | None) -> str:
-    m = DEFAULT_METHOD if method is None else method
+    if method is None:
+        if not _default:
+            _default.append(WAIT.resolve())
+        method = _default[0]
+    m = method
     if m not in METHODS:
         raise InvalidUsage(f"unknown wait method {method!r}; use one of {', '.join(METHODS)}")
     if m == "pipe" and not _pipe_supported():
@@ -156,6 +175,77 @@ def _arm(stream: Any, method: str, deadline: float | None, what: str) -> Awaitab
     return _armed(fut, deadline, what, r)
 
 
+# ---------------------------------------------------------------------------- thread waits
+
+#: Most waiter threads (a wait that finds them all busy queues behind them).
+MOST_WAITER_THREADS = 8
+_jobs: queue.SimpleQueue[tuple[int, Any, int]] = queue.SimpleQueue()
+_threads_lock = threading.Lock()
+_threads = [0, 0]  # started, idle
+_blocking_events: dict[int, list[Any]] = {}  # device -> events with cudaEventBlockingSync
+
+
+def _serve() -> None:
+    """A waiter thread: ``cuEventSynchronize`` each job's event through ctypes (the GIL is
+    released meanwhile and, the event being blocking-sync, the thread sleeps), then close
+    its pipe's write end. A failed synchronize closes it too: the waiting side checks the
+    work's own errors, and has a deadline."""
+    import cupy as cp
+    sync = ctypes.CDLL("libcuda.so.1").cuEventSynchronize
+    sync.argtypes = [ctypes.c_void_p]
+    sync.restype = ctypes.c_int
+    while True:
+        device, event, fd = _jobs.get()
+        try:
+            cp.cuda.runtime.setDevice(device)  # (the device's primary context, current)
+            sync(ctypes.c_void_p(int(event.ptr)))
+        except Exception:  # the waiting side has a deadline
+            pass
+        finally:
+            os.close(fd)
+            with _threads_lock:
+                _threads[1] += 1
+
+
+def _submit(device: int, event: Any, fd: int) -> None:
+    with _threads_lock:
+        start = _threads[1] <= 0 and _threads[0] < MOST_WAITER_THREADS
+        if start:
+            _threads[0] += 1
+        else:
+            _threads[1] -= 1
+    if start:
+        threading.Thread(target=_serve, name="acoll-gpu-wait", daemon=True).start()
+    _jobs.put((device, event, fd))
+
+
+def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[None]:
+    """Record a blocking-sync event on ``stream`` now; a waiter thread synchronizes it and
+    closes a pipe the loop watches. Latency is the driver's wake-up, not a host function's
+    (whose delay grows with the wait: see the module doc), and no thread spins."""
+    import cupy as cp
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[None] = loop.create_future()
+    device = int(cp.cuda.runtime.getDevice())
+    pool = _blocking_events.setdefault(device, [])
+    event = pool.pop() if pool else cp.cuda.Event(block=True, disable_timing=True)
+    event.record(stream)
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        loop.add_reader(r, _settle, fut)
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    _submit(device, event, w)  # (the write end is the thread's from here)
+    return _pooled(_armed(fut, deadline, what, r), pool, event)
+
+
+async def _pooled(wait: Awaitable[None], pool: list[Any], event: Any) -> None:
+    await wait
+    pool.append(event)  # (only once passed: a thread may still wait on a timed-out one)
+
+
 # ------------------------------------------------------------------------------ query waits
 
 async def _await_query(done: Any, method: str, deadline: float | None, what: str) -> None:
@@ -198,6 +288,9 @@ async def wait_stream(stream: Any = None, *, deadline: float | None = None,
     what = f"GPU work on stream {st!r}"
     if st.done:
         return
+    if m == "thread":
+        await _arm_thread(st, deadline, what)
+        return
     if m in ("pipe", "hostfunc"):
         await _await_host_func(st, m, deadline, what)
         return
@@ -218,13 +311,16 @@ async def wait_event(event: Any, *, deadline: float | None = None,
     what = f"GPU event {event!r}"
     if event.done:
         return
-    if m not in ("pipe", "hostfunc"):
+    if m not in ("pipe", "hostfunc", "thread"):
         await _await_query(lambda: event.done, m, deadline, what)
         return
     pool = _side_streams.setdefault(cp.cuda.runtime.getDevice(), [])
     side = pool.pop() if pool else cp.cuda.Stream(non_blocking=True)
     side.wait_event(event)
-    await _await_host_func(side, m, deadline, what)
+    if m == "thread":
+        await _arm_thread(side, deadline, what)
+    else:
+        await _await_host_func(side, m, deadline, what)
     # Only a side stream with nothing pending goes back (a timed-out one may still hold a
     # host function behind a stuck event; it is dropped and freed once that completes).
     pool.append(side)
@@ -239,7 +335,10 @@ def arm_stream(stream: Any, *, deadline: float | None = None, what: str = ""
     and cannot hold that context across an ``await``: call it inside, await outside.
     """
     what = what or f"GPU work on stream {stream!r}"
-    return _arm(stream, "pipe" if _method(None) == "pipe" else "hostfunc", deadline, what)
+    m = _method(None)
+    if m == "thread":
+        return _arm_thread(stream, deadline, what)
+    return _arm(stream, "pipe" if m == "pipe" else "hostfunc", deadline, what)
 
 
 async def _armed(fut: asyncio.Future[None], deadline: float | None, what: str,
