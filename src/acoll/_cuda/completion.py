@@ -182,14 +182,14 @@ MOST_WAITER_THREADS = 8
 _jobs: queue.SimpleQueue[tuple[int, Any, int]] = queue.SimpleQueue()
 _threads_lock = threading.Lock()
 _threads = [0, 0]  # started, idle
-_blocking_events: dict[int, list[Any]] = {}  # device -> events with cudaEventBlockingSync
+_thread_events: dict[int, list[Any]] = {}  # device -> pooled events
 
 
 def _serve() -> None:
     """A waiter thread: ``cuEventSynchronize`` each job's event through ctypes (the GIL is
-    released meanwhile and, the event being blocking-sync, the thread sleeps), then close
-    its pipe's write end. A failed synchronize closes it too: the waiting side checks the
-    work's own errors, and has a deadline."""
+    released meanwhile; the driver polls the event, so the thread keeps a core busy for
+    the wait), then close its pipe's write end. A failed synchronize closes it too: the
+    waiting side checks the work's own errors, and has a deadline."""
     import cupy as cp
     sync = ctypes.CDLL("libcuda.so.1").cuEventSynchronize
     sync.argtypes = [ctypes.c_void_p]
@@ -220,15 +220,17 @@ def _submit(device: int, event: Any, fd: int) -> None:
 
 
 def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[None]:
-    """Record a blocking-sync event on ``stream`` now; a waiter thread synchronizes it and
-    closes a pipe the loop watches. Latency is the driver's wake-up, not a host function's
-    (whose delay grows with the wait: see the module doc), and no thread spins."""
+    """Record an event on ``stream`` now; a waiter thread synchronizes it (spinning in the
+    driver, without the GIL) and closes a pipe the loop watches. A blocking-sync event
+    (the thread sleeps) measured no better than ``pipe`` for long waits (+208 against +198
+    us at 2 ms, ``bench/results/session23_h200/wait/``): the driver's blocking wake-up is
+    what is slow there."""
     import cupy as cp
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
     device = int(cp.cuda.runtime.getDevice())
-    pool = _blocking_events.setdefault(device, [])
-    event = pool.pop() if pool else cp.cuda.Event(block=True, disable_timing=True)
+    pool = _thread_events.setdefault(device, [])
+    event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
     event.record(stream)
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
