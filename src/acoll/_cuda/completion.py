@@ -18,6 +18,10 @@ Four ways to learn that a stream (or event) has finished, chosen by ``method=``:
   selector) bounds its latency.
 - ``"spin"``: query ``Event.done`` on every loop iteration (yielding between queries, so
   the loop keeps running) for ``SPIN_S``, then ``"poll"``.
+- ``"thread"``: a waiter thread (up to :data:`MOST_WAITER_THREADS`) calls
+  ``cuEventSynchronize`` through ctypes on an event recorded now (the GIL is released; the
+  driver polls, so the thread keeps a core busy for the whole wait), then closes a pipe
+  the loop watches, as ``pipe`` does.
 
 Measured on an H200 (``bench/gpu_kernels.py``, ``bench/results/gpu_kernels_h200.txt``;
 latency added over a never-yielding ``Stream.done`` loop, p50/p99 µs; CPU µs per wait):
@@ -30,6 +34,22 @@ hostfunc   +78 / +141, CPU 106         +250 / +556, CPU 263        +74 / +224
 poll       +1101 / +1293, CPU 88       +260 / +609, CPU 166        +9 / +356 (busy)
 spin       +1 / +14, CPU 37            +367 / +560, CPU 271        +6 / +982, CPU 886
 =========  ==========================  ==========================  ===================
+
+Session 23, another H200 (``bench/results/session23_h200/wait2/completion.txt``), added
+p50 / p99 us, CPU us per wait:
+
+=========  ==========================  ==========================  ===================
+method     20 µs kernel, asyncio       2 ms kernel, asyncio        uvloop, 20 µs / 2 ms
+=========  ==========================  ==========================  ===================
+pipe       +57 / +95, CPU 85           +155 / +504, CPU 167        +50 / +253
+thread     +39 / +77, CPU 75           +48 / +251, CPU 2077        +22 / +120
+=========  ==========================  ==========================  ===================
+
+With a blocking-sync event (the thread sleeps in the driver) ``thread`` measured no better
+than ``pipe`` at 2 ms (+208 against +198 us, uvloop, ``wait/``): the driver's blocking
+wake-up is what makes long waits slow. So ``thread`` trades a busy core for the whole wait
+for 100 to 130 us less latency on long waits; it is a choice (``ACOLL_GPU_WAIT=thread``),
+not the default.
 
 ``pipe`` is the default: its latency does not depend on the loop's timer resolution (poll
 waits a whole 1 ms selector tick on asyncio; on uvloop sub-ms timers round to 0 and it
