@@ -145,8 +145,9 @@ class LocalLaunch:
     lock) and the last rank gets a future too.
     """
 
-    #: Seconds between tries while a module loads.
-    RETRY_S = 0.0005
+    #: Seconds between tries while a module loads (a compile takes up to a second; the
+    #: loops' timers have millisecond resolution: a shorter delay busy-loops uvloop).
+    RETRY_S = 0.001
 
     def __init__(self, expected: int) -> None:
         self.expected = expected
