@@ -248,10 +248,12 @@ def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[Non
     import cupy as cp
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-    device = int(cp.cuda.runtime.getDevice())
+    device = getattr(stream, "device_id", None)
+    device = int(cp.cuda.runtime.getDevice() if device is None else device)
     pool = _thread_events.setdefault(device, [])
-    event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
-    event.record(stream)
+    with cp.cuda.Device(device):
+        event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
+        event.record(stream)
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
     try:
         loop.add_reader(r, _settle, fut)
