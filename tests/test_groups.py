@@ -436,3 +436,136 @@ async def test_idle_is_false_inside_a_group(comms: list[acoll.Communicator]) -> 
         for c in comms[1:]:
             await c.barrier()
     assert (ex.idle, ex.quiet) == (True, True)
+
+
+# ------------------------------------------------------- second review cases (helper 21)
+
+@pytest.mark.parametrize("comms", [2], indirect=True)
+async def test_calls_from_other_tasks_keep_their_call_order_around_a_group(
+        comms: list[acoll.Communicator]) -> None:
+    """Rank 0: a group holds c0 while another task calls (first), then a third task calls
+    right as the group's ops take the lock (second). Rank 1 makes the same calls plainly
+    in that order. Each call must meet its counterpart: first 1 + 1, second 100 + 100
+    (numbered when waking, the second call took the first's number and the sums swapped)."""
+    c0, c1 = comms
+    loop = asyncio.get_running_loop()
+    g = [np.ones(4), np.ones(4)]
+    first = [np.ones(4), np.ones(4)]
+    second = [np.full(4, 100.0), np.full(4, 100.0)]
+
+    async def rank1() -> None:
+        for buf in (g[1], first[1], second[1]):
+            await c1.all_reduce(buf)
+
+    async def call_first() -> None:
+        await c0.all_reduce(first[0])
+
+    async def call_second() -> None:
+        while c0._exec._owner is not None:  # (lands right as the group's ops take the lock)
+            await asyncio.sleep(0)
+        await c0.all_reduce(second[0])
+
+    r1 = loop.create_task(rank1(), context=contextvars.Context())
+    async with c0.group():
+        await c0.all_reduce(g[0])
+        t1 = loop.create_task(call_first(), context=contextvars.Context())
+        await asyncio.sleep(0.05)
+        assert not t1.done()  # (it waits for the group to run)
+        t2 = loop.create_task(call_second(), context=contextvars.Context())
+        await asyncio.sleep(0.05)
+    await asyncio.wait_for(asyncio.gather(t1, t2, r1), QUICK)
+    assert [float(b[0]) for b in g + first] == [2.0] * 4
+    assert [float(b[0]) for b in second] == [200.0, 200.0]
+
+
+@pytest.mark.parametrize("comms", [2], indirect=True)
+async def test_a_group_object_is_not_entered_again_while_its_exit_runs(
+        comms: list[acoll.Communicator]) -> None:
+    c0, c1 = comms
+    loop = asyncio.get_running_loop()
+    p, x = [np.ones(4), np.ones(4)], [np.ones(4), np.ones(4)]
+    g = c0.group()
+
+    async def plain() -> None:  # holds c0's lock until rank 1 calls
+        await c0.all_reduce(p[0])
+
+    async def block() -> None:
+        async with g:
+            await c0.all_reduce(x[0])
+
+    async def again() -> None:
+        async with g:
+            pass
+
+    async def rank1() -> None:
+        await asyncio.sleep(0.3)
+        for buf in (p[1], x[1]):
+            await c1.all_reduce(buf)
+
+    tasks = [loop.create_task(f(), context=contextvars.Context()) for f in (plain, block)]
+    await asyncio.sleep(0.05)  # block() is in its exit, waiting for c0's lock
+    with pytest.raises(acoll.InvalidUsage, match="already open"):
+        await loop.create_task(again(), context=contextvars.Context())
+    await asyncio.wait_for(asyncio.gather(*tasks, rank1()), QUICK)
+    assert [float(b[0]) for b in p + x] == [2.0] * 4
+    assert c0.error is None
+
+
+@pytest.mark.parametrize("comms", [2], indirect=True)
+@pytest.mark.parametrize("what", ["send", "all_reduce"])
+async def test_a_call_cancelled_while_queued_behind_a_group_fails_the_communicator(
+        comms: list[acoll.Communicator], what: str) -> None:
+    """A call from another task on a communicator a group holds has its number (and, for
+    a send, its place among the sends to that peer): cancelling it fails the communicator
+    on every rank, as for any queued call, instead of leaving the ranks out of step."""
+    c0, c1 = comms
+    loop = asyncio.get_running_loop()
+
+    async def call() -> None:
+        if what == "send":
+            await c0.send(np.ones(4), 1)
+        else:
+            await c0.all_reduce(np.ones(4))
+
+    async def block() -> None:
+        async with c0.group():
+            await c0.all_reduce(np.ones(4))
+            task = loop.create_task(call(), context=contextvars.Context())
+            await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert isinstance(c0.error, acoll.RemoteError)
+
+    with pytest.raises(acoll.RemoteError, match="cancelled"):  # (the group's exit)
+        await block()
+    with pytest.raises(acoll.AcollError):
+        await asyncio.wait_for(c1.all_reduce(np.ones(4)), QUICK)
+
+
+async def test_a_call_inside_a_group_on_a_communicator_another_group_holds_is_refused(
+        comms: list[acoll.Communicator]) -> None:
+    loop = asyncio.get_running_loop()
+    bufs = [np.ones(8) for _ in comms]
+    caught: list[BaseException] = []
+
+    async def other_group() -> None:
+        try:
+            async with acoll.group():
+                await comms[0].all_reduce(np.ones(8))
+        except BaseException as exc:
+            caught.append(exc)
+
+    async def block() -> None:
+        async with acoll.group():
+            for c in comms:
+                await c.all_reduce(bufs[c.rank])
+            await loop.create_task(other_group(), context=contextvars.Context())
+
+    # An invalid call fails its communicator on every rank (its peers would wait for
+    # it), so the holding group's exit reports it too.
+    with pytest.raises(acoll.InvalidUsage, match="another task's group"):
+        await asyncio.wait_for(block(), QUICK)
+    assert len(caught) == 1
+    assert isinstance(caught[0], acoll.InvalidUsage)
+    assert "another task's group" in str(caught[0])

@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable
 from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
-from ..errors import AcollError, RemoteError
+from ..errors import AcollError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .agreement import start_agreement
 from .groups import Group
@@ -39,6 +39,9 @@ class Algorithm(Protocol):
 
 
 MakeAlgorithm = Callable[[OpContext], Algorithm]
+#: A queued op: (seq, descriptor, tag base, make, self-checked, full number, completion
+#: of a call made from outside the group, else None).
+GroupOp = tuple[int, Descriptor, int, MakeAlgorithm, bool, int, "asyncio.Future[None] | None"]
 
 
 class ExecHost(OpHost, Protocol):
@@ -80,9 +83,8 @@ class Executor:
         self.seq = 0
         self._loop = asyncio.get_running_loop()
         self.lock = asyncio.Lock()
-        self._group: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]] | None = None
+        self._group: list[GroupOp] | None = None
         self._owner: Group | None = None  # the group whose block queues calls
-        self._group_end: asyncio.Future[None] | None = None  # resolved when it ends
         self.running: set[OpContext] = set()
         self.queued = 0  # calls waiting for the lock (woken ones included)
         # One timer for every running op's deadline (re-armed for the next deadline when
@@ -122,8 +124,7 @@ class Executor:
         group = current_group()
         if self._group is None and group is not None:
             group.join(self)
-        return ANY_SEQ if (self._group is not None and self._owner is group) \
-            else self.seq & SEQ_MASK
+        return ANY_SEQ if self._group is not None else self.seq & SEQ_MASK
 
     def skip(self) -> None:
         """Use up a sequence number without running anything (a zero-element call with
@@ -141,8 +142,20 @@ class Executor:
         takes part."""
         self.host.check_usable()
         group = current_group()
+        done: asyncio.Future[None] | None = None
         if self._owner is not group:  # (the owner is None exactly when no group holds it)
-            await self._wait_other_group(group)
+            if self._group is None:
+                assert group is not None
+                group.join(self)
+            elif group is not None:
+                raise InvalidUsage(
+                    f"rank {self.host.rank}: this communicator has calls in another task's "
+                    "group; call it from that task, or after that group ran")
+            else:
+                # A call from another context while a group holds the communicator: it
+                # takes its number now and runs with the group's ops, after them in
+                # order, and returns when it ran.
+                done = self._loop.create_future()
         full = self.seq
         if tag_base is None:
             seq = self.seq & SEQ_MASK
@@ -150,7 +163,13 @@ class Executor:
             self.seq += 1
             self.checker.issue(seq, desc, in_group=self._group is not None)
         if self._group is not None:
-            self._group.append((tag_base >> 32, desc, tag_base, make, self_checked, full))
+            self._group.append((tag_base >> 32, desc, tag_base, make, self_checked, full, done))
+            if done is not None:
+                try:
+                    await done
+                except asyncio.CancelledError:
+                    self.cancelled(desc.coll.name.lower(), tag_base >> 32)
+                    raise
             return
         self.queued += 1
         try:
@@ -267,75 +286,72 @@ class Executor:
                                     peers[0] if len(peers) == 1 else None))
 
     def open_group(self, owner: Group) -> None:
-        """Queue calls made in ``owner``'s context from now on, until :meth:`take_group`
-        or :meth:`abandon_group` (called by :class:`~acoll._comm.groups.Group`); calls of
-        other contexts wait until then."""
+        """Queue calls from now on, until :meth:`take_group` and :meth:`run_ops`, or
+        :meth:`drop_ops` (called by :class:`~acoll._comm.groups.Group`): ``owner``'s
+        calls return at once; other contexts' calls wait for theirs to run."""
         self._group = []
         self._owner = owner
-        self._group_end = self._loop.create_future()
 
     def end_group(self) -> None:
-        """The group no longer holds this communicator: calls that waited for it go on
-        (after the group's ops, which hold the lock by then, or failed)."""
+        """No group holds this communicator any more (its ops hold the lock, or failed)."""
         self._group, self._owner = None, None
-        end, self._group_end = self._group_end, None
-        if end is not None and not end.done():
-            end.set_result(None)
+
+    def drop_ops(self, ops: list[GroupOp]) -> None:
+        """Drop a group's ops (its block raised, or its exit was cancelled before they
+        ran): the communicator fails (their numbers were promised to the peers), and
+        calls of other contexts waiting among them get its error."""
+        self.end_group()
+        if not ops:
+            return
+        self.cancelled("group", ops[0][0])
+        error = self.host.error
+        for op in ops:
+            done = op[6]
+            if done is not None and not done.done():
+                done.set_exception(error or RemoteError("the communicator failed", None))
 
     def abandon_group(self) -> None:
-        """The group's block raised: drop its ops; queued ones fail the communicator
-        (their sequence numbers were promised to the peers)."""
-        ops = self._group
-        self.end_group()
-        if ops:
-            self.cancelled("group", ops[0][0])
+        """The group's block raised: drop its ops (:meth:`drop_ops`)."""
+        self.drop_ops(self._group or [])
 
-    def take_group(self) -> list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]]:
-        """The group's ops (its block exited), for :meth:`run_ops`. The communicator stays
-        held (other calls wait) until they hold the lock, or until :meth:`end_group`."""
+    def take_group(self) -> list[GroupOp]:
+        """The group's ops (its block exited), for :meth:`run_ops`: the list itself, so
+        that calls other contexts make until they run join it, in order. An empty
+        group ends here."""
         ops = self._group or []
-        if ops:
-            self._group = []
-        else:
+        if not ops:
             self.end_group()
         return ops
 
-    async def run_ops(self, ops: list[tuple[int, Descriptor, int, MakeAlgorithm, bool, int]]
-                      ) -> None:
+    async def run_ops(self, ops: list[GroupOp]) -> None:
         """Run a group's ops together (from :meth:`take_group`)."""
         try:
             await self.lock.acquire()
         except asyncio.CancelledError:
-            self.end_group()
-            self.cancelled("group", ops[0][0])
+            self.drop_ops(ops)
             raise
-        self.end_group()
+        self.end_group()  # (later calls queue on the lock, behind these)
         try:
             self.host.check_usable()
             results = await asyncio.gather(
                 *(self._run(OpContext(self.host, seq, desc, True, tag), make, checked, full)
-                  for seq, desc, tag, make, checked, full in ops), return_exceptions=True)
+                  for seq, desc, tag, make, checked, full, _ in ops), return_exceptions=True)
+        except BaseException:  # (cancelled: the ops failed the communicator)
+            failed = self.host.error or RemoteError("the communicator failed", None)
+            results = [failed] * len(ops)
+            raise
         finally:
             self.lock.release()
+            for op, res in zip(ops, results, strict=True):
+                done = op[6]
+                if done is not None and not done.done():
+                    if isinstance(res, BaseException):
+                        done.set_exception(res)
+                    else:
+                        done.set_result(None)
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-
-    async def _wait_other_group(self, group: Group | None) -> None:
-        """A call made outside the group that holds this communicator waits until that
-        group has run (its ops were numbered first), then joins ``group`` (the caller's
-        own, if any) or runs plainly."""
-        while self._group is not None and self._owner is not group:
-            end = self._group_end
-            assert end is not None
-            self.queued += 1
-            try:
-                await asyncio.shield(end)
-            finally:
-                self.queued -= 1
-            self.host.check_usable()
-        if self._group is None and group is not None:
-            group.join(self)
 
 
 def _watch(ref: weakref.ref[Executor]) -> None:

@@ -12,9 +12,10 @@ group's ops, and every queue runs, concurrently, when the outermost block exits;
 raises the first error. Calls inside the block return at once; their buffers hold results
 after the exit.
 
-- A communicator a group holds (it has calls in it) queues only that group's calls: a call
-  made on it from another context (another task, or after the block) waits until the
-  group's ops hold the communicator's lock, then goes after them, as its number says.
+- A communicator a group holds (it has calls in it until they run): a call made on it from
+  another context (another task, or after the block) takes its number at once (after
+  theirs), runs with the group's calls, and returns when it ran; one made inside another
+  group raises :class:`~acoll.InvalidUsage`.
 - ``comm.group()`` is the same group with ``comm`` joined at the start. Blocks nested in
   one task join the outermost one; a task started inside a block that opens a group of
   its own gets a group of its own. A group object is entered once at a time (it may be
@@ -43,34 +44,40 @@ from typing import TYPE_CHECKING, Any
 from ..errors import InvalidUsage
 
 if TYPE_CHECKING:
-    from .executor import Executor
+    from .executor import Executor, GroupOp
 
 __all__ = ["Group", "current"]
 
-_OPEN: ContextVar[Group | None] = ContextVar("acoll_group", default=None)
+#: The open group and the number of its entry (a task started in an earlier entry of
+#: the same object carries the old number: it is not in the new one).
+_OPEN: ContextVar[tuple[Group, int] | None] = ContextVar("acoll_group", default=None)
 
 Thunk = Callable[[], Coroutine[Any, Any, None]]
 
 
 def current() -> Group | None:
     """The group open in this context, if any (a group that ended no longer counts)."""
-    group = _OPEN.get()
-    return group if group is not None and group.open else None
+    held = _OPEN.get()
+    if held is None:
+        return None
+    group, entry = held
+    return group if group.open and group._entry == entry else None
 
 
 class Group:
     """One ``async with`` block (see the module docstring). An object may be entered again
     after it exited, never while it is open."""
 
-    __slots__ = ("_active", "_first", "_outer", "_task", "_token", "deferred", "executors",
-                 "open")
+    __slots__ = ("_active", "_entry", "_first", "_outer", "_task", "_token", "deferred",
+                 "executors", "open")
 
     def __init__(self, first: Executor | None = None) -> None:
         self._first = first
         self._active = False
         self._outer: Group | None = None
         self._task: asyncio.Task[Any] | None = None
-        self._token: Token[Group | None] | None = None
+        self._token: Token[tuple[Group, int] | None] | None = None
+        self._entry = 0
         self.open = False
         #: communicators with queued ops, in the order they joined
         self.executors: list[Executor] = []
@@ -105,13 +112,19 @@ class Group:
             return
         self._task = task
         self.open = True
-        self._token = _OPEN.set(self)
+        self._entry += 1
+        self._token = _OPEN.set((self, self._entry))
         if first is not None and not first.in_group:
             self.join(first)
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: object) -> None:
-        self._active = False
+        try:
+            await self._exit(exc)
+        finally:
+            self._active = False  # (not before the exit ended: entering again waits)
+
+    async def _exit(self, exc: BaseException | None) -> None:
         if self._outer is not None:
             self._outer = None
             return
@@ -139,9 +152,9 @@ class Group:
             ex, ops = queues[0]
             await ex.run_ops(ops)
             return
-        runs = [_Started(ex, ops[0][0], functools.partial(ex.run_ops, ops), False)
+        runs = [_Started(ex, ops[0][0], functools.partial(ex.run_ops, ops), ops)
                 for ex, ops in queues]
-        runs += [_Started(ex, seq, done, True) for ex, seq, done in deferred]
+        runs += [_Started(ex, seq, done, None) for ex, seq, done in deferred]
         try:
             results = await asyncio.gather(*(r.run() for r in runs), return_exceptions=True)
         except asyncio.CancelledError:
@@ -149,10 +162,11 @@ class Group:
             # ops were promised to the peers): fail it here and let prepared calls end.
             late = [r for r in runs if not r.started]
             for r in late:
-                if not r.deferred:
-                    r.ex.end_group()
-                r.ex.cancelled("group", r.seq)
-            await _drain([(r.ex, r.seq, r.fn) for r in late if r.deferred])
+                if r.ops is not None:
+                    r.ex.drop_ops(r.ops)
+                else:
+                    r.ex.cancelled("group", r.seq)
+            await _drain([(r.ex, r.seq, r.fn) for r in late if r.ops is None])
             raise
         for res in results:
             if isinstance(res, BaseException):
@@ -163,10 +177,11 @@ class _Started:
     """One run of a group's exit, noting whether it started (a task cancelled before its
     first step never runs a line of it)."""
 
-    __slots__ = ("deferred", "ex", "fn", "seq", "started")
+    __slots__ = ("ex", "fn", "ops", "seq", "started")
 
-    def __init__(self, ex: Executor, seq: int, fn: Thunk, deferred: bool) -> None:
-        self.ex, self.seq, self.fn, self.deferred = ex, seq, fn, deferred
+    def __init__(self, ex: Executor, seq: int, fn: Thunk, ops: list[GroupOp] | None
+                 ) -> None:
+        self.ex, self.seq, self.fn, self.ops = ex, seq, fn, ops  # ops None: a prepared call
         self.started = False
 
     async def run(self) -> None:

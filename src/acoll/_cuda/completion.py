@@ -67,6 +67,7 @@ still queued on the stream that fires harmlessly later.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import platform
@@ -197,23 +198,35 @@ def _arm(stream: Any, method: str, deadline: float | None, what: str) -> Awaitab
 
 # ---------------------------------------------------------------------------- thread waits
 
-#: Most waiter threads (a wait that finds them all busy queues behind them).
+#: Most waiter threads. A wait that finds them all busy uses the pipe instead (a shared
+#: queue would order independent waits: one behind a kernel waiting for another
+#: process's launch could hold back the wait that process needs).
 MOST_WAITER_THREADS = 8
 _jobs: queue.SimpleQueue[tuple[int, Any, int]] = queue.SimpleQueue()
 _threads_lock = threading.Lock()
-_threads = [0, 0]  # started, idle
+_threads = [0, 0]  # started, idle (waiting for a job)
 _thread_events: dict[int, list[Any]] = {}  # device -> pooled events
+_sync: list[Any] = []  # cuEventSynchronize, loaded once by the loop's thread
 
 
-def _serve() -> None:
+def _event_sync() -> Any:
+    if not _sync:
+        try:
+            fn = ctypes.CDLL("libcuda.so.1").cuEventSynchronize
+        except (OSError, AttributeError) as exc:
+            raise CudaUnavailable(f"cannot load the CUDA driver: {exc}") from exc
+        fn.argtypes = [ctypes.c_void_p]
+        fn.restype = ctypes.c_int
+        _sync.append(fn)
+    return _sync[0]
+
+
+def _serve(sync: Any) -> None:
     """A waiter thread: ``cuEventSynchronize`` each job's event through ctypes (the GIL is
     released meanwhile; the driver polls the event, so the thread keeps a core busy for
     the wait), then close its pipe's write end. A failed synchronize closes it too: the
     waiting side checks the work's own errors, and has a deadline."""
     import cupy as cp
-    sync = ctypes.CDLL("libcuda.so.1").cuEventSynchronize
-    sync.argtypes = [ctypes.c_void_p]
-    sync.restype = ctypes.c_int
     while True:
         device, event, fd = _jobs.get()
         try:
@@ -222,21 +235,30 @@ def _serve() -> None:
         except Exception:  # the waiting side has a deadline
             pass
         finally:
-            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.close(fd)
             with _threads_lock:
                 _threads[1] += 1
 
 
-def _submit(device: int, event: Any, fd: int) -> None:
+def _reserve() -> bool:
+    """Take an idle waiter thread, or start one; ``False`` when all are busy."""
+    sync = _event_sync()
     with _threads_lock:
-        start = _threads[1] <= 0 and _threads[0] < MOST_WAITER_THREADS
-        if start:
-            _threads[0] += 1
-        else:
+        if _threads[1] > 0:
             _threads[1] -= 1
-    if start:
-        threading.Thread(target=_serve, name="acoll-gpu-wait", daemon=True).start()
-    _jobs.put((device, event, fd))
+            return True
+        if _threads[0] >= MOST_WAITER_THREADS:
+            return False
+        _threads[0] += 1
+    try:
+        threading.Thread(target=_serve, args=(sync,), name="acoll-gpu-wait",
+                         daemon=True).start()
+    except BaseException:
+        with _threads_lock:
+            _threads[0] -= 1
+        raise
+    return True
 
 
 def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[None]:
@@ -244,24 +266,37 @@ def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[Non
     driver, without the GIL) and closes a pipe the loop watches. A blocking-sync event
     (the thread sleeps) measured no better than ``pipe`` for long waits (+208 against +198
     us at 2 ms, ``bench/results/session23_h200/wait/``): the driver's blocking wake-up is
-    what is slow there."""
+    what is slow there. With every waiter thread busy, the pipe (or host function) does
+    the wait."""
     import cupy as cp
+    if not _reserve():
+        return _arm(stream, "pipe" if _method("pipe") == "pipe" else "hostfunc", deadline,
+                    what)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
-    device = getattr(stream, "device_id", None)
-    device = int(cp.cuda.runtime.getDevice() if device is None else device)
-    pool = _thread_events.setdefault(device, [])
-    with cp.cuda.Device(device):
-        event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
-        event.record(stream)
-    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    try:
+        device = getattr(stream, "device_id", -1)
+        if device is None or device < 0:  # (CuPy's null and external streams say -1)
+            device = cp.cuda.runtime.getDevice()
+        device = int(device)
+        pool = _thread_events.setdefault(device, [])
+        with cp.cuda.Device(device):
+            event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
+            event.record(stream)
+        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    except BaseException:
+        with _threads_lock:
+            _threads[1] += 1  # (the reserved thread stays idle)
+        raise
     try:
         loop.add_reader(r, _settle, fut)
     except BaseException:
         os.close(r)
         os.close(w)
+        with _threads_lock:
+            _threads[1] += 1
         raise
-    _submit(device, event, w)  # (the write end is the thread's from here)
+    _jobs.put((device, event, w))  # (the write end is the thread's from here)
     return _pooled(_armed(fut, deadline, what, r), pool, event)
 
 
