@@ -226,8 +226,8 @@ def group() -> contextlib.AbstractAsyncContextManager[None]:
 
     The exit raises the first error of any call. If the block raises, its calls never run
     and each communicator they were made on fails (as a cancelled call fails it). Nested
-    groups (``comm.group()`` included) join the outermost one. ``close()`` is refused
-    inside a group.
+    groups (``comm.group()`` included) join the outermost one. ``close()``, ``split()``,
+    ``register()`` and ``deregister()`` are refused inside a group.
     """
     return Group()
 
@@ -594,9 +594,10 @@ class Communicator:
         """Run the operations issued inside together (``ncclGroupStart/End``).
 
         :func:`acoll.group` with this communicator in it from the start: calls on any
-        communicator made in the block's context (and calls other tasks make on this one
-        meanwhile) return at once; their buffers hold results only after the block
-        exits. Nested groups join the outermost one.
+        communicator made in the block's context return at once; their buffers hold
+        results only after the block exits (a call another task makes on this one
+        meanwhile is numbered after them and returns when it ran). Nested groups join
+        the outermost one.
         """
         return Group(self._exec)
 

@@ -304,11 +304,13 @@ class Executor:
         if not ops:
             return
         self.cancelled("group", ops[0][0])
-        error = self.host.error
-        for op in ops:
-            done = op[6]
-            if done is not None and not done.done():
-                done.set_exception(error or RemoteError("the communicator failed", None))
+        self._fail_callers(ops)
+
+    def _fail_callers(self, ops: list[GroupOp]) -> None:
+        """The communicator's error as the outcome of the calls other contexts made among
+        ``ops`` (they wait for it)."""
+        failed = self.host.error or RemoteError("the communicator failed", None)
+        _settle_callers(ops, [failed] * len(ops))
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops (:meth:`drop_ops`)."""
@@ -336,22 +338,27 @@ class Executor:
             results = await asyncio.gather(
                 *(self._run(OpContext(self.host, seq, desc, True, tag), make, checked, full)
                   for seq, desc, tag, make, checked, full, _ in ops), return_exceptions=True)
-        except BaseException:  # (cancelled: the ops failed the communicator)
-            failed = self.host.error or RemoteError("the communicator failed", None)
-            results = [failed] * len(ops)
+        except BaseException:  # (cancelled, or failed before: the ops failed it)
+            self._fail_callers(ops)
             raise
         finally:
             self.lock.release()
-            for op, res in zip(ops, results, strict=True):
-                done = op[6]
-                if done is not None and not done.done():
-                    if isinstance(res, BaseException):
-                        done.set_exception(res)
-                    else:
-                        done.set_result(None)
+        _settle_callers(ops, results)
         for res in results:
             if isinstance(res, BaseException):
                 raise res
+
+
+def _settle_callers(ops: list[GroupOp], results: list[BaseException | None]) -> None:
+    """Complete the calls other contexts made among a group's ``ops`` with the outcome of
+    each (an exception, or ``None`` for success)."""
+    for op, res in zip(ops, results, strict=True):
+        done = op[6]
+        if done is not None and not done.done():
+            if isinstance(res, BaseException):
+                done.set_exception(res)
+            else:
+                done.set_result(None)
 
 
 def _watch(ref: weakref.ref[Executor]) -> None:

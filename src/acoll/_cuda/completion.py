@@ -270,10 +270,10 @@ def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[Non
     the wait."""
     import cupy as cp
     if not _reserve():
-        return _arm(stream, "pipe" if _method("pipe") == "pipe" else "hostfunc", deadline,
-                    what)
+        return _arm(stream, "pipe" if _pipe_supported() else "hostfunc", deadline, what)
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
+    fds: tuple[int, int] | None = None
     try:
         device = getattr(stream, "device_id", -1)
         if device is None or device < 0:  # (CuPy's null and external streams say -1)
@@ -283,18 +283,14 @@ def _arm_thread(stream: Any, deadline: float | None, what: str) -> Awaitable[Non
         with cp.cuda.Device(device):
             event = pool.pop() if pool else cp.cuda.Event(block=False, disable_timing=True)
             event.record(stream)
-        r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
-    except BaseException:
-        with _threads_lock:
-            _threads[1] += 1  # (the reserved thread stays idle)
-        raise
-    try:
+        r, w = fds = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         loop.add_reader(r, _settle, fut)
     except BaseException:
-        os.close(r)
-        os.close(w)
+        if fds is not None:
+            os.close(fds[0])
+            os.close(fds[1])
         with _threads_lock:
-            _threads[1] += 1
+            _threads[1] += 1  # (the reserved thread stays idle)
         raise
     _jobs.put((device, event, w))  # (the write end is the thread's from here)
     return _pooled(_armed(fut, deadline, what, r), pool, event)
