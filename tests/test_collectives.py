@@ -68,6 +68,51 @@ async def test_allreduce_each_algorithm_any_size(algo: str, nranks: int,
     await run_ranks(nranks, fn)
 
 
+@pytest.mark.parametrize("ring_chunks", ["0", "3"])
+async def test_ring_chunk_limits(ring_chunks: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring all_reduce, all_gather and reduce_scatter are exact with 4 KiB chunks always
+    (``ACOLL_RING_CHUNKS=0``) and with segments cut into at most 3 chunks of any size
+    (uneven last chunks), in place and not."""
+    monkeypatch.setenv("ACOLL_ALGO", "all_reduce:ring")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
+    monkeypatch.setenv("ACOLL_RING_CHUNKS", ring_chunks)
+    n = 3
+
+    async def fn(comm: acoll.Communicator) -> None:
+        assert comm.ring_chunks == int(ring_chunks)
+        r = comm.rank
+        for count in (0, 1, 1023, 5000, 50001):
+            dt = np.dtype(np.float32)
+            ins = [make_input(q, count * n, dt, acoll.SUM) for q in range(n)]
+            out = np.empty(count * n, dt)
+            await comm.all_reduce(ins[r], out)
+            assert_same(out, reference(ins, acoll.SUM), f"all_reduce c={count}")
+            mine = np.empty(count, dt)
+            await comm.reduce_scatter(ins[r], mine)
+            want = reference(ins, acoll.SUM)[r * count:(r + 1) * count]
+            assert_same(mine, want, f"reduce_scatter c={count}")
+            gathered = np.empty(count * n, dt)
+            await comm.all_gather(ins[r][:count], gathered)
+            assert_same(gathered, np.concatenate([x[:count] for x in ins]),
+                        f"all_gather c={count}")
+
+    await run_ranks(n, fn)
+
+
+def test_ring_chunk_items_arithmetic() -> None:
+    """The smallest chunk is ACOLL_CHUNK_SIZE; a larger segment is cut into at most
+    ring_chunks chunks; 0 turns the limit off."""
+    from acoll._coll.algorithms import chunk_ranges, ring_chunk_items
+
+    assert ring_chunk_items(512 << 10, 8, 4, 1 << 20) == 128 << 10  # 4 MiB: 8 x 512 KiB
+    assert ring_chunk_items(512 << 10, 8, 4, 4 << 20) == 512 << 10  # 16 MiB: 8 x 2 MiB
+    assert ring_chunk_items(512 << 10, 0, 4, 4 << 20) == 128 << 10
+    assert ring_chunk_items(4096, 3, 4, 1000) == 1024  # (the floor: 1 KiB items)
+    chunk = ring_chunk_items(4096, 3, 4, 50001)
+    assert chunk == 16667 and len(chunk_ranges(0, 50001, chunk)) == 3
+    assert ring_chunk_items(1, 8, 8, 0) == 1
+
+
 async def test_results_identical_on_every_rank_for_random_floats() -> None:
     """All ranks must hold bit-identical all-reduce results (as NCCL guarantees)."""
 

@@ -663,6 +663,33 @@ async def test_failure_close_drops_sends_a_send_thread_has_out(
         await p.aclose()
 
 
+async def test_send_thread_takes_queue_behind_a_partly_written_frame() -> None:
+    """Whether sends go to the thread depends on what is queued, not on the head frame's
+    rest: once the socket filled in the middle of a frame, the frames behind it still go
+    to the thread (they used to stay on the loop thread until the queue ran dry)."""
+    harness = _harness("t", 1, threads=1)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls
+        threads, p.a._threads = p.a._threads, None  # fill the socket on the loop thread
+        futs = [p.a.isend(host_buffer(bytearray(512 << 10)), t, meta_for(t))
+                for t in range(1, 33)]
+        await asyncio.sleep(0.2)
+        s = p.a._socks[0]
+        head = s.queue[0]
+        assert 0 < head[2] < len(head[0]) + head[1].nbytes, "the socket filled mid-frame"
+        p.a._threads = threads
+        p.a._flush(s)  # what the writer callback does once the socket has room
+        assert s.flight, "the queue behind a partly written frame stayed on the loop"
+    finally:
+        p.a.abort()
+        p.b.abort()
+        await asyncio.wait(futs)
+        await p.aclose()
+
+
 @pytest.mark.parametrize("threads", [0, 1])
 async def test_bug_in_write_path_fails_connection_not_loop(
         monkeypatch: pytest.MonkeyPatch, threads: int) -> None:

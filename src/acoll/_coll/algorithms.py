@@ -43,10 +43,31 @@ ALGO = Setting("ALGO", str, "",
 SMALL = Setting("SMALL_MSG", parse_size, 64 << 10,
                 "Messages up to this many bytes use the latency-optimised algorithm.",
                 "COLL")
+RING_CHUNKS = Setting("RING_CHUNKS", int, 8,
+                      "Ring algorithms cut a rank's segment into at most this many chunks: "
+                      "chunks grow above CHUNK_SIZE for large segments (0: always "
+                      "CHUNK_SIZE).", "COLL")
 
 
 def _chunk_items(ctx: OpContext, itemsize: int) -> int:
     return max(1, ctx.chunk_bytes // itemsize)
+
+
+def ring_chunk_items(chunk_bytes: int, ring_chunks: int, itemsize: int, segment: int) -> int:
+    """Items per pipeline chunk of a ring moving segments of ``segment`` items.
+
+    ``chunk_bytes`` (``ACOLL_CHUNK_SIZE``) is the smallest chunk; a larger segment is cut
+    into ``ring_chunks`` (``ACOLL_RING_CHUNKS``; 0: no limit) chunks. Every chunk costs
+    the same fixed work (a header, a wake-up, a reduce call, a hand-over to the send
+    thread): on a 16-core host over loopback TCP, 64 MiB all-reduces with 4 and 8 ranks
+    moved 1.16 to 1.33x more busbw in 2 MiB chunks than in 512 KiB ones (16 to 32 chunks
+    a segment), while at 16 MiB (4 to 8 chunks a segment) 512 KiB was as fast or faster.
+    Every rank computes the same value from the same arguments (ring tags count chunks).
+    """
+    base = max(1, chunk_bytes // itemsize)
+    if ring_chunks <= 0:
+        return base
+    return max(base, -(-segment // ring_chunks))
 
 
 def _pieces(buf: Buffer, ranges: list[tuple[int, int]]) -> list[Buffer]:
@@ -94,7 +115,7 @@ class RingAllReduce:
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
         self.nxt, self.prv = topo.ring(r, n)
         segs = split_even(src.count, n)
-        chunk = _chunk_items(ctx, src.itemsize)
+        chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, src.itemsize, -(-src.count // n))
         # Reduce-scatter: receive segment r-s-1 into scratch at step s.
         rs_recv = [segs[(r - s - 1) % n] for s in range(n - 1)]
         scratch = ctx.scratch(sum(length for _, length in rs_recv), src.dtype)
@@ -332,7 +353,7 @@ class RingAllGather:
         self.ctx, self.src, self.dst = ctx, src, dst
         self.nxt, self.prv = topo.ring(r, n)
         count = src.count
-        chunk = _chunk_items(ctx, src.itemsize)
+        chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, src.itemsize, count)
         self.steps = [chunk_ranges(((r - s - 1) % n) * count, count, chunk)
                       for s in range(n - 1)]
         self.own = chunk_ranges(r * count, count, chunk)
@@ -370,7 +391,7 @@ class RingReduceScatter:
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
         self.nxt, self.prv = topo.ring(r, n)
         count = dst.count
-        chunk = _chunk_items(ctx, src.itemsize)
+        chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, src.itemsize, count)
         self.blocks = [((r - s - 2) % n) * count for s in range(n - 1)]
         self.first = ((r - 1) % n) * count
         self.pieces = chunk_ranges(0, count, chunk)

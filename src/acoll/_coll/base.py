@@ -158,7 +158,8 @@ class OpHost(Protocol):
     Attributes:
         rank / size: this rank and the number of ranks.
         check: descriptor checks are on.
-        chunk_bytes: pipeline chunk size.
+        chunk_bytes: pipeline chunk size (the smallest, for rings).
+        ring_chunks: most chunks a ring cuts a segment into (0: no limit).
         small: ops up to this many bytes are latency-bound (busy-poll, small algorithms).
         spin_ns: per peer, how long a wait may busy-poll before sleeping (0: never).
         mem: the memory space of the communicator's buffers.
@@ -168,6 +169,7 @@ class OpHost(Protocol):
     size: int
     check: bool
     chunk_bytes: int
+    ring_chunks: int
     small: int
     spin_ns: list[int]
     mem: MemorySpace
@@ -193,8 +195,8 @@ class OpContext:
     """
 
     __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "heard",
-                 "host", "in_group", "mem", "n", "rank", "seq", "spin", "stage", "tag_base",
-                 "waiting_on", "yield_at")
+                 "host", "in_group", "mem", "n", "rank", "ring_chunks", "seq", "spin", "stage",
+                 "tag_base", "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -203,6 +205,7 @@ class OpContext:
         self.n = host.size
         self.mem = host.mem
         self.chunk_bytes = host.chunk_bytes
+        self.ring_chunks = host.ring_chunks
         self.seq = seq
         self.desc = desc
         self.check = host.check

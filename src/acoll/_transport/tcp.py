@@ -23,8 +23,8 @@ ready. A message that waited in memory for its
 receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
 Copying large sends into the kernel can run on a send thread (``ACOLL_SOCKET_SEND_THREADS``,
-by default one per process when it has at least 4 CPUs). A socket whose next queued payload
-is at least ``_OFFLOAD_MIN`` bytes, on a connection with no receive in progress (a receive
+by default one per process when it has at least 4 CPUs). A socket with at least
+``_OFFLOAD_MIN`` bytes queued, on a connection with no receive in progress (a receive
 would contend with the thread for the socket), hands its queued frames to the thread. The
 thread makes the non-blocking ``sendmsg`` calls (they copy without the GIL) until the batch
 is written or the socket is full, and reports back to the loop. Meanwhile the loop thread
@@ -60,6 +60,7 @@ import contextlib
 import functools
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -121,6 +122,7 @@ _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 _OFFLOAD_MIN = 512 << 10  # a payload this large is sent by a send thread (when there is one)
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
+_THREAD_WAIT_MS = 0  # how long a send thread waits for room in a full socket (0: returns)
 
 
 _Msg = Message[asyncio.Future[bytes], None]
@@ -264,9 +266,20 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int
     on a send thread; touches nothing but its arguments."""
     written = 0
     start = 0
+    poller = None
     try:
         while written < total:
-            n = sock.sendmsg(bufs[start:start + _IOV])
+            try:
+                n = sock.sendmsg(bufs[start:start + _IOV])
+            except (BlockingIOError, InterruptedError):
+                if _THREAD_WAIT_MS <= 0:
+                    raise
+                if poller is None:
+                    poller = select.poll()
+                    poller.register(sock.fileno(), select.POLLOUT)
+                if not poller.poll(_THREAD_WAIT_MS):
+                    raise
+                continue
             written += n
             while n and start < len(bufs):  # drop what went out
                 first = bufs[start]
@@ -282,6 +295,23 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int
     except BaseException as exc:  # OSError: the connection broke; anything else: a bug
         return written, exc
     return written, None
+
+
+def _queued_at_least(queue: deque[list[Any]], nbytes: int) -> bool:
+    """Whether the first ``_IOV`` items of a send queue still hold ``nbytes`` unsent.
+
+    The test is on what is queued, not on the head alone: a batch that came back with
+    the socket full leaves its last frame partly written, and judging by that frame's
+    rest kept every later frame on the loop thread until the queue ran dry (large
+    all-reduces with 512 KiB chunks sent almost everything there)."""
+    left = nbytes
+    for i, item in enumerate(queue):
+        left -= len(item[0]) + item[1].nbytes - item[2]
+        if left <= 0:
+            return True
+        if i + 1 >= _IOV:
+            break
+    return False
 
 
 def _unsent(item: list[Any]) -> tuple[bytes | None, memoryview]:
@@ -532,13 +562,12 @@ class TcpConnection(Connection):
             return  # a send thread has the head of the stream; it reports back
         queue = s.queue
         sock = s.sock
-        if self._threads is not None and queue and not self._match.receiving:
+        if (self._threads is not None and queue and not self._match.receiving
+                and _queued_at_least(queue, _OFFLOAD_MIN)):
             # (a receive on this connection would contend with the send thread for the
             # socket: with a peer that is both source and destination, sends stay here)
-            hdr, view, sent = queue[0][0], queue[0][1], queue[0][2]
-            if len(hdr) + view.nbytes - sent >= _OFFLOAD_MIN:
-                self._offload(s)
-                return
+            self._offload(s)
+            return
         until = time.perf_counter_ns() + _IO_NS
         while queue:
             bufs: list[Any] = []

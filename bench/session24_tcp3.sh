@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Session 24, issue 11 part 2: ring chunks capped per segment (ACOLL_RING_CHUNKS) with the
+# send thread's queued-bytes rule, against Gloo, per rank count and size; per-thread CPU
+# (bench/tcp_thread_cpu.py).   OUT=dir bash bench/session24_tcp3.sh
+set -u
+OUT=${OUT:-$PWD/session24_out}
+mkdir -p "$OUT"
+. bench/device_steps.sh
+device_site
+export CUDA_VISIBLE_DEVICES= ACOLL_SHM_DISABLE=1 ACOLL_NET=socket
+device_machine "$OUT"
+V=$OUT/variants.txt
+iters() { case $1 in 2M) echo 150;; 16M) echo 30;; 64M) echo 12;; *) echo 5;; esac; }
+one() {  # one label, ranks, size, env...
+  local label=$1 n=$2 s=$3; shift 3
+  echo "## $n ranks $s $label" >>"$V"
+  env "$@" timeout 90 python3 -m acoll.run -n $n -- python3 bench/tcp_thread_cpu.py \
+    ${LIB:-acoll} $s $(iters $s) 2>&1 | grep "rank 0/" >>"$V"
+}
+for round in 1 2; do
+for n in 4 8 2; do for s in 2M 16M 64M 256M; do
+  one default $n $s X=1
+  LIB=gloo one gloo $n $s GLOO_PORT=$((29500 + n))
+  [ $s = 2M ] && continue
+  [ $round = 2 ] && continue
+  one chunks4 $n $s ACOLL_RING_CHUNKS=4
+  one chunks16 $n $s ACOLL_RING_CHUNKS=16
+  one chunks0 $n $s ACOLL_RING_CHUNKS=0
+  [ $n = 2 ] && one offload_recv $n $s OFFLOAD_RECEIVING=1
+done; done; done
+echo "session24_tcp3: done" >>"$V"
