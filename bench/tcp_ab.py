@@ -16,6 +16,9 @@ same processes and rounds is what makes their ratios comparable. Variants:
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
   only when its head frame's unsent rest was at least 512 KiB).
 
+Settings fixed at connection time (``ACOLL_SOCKET_SPLIT``, ``ACOLL_SOCKET_NSOCKS``) are
+compared across runs, each paired with Gloo in its own run.
+
 Rank 0 prints, per variant, the median busbw over rounds (time per op: the slowest rank's)
 and the median of the per-round ratios to the first variant.
 """

@@ -109,7 +109,8 @@ def test_ring_chunk_items_arithmetic() -> None:
     assert ring_chunk_items(512 << 10, 0, 4, 4 << 20) == 128 << 10
     assert ring_chunk_items(4096, 3, 4, 1000) == 1024  # (the floor: 1 KiB items)
     chunk = ring_chunk_items(4096, 3, 4, 50001)
-    assert chunk == 16667 and len(chunk_ranges(0, 50001, chunk)) == 3
+    assert chunk == 16667
+    assert len(chunk_ranges(0, 50001, chunk)) == 3
     assert ring_chunk_items(1, 8, 8, 0) == 1
 
 

@@ -39,9 +39,9 @@ OTHER_KEY = bytes(range(1, 33))
 
 def _transport(nsocks: int, stripe: int | None = None, host: str = "127.0.0.1",
                family: socket.AddressFamily = socket.AF_INET,
-               key: bytes = KEY, send_threads: int = 0) -> TcpTransport:
+               key: bytes = KEY, send_threads: int = 0, split: int = -1) -> TcpTransport:
     return TcpTransport((host, 0), family, key=key, nsocks=nsocks, stripe=stripe, bufsize=0,
-                        timeout=HANDSHAKE_TIMEOUT, send_threads=send_threads)
+                        timeout=HANDSHAKE_TIMEOUT, send_threads=send_threads, split=split)
 
 
 def _sockaddr(handle: bytes) -> tuple[socket.AddressFamily, tuple[str, int]]:
@@ -184,7 +184,8 @@ GARBAGE: dict[str, GarbageCase] = {
     "bad-version": _one(_hs(version=99)),
     "index-out-of-range": _one(_hs(index=2, nsocks=2)),
     "zero-sockets": _one(_hs(index=0, nsocks=0)),
-    "too-many-sockets": _one(_hs(index=0, nsocks=17)),
+    "too-many-sockets": _one(_hs(index=0, nsocks=33)),
+    "split-odd-count": _one(_hs(index=0, nsocks=3 | tcp._SPLIT_FLAG)),
     "huge-hello": _one(_hs(hello_len=1 << 20)),
     "truncated-hello": _one(_hs(hello_len=100) + b"x" * 10, eof=True),
     "silent": _one(b""),
@@ -193,22 +194,27 @@ GARBAGE: dict[str, GarbageCase] = {
     "replayed": _replayed(),
     "socket-count-mismatch": _group((2, 3, 7), (0, 2, 7)),
     "duplicate-index": _group((0, 2, 8), (0, 2, 8)),
+    "split-flag-mismatch": _group((0, 2 | tcp._SPLIT_FLAG, 9), (1, 2, 9)),
 }
 
 
 
 
-def _harness(name: str, nsocks: int, stripe: int | None = None, threads: int = 0
-             ) -> TransportHarness:
+def _harness(name: str, nsocks: int, stripe: int | None = None, threads: int = 0,
+             split: int = -1) -> TransportHarness:
     return TransportHarness(
-        name, lambda: _transport(nsocks, stripe, send_threads=threads), GARBAGE,
-        stranger=lambda: _transport(nsocks, stripe, key=OTHER_KEY, send_threads=threads))
+        name, lambda: _transport(nsocks, stripe, send_threads=threads, split=split), GARBAGE,
+        stranger=lambda: _transport(nsocks, stripe, key=OTHER_KEY, send_threads=threads,
+                                    split=split))
 
 
-# (send threads forced on and off: the default depends on the CPUs of the machine)
+# (send threads forced on and off: the default depends on the CPUs of the machine; with a
+# send thread the sockets are split by default)
 HARNESSES = [_harness("nsocks1", 1), _harness("nsocks3-stripe64k", 3, 64 << 10),
              _harness("nsocks1-sendthread", 1, threads=1),
-             _harness("nsocks3-sendthread", 3, 64 << 10, threads=1)]
+             _harness("nsocks3-sendthread", 3, 64 << 10, threads=1),
+             _harness("nsocks1-sendthread-shared", 1, threads=1, split=0),
+             _harness("nsocks2-split-nothread", 2, 64 << 10, split=1)]
 
 
 @pytest.fixture(params=HARNESSES, ids=str)
@@ -663,11 +669,54 @@ async def test_failure_close_drops_sends_a_send_thread_has_out(
         await p.aclose()
 
 
+async def test_split_connection_sends_on_its_own_half() -> None:
+    """Split: each side sends on its half of the sockets (the connector the first, the
+    listener the second) and reads the other, striping within its half; so a large send
+    goes to the send thread even while a receive is in progress on the connection."""
+    harness = _harness("split", 2, 64 << 10, threads=1)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        assert [len(p.a._socks), len(p.b._socks)] == [4, 4]
+        # the listener files sockets by index, so socket i is the same TCP stream on both
+        a_send = {p.a._socks.index(x) for x in p.a._send_socks}
+        b_send = {p.b._socks.index(x) for x in p.b._send_socks}
+        assert (a_send, b_send) == ({0, 1}, {2, 3}) or (a_send, b_send) == ({2, 3}, {0, 1})
+        pending = p.a.irecv(host_buffer(bytearray(1 << 20)), 99)  # a receive in progress
+        p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls on the first socket
+        big = [p.a.isend(host_buffer(payload(4 << 20, t)), t, meta_for(t)) for t in (1, 2)]
+        assert any(s.flight for s in p.a._send_socks), "the send went to the send thread"
+        outs = [bytearray(4 << 20) for _ in range(2)]
+        p.b._loop.add_reader(p.b._socks[0].fd, p.b._on_readable, p.b._socks[0])
+        got = [p.b.irecv(host_buffer(o), t) for o, t in zip(outs, (1, 2), strict=True)]
+        await within(asyncio.gather(*big, *got))
+        assert outs == [payload(4 << 20, 1), payload(4 << 20, 2)]
+        back = p.b.isend(host_buffer(payload(1 << 20, 99)), 99, meta_for(99))
+        await within(asyncio.gather(back, pending))
+    finally:
+        await p.aclose()
+
+
+async def test_split_setting_resolves_by_send_threads(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """ACOLL_SOCKET_SPLIT: -1 splits when there is a send thread; 0 and 1 force it."""
+    assert _transport(1, send_threads=1).split
+    assert not _transport(1, send_threads=0).split
+    assert _transport(1, send_threads=0, split=1).total == 2
+    monkeypatch.setenv("ACOLL_SOCKET_SPLIT", "0")
+    t = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=3, send_threads=1)
+    assert (t.split, t.total, t.wire_count) == (False, 3, 3)
+    monkeypatch.setenv("ACOLL_SOCKET_SPLIT", "1")
+    t = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=3, send_threads=0)
+    assert (t.split, t.total, t.wire_count) == (True, 6, 6 | tcp._SPLIT_FLAG)
+
+
 async def test_send_thread_takes_queue_behind_a_partly_written_frame() -> None:
     """Whether sends go to the thread depends on what is queued, not on the head frame's
     rest: once the socket filled in the middle of a frame, the frames behind it still go
     to the thread (they used to stay on the loop thread until the queue ran dry)."""
-    harness = _harness("t", 1, threads=1)
+    harness = _harness("t", 1, threads=1, split=0)
     p = await connect_pair(harness)
     try:
         assert isinstance(p.a, TcpConnection)

@@ -91,6 +91,11 @@ STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
                  "NET")
 BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
                   "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
+SPLIT = Setting("SOCKET_SPLIT", int, -1,
+                 "Give each direction of a peer connection its own sockets (1), so that a "
+                 "send thread never contends with the loop's receives for a socket; 0: both "
+                 "directions share them; -1: split when the process has a send thread.",
+                 "NET")
 SEND_THREADS = Setting("SOCKET_SEND_THREADS", int, -1,
                         "Threads per process that copy large sends into the kernel (0: the "
                         "loop thread does it; -1: one when the process may use 4 CPUs or "
@@ -120,6 +125,8 @@ _IO_NS = 200_000  # a reader/writer callback or poll starts no new call after th
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
+_SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's sockets are split
+_MAX_SOCKS = 32  # sockets per connection (ACOLL_SOCKET_NSOCKS x 2 when split)
 _OFFLOAD_MIN = 512 << 10  # a payload this large is sent by a send thread (when there is one)
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
 _THREAD_WAIT_MS = 0  # how long a send thread waits for room in a full socket (0: returns)
@@ -337,7 +344,8 @@ class TcpConnection(Connection):
     """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
 
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
-                 max_early: int | None = None, threads: _SendThreads | None = None) -> None:
+                 max_early: int | None = None, threads: _SendThreads | None = None,
+                 send_half: int | None = None) -> None:
         self._loop = asyncio.get_running_loop()
         self._threads = threads
         self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
@@ -347,6 +355,15 @@ class TcpConnection(Connection):
         self._copies = PacedCopies(self._loop,
                                    lambda exc: self._internal_error("receiving from", exc))
         self._socks = [_Sock(s) for s in socks]
+        # split (send_half 0: the connector's, 1: the listener's): this side sends on its
+        # half of the sockets only and reads the other half, so a send thread and the
+        # loop's reads never share a socket
+        self._split = send_half is not None
+        if send_half is None:
+            self._send_socks = self._socks
+        else:
+            half = len(self._socks) // 2
+            self._send_socks = self._socks[half * send_half:half * (send_half + 1)]
         self.peer = peer
         self._stripe = max(stripe, 1 << 12)
         self._rr = 0
@@ -378,7 +395,8 @@ class TcpConnection(Connection):
             return fut
         buf = buffer.view()
         total = buf.nbytes
-        nsocks = len(self._socks)
+        send = self._send_socks
+        nsocks = len(send)
         if nsocks == 1 or total <= self._stripe:
             parts = [(0, total)]
         else:
@@ -387,7 +405,7 @@ class TcpConnection(Connection):
             parts = [(o, min(per, total - o)) for o in range(0, total, per)]
         op = _SendOp(fut, len(parts))
         for offset, length in parts:
-            s = self._socks[self._rr]
+            s = send[self._rr]
             self._rr = (self._rr + 1) % nsocks
             hdr = _HDR.pack(_MAGIC, _DATA, 0, length, tag, total, offset, meta)
             s.queue.append([hdr, buf[offset:offset + length], 0, op])
@@ -562,10 +580,12 @@ class TcpConnection(Connection):
             return  # a send thread has the head of the stream; it reports back
         queue = s.queue
         sock = s.sock
-        if (self._threads is not None and queue and not self._match.receiving
+        if (self._threads is not None and queue
+                and (self._split or not self._match.receiving)
                 and _queued_at_least(queue, _OFFLOAD_MIN)):
-            # (a receive on this connection would contend with the send thread for the
-            # socket: with a peer that is both source and destination, sends stay here)
+            # (unless the connection is split, a receive on it would contend with the send
+            # thread for the socket: with a peer that is both source and destination, sends
+            # then stay here)
             self._offload(s)
             return
         until = time.perf_counter_ns() + _IO_NS
@@ -919,7 +939,9 @@ class TcpListener(QueuedListener):
             magic, version, index, nsocks, conn_id, nonce_c, hello_len = _HS.unpack(head)
             if magic != _HS_MAGIC or version != _HS_VERSION:
                 raise ProtocolError("not an acoll data connection")
-            if not (0 <= index < nsocks <= 16) or hello_len > _MAX_HELLO:
+            count = nsocks & ~_SPLIT_FLAG
+            if (not (0 <= index < count <= _MAX_SOCKS) or hello_len > _MAX_HELLO
+                    or (nsocks & _SPLIT_FLAG and count % 2)):
                 raise ProtocolError("bad handshake fields")
             rest = await asyncio.wait_for(
                 _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
@@ -960,12 +982,14 @@ class TcpListener(QueuedListener):
             sock.close()
             return
         group[index] = sock
-        if len(group) == nsocks:
+        count = nsocks & ~_SPLIT_FLAG
+        if len(group) == count:
             del self._partial[conn_id]
             timer.cancel()
-            socks = [group[i] for i in range(nsocks)]
+            socks = [group[i] for i in range(count)]
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe,
-                                 threads=self._threads)
+                                 threads=self._threads,
+                                 send_half=1 if nsocks & _SPLIT_FLAG else None)
             self._offer(hello, conn)
 
     def _expire(self, conn_id: int) -> None:
@@ -1025,7 +1049,7 @@ class TcpTransport(Transport):
     def __init__(self, sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
                  key: bytes, nsocks: int | None = None, stripe: int | None = None,
                  bufsize: int | None = None, timeout: float = 30.0,
-                 send_threads: int | None = None) -> None:
+                 send_threads: int | None = None, split: int | None = None) -> None:
         if len(key) < 16:
             raise ValueError("TcpTransport needs the job's authentication key")
         self.key = key
@@ -1040,6 +1064,11 @@ class TcpTransport(Transport):
         self.bufsize = BUFSIZE.resolve(bufsize)
         self.timeout = timeout
         self.threads = _threads_for(send_threads)
+        split = SPLIT.resolve(split)
+        self.split = self.threads is not None if split < 0 else bool(split)
+        # sockets a connection opens, and the count its handshake states
+        self.total = self.nsocks * 2 if self.split else self.nsocks
+        self.wire_count = self.total | (_SPLIT_FLAG if self.split else 0)
 
     async def listen(self) -> TcpListener:
         sock = socket.socket(self.family, socket.SOCK_STREAM)
@@ -1067,7 +1096,7 @@ class TcpTransport(Transport):
         conn_id = int.from_bytes(os.urandom(8), "little")
         socks: list[socket.socket] = []
         try:
-            for index in range(self.nsocks):
+            for index in range(self.total):
                 for attempt in range(_EVICTED_RETRIES):
                     sock = socket.socket(family, socket.SOCK_STREAM)
                     socks.append(sock)
@@ -1093,7 +1122,8 @@ class TcpTransport(Transport):
             if isinstance(exc, OSError) and not isinstance(exc, AcollError):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
-        return TcpConnection(socks, f"{host}:{port}", self.stripe, threads=self.threads)
+        return TcpConnection(socks, f"{host}:{port}", self.stripe, threads=self.threads,
+                             send_half=0 if self.split else None)
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
                             index: int, conn_id: int, hello: bytes) -> None:
@@ -1105,8 +1135,8 @@ class TcpTransport(Transport):
         if magic != _HS_MAGIC or version != _HS_VERSION:
             raise ProtocolError("the listener is not an acoll data listener")
         nonce_c = _auth.new_nonce()
-        claims = _claims(index, self.nsocks, conn_id, hello)
-        head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.nsocks, conn_id, nonce_c,
+        claims = _claims(index, self.wire_count, conn_id, hello)
+        head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.wire_count, conn_id, nonce_c,
                         len(hello))
         await loop.sock_sendall(sock, head + hello + _auth.prove(
             self.key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c, claims))
