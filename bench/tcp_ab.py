@@ -13,6 +13,8 @@ same processes and rounds is what makes their ratios comparable. Variants:
 
 - ``gloo``: ``torch.distributed.all_reduce`` on a CPU tensor.
 - ``chunks=K``: acoll with ``ACOLL_RING_CHUNKS=K`` (set on the communicator per round).
+- ``offload=SIZE``: acoll with the send thread taking a socket's queue from SIZE bytes
+  queued (``_OFFLOAD_MIN``, 512 KiB).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
   only when its head frame's unsent rest was at least 512 KiB).
 
@@ -56,6 +58,7 @@ async def main() -> None:
     nbytes = parse_size(args.size)
     variants: list[str] = args.variants
     queued_rule = tcp._queued_at_least
+    offload_min = tcp._OFFLOAD_MIN
     async with await acoll.init_from_env() as comm:
         n, rank = comm.size, comm.rank
         x = np.ones(nbytes // 4, np.float32)
@@ -74,6 +77,9 @@ async def main() -> None:
             for v in variants[k:] + variants[:k]:
                 comm.ring_chunks = default_chunks
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
+                tcp._OFFLOAD_MIN = offload_min
+                if v.startswith("offload="):
+                    tcp._OFFLOAD_MIN = parse_size(v.split("=")[1])
                 if v.startswith("chunks="):
                     comm.ring_chunks = int(v.split("=")[1])
                 elif v == "headrule":
