@@ -2,6 +2,8 @@
 # Session 24, issue 11 part 2, after the send thread's rule changed (queued bytes, not the
 # head frame's rest): acoll's TCP variants against Gloo per rank count and size, per-thread
 # CPU (bench/tcp_thread_cpu.py).   OUT=dir bash bench/session24_tcp2.sh
+# (THREAD_WAIT_MS: the send thread polled a full socket for up to 20 ms instead of handing
+# it back; measured no better, the hook was removed after this run.)
 set -u
 OUT=${OUT:-$PWD/session24_out}
 mkdir -p "$OUT"

@@ -55,12 +55,10 @@ def _report(rank: int, size: int, nbytes: int, per: float, wall: float,
 
 def _experiments() -> None:
     """Transport variants under test, from the environment (not settings of acoll)."""
-    from acoll._transport import matching, tcp
+    from acoll._transport import matching
 
     if os.environ.get("OFFLOAD_RECEIVING") == "1":  # send threads on 2-rank connections too
         matching.Matcher.receiving = property(lambda self: False)  # type: ignore[assignment]
-    if os.environ.get("THREAD_WAIT_MS"):  # a send thread waits for room in a full socket
-        tcp._THREAD_WAIT_MS = int(os.environ["THREAD_WAIT_MS"])
 
 
 async def _acoll(nbytes: int, iters: int) -> None:

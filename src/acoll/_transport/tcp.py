@@ -60,7 +60,6 @@ import contextlib
 import functools
 import os
 import queue
-import select
 import socket
 import struct
 import threading
@@ -129,7 +128,6 @@ _SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's socket
 _MAX_SOCKS = 32  # sockets per connection (ACOLL_SOCKET_NSOCKS x 2 when split)
 _OFFLOAD_MIN = 512 << 10  # a payload this large is sent by a send thread (when there is one)
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
-_THREAD_WAIT_MS = 0  # how long a send thread waits for room in a full socket (0: returns)
 
 
 _Msg = Message[asyncio.Future[bytes], None]
@@ -273,20 +271,9 @@ def _write_batch(sock: socket.socket, bufs: list[Any], total: int
     on a send thread; touches nothing but its arguments."""
     written = 0
     start = 0
-    poller = None
     try:
         while written < total:
-            try:
-                n = sock.sendmsg(bufs[start:start + _IOV])
-            except (BlockingIOError, InterruptedError):
-                if _THREAD_WAIT_MS <= 0:
-                    raise
-                if poller is None:
-                    poller = select.poll()
-                    poller.register(sock.fileno(), select.POLLOUT)
-                if not poller.poll(_THREAD_WAIT_MS):
-                    raise
-                continue
+            n = sock.sendmsg(bufs[start:start + _IOV])
             written += n
             while n and start < len(bufs):  # drop what went out
                 first = bufs[start]
