@@ -24,13 +24,21 @@ receive is copied out in ``_IO_SLICE`` pieces, one per loop iteration.
 
 Copying large sends into the kernel can run on a send thread (``ACOLL_SOCKET_SEND_THREADS``,
 by default one per process when it has at least 4 CPUs). A socket with at least
-``_OFFLOAD_MIN`` bytes queued, on a connection with no receive in progress (a receive
-would contend with the thread for the socket), hands its queued frames to the thread. The
-thread makes the non-blocking ``sendmsg`` calls (they copy without the GIL) until the batch
-is written or the socket is full, and reports back to the loop. Meanwhile the loop thread
-keeps receiving and reducing, so a ring rank sends and receives on two cores, as Gloo's do.
-One batch per socket is in flight at a time (frames stay in order); its socket is not
-closed under it (a close waits for the batch to come back).
+``_OFFLOAD_MIN`` bytes queued hands its queued frames to the thread, unless a receive is in
+progress on a socket it shares (the kernel copies of a send and a receive on one socket take
+its lock in turn). The thread makes the non-blocking ``sendmsg`` calls (they copy without
+the GIL) until the batch is written or the socket is full, and reports back to the loop.
+Meanwhile the loop thread keeps receiving and reducing, so a rank sends and receives on two
+cores, as Gloo's do. One batch per socket is in flight at a time (frames stay in order); its
+socket is not closed under it (a close waits for the batch to come back).
+
+Split sockets (``ACOLL_SOCKET_SPLIT``, by default on when there is a send thread): a
+connection opens twice ``ACOLL_SOCKET_NSOCKS`` sockets; the connector sends on the first
+half, the listener on the second, each reads the other half. Then no socket is both sent on
+by a thread and read by the loop, and a peer that is both source and destination (a ring of
+2 ranks, all_to_all, send/recv both ways) gets the send thread too. The handshake's socket
+count carries the choice (``_SPLIT_FLAG``), under the proof, so both sides agree on it.
+Close frames still go on every socket (the close completes once each carried one).
 
 Which receive a part belongs to, and where its payload goes (the posted buffer, storage
 for a message that came early, or nowhere), is decided by :class:`~.matching.Matcher`;
@@ -126,7 +134,7 @@ _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 _SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's sockets are split
 _MAX_SOCKS = 32  # sockets per connection (ACOLL_SOCKET_NSOCKS x 2 when split)
-_OFFLOAD_MIN = 512 << 10  # a payload this large is sent by a send thread (when there is one)
+_OFFLOAD_MIN = 512 << 10  # bytes queued on a socket from which a send thread sends them
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
 
 
