@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -101,17 +102,44 @@ async def test_ring_chunk_limits(ring_chunks: str, monkeypatch: pytest.MonkeyPat
 
 def test_ring_chunk_items_arithmetic() -> None:
     """The smallest chunk is ACOLL_CHUNK_SIZE; a larger segment is cut into at most
-    ring_chunks chunks; 0 turns the limit off."""
+    ring_chunks chunks of at most ACOLL_RING_CHUNK_MAX; 0 turns the limit off."""
     from acoll._coll.algorithms import chunk_ranges, ring_chunk_items
 
-    assert ring_chunk_items(512 << 10, 8, 4, 1 << 20) == 128 << 10  # 4 MiB: 8 x 512 KiB
-    assert ring_chunk_items(512 << 10, 8, 4, 4 << 20) == 512 << 10  # 16 MiB: 8 x 2 MiB
-    assert ring_chunk_items(512 << 10, 0, 4, 4 << 20) == 128 << 10
-    assert ring_chunk_items(4096, 3, 4, 1000) == 1024  # (the floor: 1 KiB items)
-    chunk = ring_chunk_items(4096, 3, 4, 50001)
+    mib = 1 << 20
+    assert ring_chunk_items(512 << 10, 8, 4 * mib, 4, mib) == 128 << 10  # 4 MiB: 8 x 512K
+    assert ring_chunk_items(512 << 10, 8, 4 * mib, 4, 4 * mib) == 512 << 10  # 8 x 2 MiB
+    assert ring_chunk_items(512 << 10, 8, 4 * mib, 4, 64 * mib) == mib  # capped: 4 MiB
+    assert ring_chunk_items(512 << 10, 8, 64 << 10, 4, 64 * mib) == 128 << 10  # cap < base
+    assert ring_chunk_items(512 << 10, 0, 4 * mib, 4, 4 * mib) == 128 << 10
+    assert ring_chunk_items(4096, 3, 4 * mib, 4, 1000) == 1024  # (the floor: 1 KiB items)
+    chunk = ring_chunk_items(4096, 3, 4 * mib, 4, 50001)
     assert chunk == 16667
     assert len(chunk_ranges(0, 50001, chunk)) == 3
-    assert ring_chunk_items(1, 8, 8, 0) == 1
+    assert ring_chunk_items(1, 8, 8, 8, 0) == 1
+
+
+async def test_grown_ring_chunks_stay_within_early_limit(monkeypatch: pytest.MonkeyPatch
+                                                         ) -> None:
+    """Chunks that arrive before their receive is posted (a late rank) are kept up to
+    ACOLL_SOCKET_MAX_EARLY: ACOLL_RING_CHUNK_MAX keeps grown chunks under it (without the
+    cap, 8 chunks of a 16 MiB segment were 2 MiB each and failed the connection)."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_SHM_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_ALGO", "all_reduce:ring")
+    monkeypatch.setenv("ACOLL_SOCKET_MAX_EARLY", "1M")
+    monkeypatch.setenv("ACOLL_RING_CHUNK_MAX", "1M")
+    count = 8 << 20  # 32 MiB of float32: 16 MiB segments
+
+    async def fn(comm: acoll.Communicator) -> None:
+        x = np.ones(count, np.float32)
+        out = np.empty_like(x)
+        await comm.all_reduce(x, out)  # connections up
+        if comm.rank == 1:
+            await asyncio.sleep(0.3)  # rank 0's first chunks arrive before rank 1 posts
+        await comm.all_reduce(x, out)
+        assert (out == 2).all()
+
+    await run_ranks(2, fn, timeout=30)
 
 
 async def test_results_identical_on_every_rank_for_random_floats() -> None:

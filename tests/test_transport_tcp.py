@@ -184,7 +184,8 @@ GARBAGE: dict[str, GarbageCase] = {
     "bad-version": _one(_hs(version=99)),
     "index-out-of-range": _one(_hs(index=2, nsocks=2)),
     "zero-sockets": _one(_hs(index=0, nsocks=0)),
-    "too-many-sockets": _one(_hs(index=0, nsocks=33)),
+    "too-many-sockets": _one(_hs(index=0, nsocks=17)),
+    "too-many-split-sockets": _one(_hs(index=0, nsocks=34 | tcp._SPLIT_FLAG)),
     "split-odd-count": _one(_hs(index=0, nsocks=3 | tcp._SPLIT_FLAG)),
     "huge-hello": _one(_hs(hello_len=1 << 20)),
     "truncated-hello": _one(_hs(hello_len=100) + b"x" * 10, eof=True),
@@ -683,6 +684,9 @@ async def test_split_connection_sends_on_its_own_half() -> None:
         a_send = {p.a._socks.index(x) for x in p.a._send_socks}
         b_send = {p.b._socks.index(x) for x in p.b._send_socks}
         assert (a_send, b_send) == ({0, 1}, {2, 3}) or (a_send, b_send) == ({2, 3}, {0, 1})
+        for c in (p.a, p.b):  # poll() reads the half the peer sends on
+            assert {c._socks.index(x) for x in c._poll_socks} == {0, 1, 2, 3} - {
+                c._socks.index(x) for x in c._send_socks}
         pending = p.a.irecv(host_buffer(bytearray(1 << 20)), 99)  # a receive in progress
         p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls on the first socket
         big = [p.a.isend(host_buffer(payload(4 << 20, t)), t, meta_for(t)) for t in (1, 2)]
@@ -694,6 +698,41 @@ async def test_split_connection_sends_on_its_own_half() -> None:
         assert outs == [payload(4 << 20, 1), payload(4 << 20, 2)]
         back = p.b.isend(host_buffer(payload(1 << 20, 99)), 99, meta_for(99))
         await within(asyncio.gather(back, pending))
+    finally:
+        await p.aclose()
+
+
+@pytest.mark.parametrize(("nsocks", "stripe"), [(1, None), (3, 64 << 10)])
+async def test_messages_go_in_parts_of_at_most_max_part(
+        monkeypatch: pytest.MonkeyPatch, nsocks: int, stripe: int | None) -> None:
+    """No frame carries more than _MAX_PART payload bytes (the header's length field has 32
+    bits: a 4 GiB message on one socket raised struct.error); larger messages and stripes
+    go in several parts and arrive whole."""
+    monkeypatch.setattr(tcp, "_MAX_PART", 100_000)
+    sizes: list[int] = []
+    real = tcp._HDR.pack
+
+    class Spy:
+        size = tcp._HDR.size
+
+        @staticmethod
+        def pack(*fields: object) -> bytes:
+            sizes.append(int(fields[3]))  # type: ignore[call-overload]
+            return real(*fields)
+
+        unpack_from = tcp._HDR.unpack_from
+
+    monkeypatch.setattr(tcp, "_HDR", Spy)
+    p = await connect_pair(_harness("parts", nsocks, stripe, split=0))
+    try:
+        data = payload((1 << 20) + 5, 3)
+        out = bytearray(len(data))
+        got = p.b.irecv(host_buffer(out), 7)
+        await within(p.a.isend(host_buffer(data), 7, meta_for(7)))
+        await within(got)
+        assert out == data
+        assert max(sizes) <= 100_000
+        assert sum(sizes) >= len(data)
     finally:
         await p.aclose()
 

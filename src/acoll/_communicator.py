@@ -334,6 +334,7 @@ class Communicator:
         self.local_size = hosts.count(hosts[self.rank])
         self.chunk_bytes = algos.CHUNK.resolve()
         self.ring_chunks = algos.RING_CHUNKS.resolve()
+        self.ring_chunk_max = algos.RING_CHUNK_MAX.resolve()
         self.small = algos.SMALL.resolve()
         self._algo = algos.ALGO.resolve()
         # Busy-poll budget per wait, per peer: only for peers in other processes, and only
@@ -911,8 +912,8 @@ class Communicator:
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
         data = host.wrap(lease[0].array.view(s.dtype))
-        chunk = algos.ring_chunk_items(self.chunk_bytes, self.ring_chunks, s.itemsize,
-                                       -(-s.count // self.size))
+        # (the copies' pieces: element ranges, independent of the ring's own chunks)
+        chunk = max(1, self.chunk_bytes // s.itemsize)
         # The download goes first, at the call (the executor runs the op at once).
         download: Fence | None = None
         stage: RingStaging | None = None

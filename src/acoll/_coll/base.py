@@ -160,6 +160,7 @@ class OpHost(Protocol):
         check: descriptor checks are on.
         chunk_bytes: pipeline chunk size (the smallest, for rings).
         ring_chunks: most chunks a ring cuts a segment into (0: no limit).
+        ring_chunk_max: largest chunk (bytes) ``ring_chunks`` may grow a ring's chunks to.
         small: ops up to this many bytes are latency-bound (busy-poll, small algorithms).
         spin_ns: per peer, how long a wait may busy-poll before sleeping (0: never).
         mem: the memory space of the communicator's buffers.
@@ -170,6 +171,7 @@ class OpHost(Protocol):
     check: bool
     chunk_bytes: int
     ring_chunks: int
+    ring_chunk_max: int
     small: int
     spin_ns: list[int]
     mem: MemorySpace
@@ -195,8 +197,8 @@ class OpContext:
     """
 
     __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "heard",
-                 "host", "in_group", "mem", "n", "rank", "ring_chunks", "seq", "spin", "stage",
-                 "tag_base", "waiting_on", "yield_at")
+                 "host", "in_group", "mem", "n", "rank", "ring_chunk_max", "ring_chunks", "seq",
+                 "spin", "stage", "tag_base", "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -206,6 +208,7 @@ class OpContext:
         self.mem = host.mem
         self.chunk_bytes = host.chunk_bytes
         self.ring_chunks = host.ring_chunks
+        self.ring_chunk_max = host.ring_chunk_max
         self.seq = seq
         self.desc = desc
         self.check = host.check

@@ -34,7 +34,7 @@ from bisect import bisect_right
 from collections.abc import Callable
 from typing import Any
 
-from .._coll.algorithms import RingAllReduce, ring_chunk_items
+from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
 from .._dtypes import ReduceOp
 from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Staging, StreamOrder
@@ -78,8 +78,8 @@ class ViaHost:
         ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         fence: Fence | None = None
         try:
-            chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, self.send.itemsize,
-                                     -(-self.send.count // ctx.n))
+            # (the copies' pieces: element ranges, independent of the ring's own chunks)
+            chunk = _chunk_items(ctx, self.send.itemsize)
             if self.ring and self.send.count > chunk:
                 stage = RingStaging(OrderedCopies(staging, order), self.send, self.recv,
                                     data, ctx.n, ctx.rank, chunk)

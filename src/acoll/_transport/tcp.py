@@ -13,7 +13,8 @@ Data frame header (little endian, 48 bytes)::
     Q tag | Q message total size | Q offset of this part | 16s meta
 
 A message larger than ``stripe`` bytes is cut into one part per socket, so with
-``ACOLL_SOCKET_NSOCKS > 1`` a large message travels over several sockets at once.
+``ACOLL_SOCKET_NSOCKS > 1`` a large message travels over several sockets at once; no part
+is larger than ``_MAX_PART`` (1 GiB: the header's length field has 32 bits).
 
 Bounded work per loop step: every reader or writer callback, and every :meth:`poll`, moves
 data in calls of at most ``_IO_SLICE`` bytes (256 KiB) for receives and ``_SEND_SLICE``
@@ -118,7 +119,7 @@ _DATA, _CLOSE = 1, 2
 _CHAL = struct.Struct("<4sH2x32s")
 _HS = struct.Struct("<4sHHH2xQ32sI")
 _HS_MAGIC = b"ACTC"
-_HS_VERSION = 2
+_HS_VERSION = 3  # (3: the socket count may carry _SPLIT_FLAG)
 _CONTEXT = b"data"
 _MAX_HELLO = _auth.PREAUTH_MAX_FRAME
 _REFUSED = bytes(_auth.PROOF_SIZE)  # sent instead of a proof: "you do not hold the key"
@@ -133,7 +134,8 @@ _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 _SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's sockets are split
-_MAX_SOCKS = 32  # sockets per connection (ACOLL_SOCKET_NSOCKS x 2 when split)
+_MAX_SOCKS = 16  # sockets per connection, twice this when split
+_MAX_PART = 1 << 30  # payload bytes per frame at most (the header's length field is 32 bits)
 _OFFLOAD_MIN = 512 << 10  # bytes queued on a socket from which a send thread sends them
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
 
@@ -355,10 +357,12 @@ class TcpConnection(Connection):
         # loop's reads never share a socket
         self._split = send_half is not None
         if send_half is None:
-            self._send_socks = self._socks
+            self._send_socks = self._poll_socks = self._socks
         else:
             half = len(self._socks) // 2
             self._send_socks = self._socks[half * send_half:half * (send_half + 1)]
+            # (:meth:`poll` reads the peer's half; readers stay on every socket)
+            self._poll_socks = self._socks[half * (1 - send_half):half * (2 - send_half)]
         self.peer = peer
         self._stripe = max(stripe, 1 << 12)
         self._rr = 0
@@ -393,11 +397,12 @@ class TcpConnection(Connection):
         send = self._send_socks
         nsocks = len(send)
         if nsocks == 1 or total <= self._stripe:
-            parts = [(0, total)]
+            per = total
         else:
             per = -(-total // nsocks)
             per = -(-per // 4096) * 4096
-            parts = [(o, min(per, total - o)) for o in range(0, total, per)]
+        per = min(per, _MAX_PART)
+        parts = [(o, min(per, total - o)) for o in range(0, total, per)] if total else [(0, 0)]
         op = _SendOp(fut, len(parts))
         for offset, length in parts:
             s = send[self._rr]
@@ -421,9 +426,10 @@ class TcpConnection(Connection):
         return fut
 
     def poll(self) -> None:
-        """Read what has arrived on every socket, within one ``_IO_NS`` time budget."""
+        """Read what has arrived on every socket the peer sends on, within one ``_IO_NS``
+        time budget."""
         until = time.perf_counter_ns() + _IO_NS
-        for s in self._socks:
+        for s in self._poll_socks:
             if s.fd >= 0 and not s.peer_done:
                 try:
                     self._read(s, until)
@@ -934,9 +940,10 @@ class TcpListener(QueuedListener):
             magic, version, index, nsocks, conn_id, nonce_c, hello_len = _HS.unpack(head)
             if magic != _HS_MAGIC or version != _HS_VERSION:
                 raise ProtocolError("not an acoll data connection")
+            split = nsocks & _SPLIT_FLAG
             count = nsocks & ~_SPLIT_FLAG
-            if (not (0 <= index < count <= _MAX_SOCKS) or hello_len > _MAX_HELLO
-                    or (nsocks & _SPLIT_FLAG and count % 2)):
+            if (not (0 <= index < count <= (2 * _MAX_SOCKS if split else _MAX_SOCKS))
+                    or hello_len > _MAX_HELLO or (split and count % 2)):
                 raise ProtocolError("bad handshake fields")
             rest = await asyncio.wait_for(
                 _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
@@ -1051,10 +1058,10 @@ class TcpTransport(Transport):
         self.sockaddr = (sockaddr[0], 0, *sockaddr[2:])
         self.family = family
         self.nsocks = NSOCKS.resolve(nsocks)
-        if not 1 <= self.nsocks <= 16:
+        if not 1 <= self.nsocks <= _MAX_SOCKS:
             from ..errors import InvalidUsage
 
-            raise InvalidUsage(f"ACOLL_SOCKET_NSOCKS={self.nsocks}: must be 1..16")
+            raise InvalidUsage(f"ACOLL_SOCKET_NSOCKS={self.nsocks}: must be 1..{_MAX_SOCKS}")
         self.stripe = STRIPE.resolve(stripe)
         self.bufsize = BUFSIZE.resolve(bufsize)
         self.timeout = timeout

@@ -265,7 +265,9 @@ class RdmaTransport(Transport):
             raise TransportError(f"ACOLL_IB_QUEUE_DEPTH={self.depth}: at least 4")
         self.chunk = max(CHUNK.resolve(chunk), 4096)
         self.slot = -(-(wire.HEADER.size + self.eager) // 64) * 64
-        self._tcp = TcpTransport(sockaddr, family, key=key, nsocks=1, timeout=timeout)
+        # (the control channel: one socket for both directions, never split)
+        self._tcp = TcpTransport(sockaddr, family, key=key, nsocks=1, timeout=timeout,
+                                 split=0)
         self.lib = lib if lib is not None else get_lib()
         self.device = Device(self.lib, port.device)
         self._max_regs = REG_CACHE.resolve(reg_cache)
