@@ -171,6 +171,21 @@ def test_perf_vs_mpi(tmp_path: Path) -> None:
         (s, True) for s in _PERF_SIZES]
 
 
+def test_perf_vs_mpi_in_rounds(tmp_path: Path) -> None:
+    """--rounds 2: acoll and MPI jobs alternate; the comparison gives per-round ratios."""
+    out = tmp_path / "r.json"
+    res = _perf(["all_reduce", "-N", "2", *_PERF_SWEEP, "--vs", "mpi", "--rounds", "2",
+                 "--json", str(out)])
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert res.stdout.count("# Open MPI v") == 2
+    assert "2 rounds, mpi and acoll alternating" in res.stdout
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rounds"] == 2
+    assert doc["peer"]["settings"]["rounds"] == 2
+    for c in doc["comparison"]:
+        assert len(c["round_ratios"]) == 2
+
+
 @pytest.mark.parametrize("coll", ["all_reduce", "broadcast", "reduce", "all_gather",
                                   "reduce_scatter", "all_to_all", "sendrecv", "barrier"])
 def test_perf_mpi_side_is_correct(coll: str, tmp_path: Path) -> None:

@@ -175,11 +175,48 @@ def test_under_acoll_run() -> None:
     (["broadcast", "-N", "2", "-r", "2"], "root"),
     (["all_reduce", "-b", "1Q"], "not a size"),
     (["sendrecv", "-b", "8"], "at least 2 ranks"),
+    (["all_reduce", "-N", "2", "--rounds", "0"], "--rounds must be >= 1"),
+    (["all_reduce", "--rounds", "2"], "--rounds needs -N"),
 ])
 def test_usage_errors(args: list[str], message: str) -> None:
     res = run_perf(*args)
     assert res.returncode == 2
     assert message in res.stderr
+
+
+def test_rounds_report_medians(tmp_path: Path) -> None:
+    """-N with --rounds: the job runs R times; the JSON holds per-record medians."""
+    out = tmp_path / "r.json"
+    res = run_perf("all_reduce", "-N", "2", *SWEEP, "--rounds", "3", "--json", str(out))
+    assert res.returncode == 0, res.stderr + res.stdout
+    assert res.stdout.count("# Avg bus bandwidth") == 3  # each round's own table
+    doc = json.loads(out.read_text())
+    assert doc["settings"]["rounds"] == 3
+    assert doc["out_of_bounds"] == 0
+    assert len(doc["records"]) == 2 * len(SIZES)
+
+
+def test_median_result_and_round_ratios() -> None:
+    """Medians per record (bandwidths follow the median time), wrong elements add up, and
+    each round's ratio pairs acoll's round k with the peer's round k."""
+    from acoll.perf.report import Record, Result, median_result, round_ratios
+
+    def result(backend: str, t: float, wrong: int = 0) -> Result:
+        recs = [Record(1024, 256, "float32", "sum", -1, True, t, 1.0 / t, 2.0 / t, wrong),
+                Record(2048, 512, "float32", "sum", -1, True, None, None, None, None, "N/A")]
+        return Result(backend, {"nranks": 2}, recs, [f"note {backend}"])
+
+    mine = [result("acoll", t, w) for t, w in ((1.0, 0), (4.0, 2), (2.0, 0))]
+    med = median_result(mine)
+    assert med.settings == {"nranks": 2, "rounds": 3}
+    assert med.records[0].time_us == 2.0
+    assert med.records[0].busbw == pytest.approx(1.0)
+    assert med.records[0].algbw == pytest.approx(0.5)
+    assert med.records[0].wrong == 2
+    assert med.records[1].time_us is None
+    assert med.notes == ["note acoll"]
+    peers = [result("mpi", t) for t in (2.0, 2.0, 1.0)]
+    assert round_ratios(mine, peers) == {(1024, True): [2.0, 0.5, 0.5]}
 
 
 def test_vs_nccl_without_cuda_is_clear() -> None:

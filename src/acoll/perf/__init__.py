@@ -31,7 +31,10 @@ variables (acoll-run, torchrun, Slurm, MPI: :func:`acoll.init_from_env`), else o
 ``-N``) and prints a comparison; torch's out-of-place all_reduce/reduce is ``copy_`` plus
 the in-place op, so ratios use in-place results where both sides have them. ``--vs mpi``
 does the same with MPI through mpi4py (``-N``: ``mpirun -np n``; or in the processes of a
-job mpirun started); see :mod:`.backends.mpi`.
+job mpirun started); see :mod:`.backends.mpi`. With ``-N``, ``--rounds R`` runs the pair
+of jobs R times in alternating order and reports per-record medians and each round's ratio
+(median, min..max): on machines whose speed drifts between minutes, one acoll sweep and one
+peer sweep can differ by more than the libraries do.
 
 Package layout: :mod:`.cli` (options, starting ranks), :mod:`.sweep` (sizes, timing, the
 result check), :mod:`.colls` (every per-collective rule, one table), :mod:`.report` (tables,

@@ -38,7 +38,7 @@ from .backends.tcp import TcpBackend
 from .backends.torch import TorchBackend
 from .buffers import CupyAllocator
 from .colls import COLLECTIVES, COLLS, Usage
-from .report import PROG, Result, report
+from .report import PROG, Result, median_result, report, round_ratios
 from .sweep import Spec, sweep, sweep_sizes
 
 __all__ = ["main"]
@@ -63,6 +63,7 @@ class _Opts:
     loop: str
     timeout: float | None
     device: str  # where acoll's buffers live: cpu or cuda
+    rounds: int  # with -N: the jobs run this many times, alternating with --vs's
     backend: str  # this process's side: acoll (acoll or tcp, as the collective says) or torch's
     result_file: str | None
     peer_init: str | None
@@ -120,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=("gloo", "nccl", "mpi"),
                    help="also run torch.distributed with this backend (gloo, nccl), or MPI "
                         "through mpi4py and mpirun (mpi), and compare")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="with -N: run the sweep R times, alternating with --vs's, and report "
+                        "medians and per-round ratios (for machines whose speed drifts)")
     p.add_argument("--no-inplace", dest="inplace", action="store_false",
                    help="skip the in-place columns")
     p.add_argument("--loop", choices=("auto", "uvloop", "asyncio"), default="auto",
@@ -141,6 +145,10 @@ def _parse(argv: list[str]) -> _Opts:
     maxbytes = ns.minbytes if ns.maxbytes is None else ns.maxbytes
     if ns.iters < 1 or ns.warmup_iters < 0:
         raise Usage("-n must be >= 1 and -w >= 0")
+    if ns.rounds < 1:
+        raise Usage("--rounds must be >= 1")
+    if ns.rounds > 1 and ns.nranks is None:
+        raise Usage("--rounds needs -N (it alternates whole jobs)")
     if ns.nranks is not None:
         if ns.nranks < 1:
             raise Usage("-N must be >= 1")
@@ -156,7 +164,7 @@ def _parse(argv: list[str]) -> _Opts:
                 ns.warmup_iters, DTYPE_NAMES[dtype], op.name.lower(), ns.root,
                 bool(ns.check), ns.average, ns.inplace, progress, ns.inject_error)
     return _Opts(spec, ns.nranks, ns.json, ns.plot, ns.vs, ns.loop, ns.timeout, ns.device,
-                 ns.backend,
+                 ns.rounds, ns.backend,
                  ns.result_file, ns.peer_init, list(argv))
 
 
@@ -382,17 +390,20 @@ def _launch(o: _Opts) -> int:
     """``-N``: run the ranks as local processes (acoll-run's launcher), then report.
 
     acoll's ranks first, then (``--vs``) torch's, or MPI's through mpirun; each job's rank 0
-    leaves its result in a file for this process.
+    leaves its result in a file for this process. With ``--rounds R`` the pair runs R times,
+    in alternating order (acoll first in even rounds), and the report gives medians.
     """
     from ..run import main as run_main
 
     launch = ["-n", str(o.nranks), "--no-prefix"]
     if o.timeout:
         launch += ["--timeout", str(o.timeout)]
-    results: list[Result] = []
+    results: dict[str, list[Result]] = {}
+    order = ["acoll"] if o.vs is None else ["acoll", o.vs]
+    jobs = [b for r in range(o.rounds) for b in (order if r % 2 == 0 else order[::-1])]
     with tempfile.TemporaryDirectory(prefix="acoll-perf-") as tmp:
-        for backend in ("acoll", o.vs) if o.vs is not None else ("acoll",):
-            path = Path(tmp, f"{backend}.json")
+        for job, backend in enumerate(jobs):
+            path = Path(tmp, f"{backend}{job}.json")
             if backend == "mpi":
                 rc = _mpi_job(o, str(path))
             else:
@@ -408,9 +419,16 @@ def _launch(o: _Opts) -> int:
                       f"of one job, not {o.nranks} (is mpi4py built for the MPI of this "
                       "mpirun?)", file=sys.stderr)
                 return 1
-            results.append(res)
-    mine, peer = results[0], (results[1] if len(results) > 1 else None)
-    report(mine, peer, argv=o.argv, json_path=o.json, plot_path=o.plot)
+            results.setdefault(backend, []).append(res)
+    mine_rounds = results["acoll"]
+    peer_rounds = results.get(o.vs) if o.vs is not None else None
+    if o.rounds == 1:
+        mine, peer, per_round = mine_rounds[0], peer_rounds[0] if peer_rounds else None, None
+    else:
+        mine = median_result(mine_rounds)
+        peer = median_result(peer_rounds) if peer_rounds else None
+        per_round = round_ratios(mine_rounds, peer_rounds) if peer_rounds else None
+    report(mine, peer, argv=o.argv, json_path=o.json, plot_path=o.plot, per_round=per_round)
     return 1 if mine.wrong else 0
 
 

@@ -13,6 +13,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -23,7 +24,8 @@ import numpy as np
 
 from .._version import __version__
 
-__all__ = ["PROG", "Record", "Result", "Table", "comparison", "human", "report"]
+__all__ = ["PROG", "Record", "Result", "Table", "comparison", "human", "median_result",
+           "report"]
 
 PROG = "acoll-perf"
 
@@ -92,6 +94,38 @@ class Result:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
+
+
+def median_result(rounds: list[Result]) -> Result:
+    """One result from ``rounds`` of the same sweep: per record, the median time of the
+    rounds that measured it (bandwidths follow from it); wrong elements add up."""
+    first = rounds[0]
+    records = []
+    for i, rec in enumerate(first.records):
+        times = [t for r in rounds if (t := r.records[i].time_us) is not None]
+        wrong = [w for r in rounds if (w := r.records[i].wrong) is not None]
+        if not times or rec.time_us is None or rec.algbw is None or rec.busbw is None:
+            records.append(rec)
+            continue
+        med = statistics.median(times)
+        scale = rec.time_us / med if med > 0 else 1.0
+        records.append(Record(rec.size, rec.count, rec.type, rec.redop, rec.root,
+                              rec.inplace, med, rec.algbw * scale, rec.busbw * scale,
+                              sum(wrong) if wrong else None, rec.note))
+    notes: list[str] = []
+    for r in rounds:
+        notes += [n for n in r.notes if n not in notes]
+    return Result(first.backend, {**first.settings, "rounds": len(rounds)}, records, notes)
+
+
+def round_ratios(mine: list[Result], peers: list[Result]) -> dict[tuple[int, bool], list[float]]:
+    """Per (size, in place), acoll's busbw / the peer's in each round (paired by round)."""
+    out: dict[tuple[int, bool], list[float]] = {}
+    for m, p in zip(mine, peers, strict=True):
+        for row in comparison(m, p):
+            if row["busbw_ratio"] is not None:
+                out.setdefault((row["size"], row["inplace"]), []).append(row["busbw_ratio"])
+    return out
 
 
 def human(nbytes: int) -> str:
@@ -206,17 +240,23 @@ def comparison(res: Result, peer: Result) -> list[dict[str, Any]]:
     return rows
 
 
-def _print_comparison(rows: list[dict[str, Any]], name: str) -> None:
+def _print_comparison(rows: list[dict[str, Any]], name: str, rounds: int = 1) -> None:
     print(f"# acoll vs {name} (same sizes, dtype, op, ranks, iters; in-place where both "
           "support it)")
+    if rounds > 1:
+        print(f"# {rounds} rounds, {name} and acoll alternating: times are medians of the "
+              "rounds; per round: acoll's busbw / its pair's, median (min..max)")
     print(f"#       size  mode   acoll(us)  {name:>5s}(us)  acoll_busbw  {name:>5s}_busbw  "
-          f"busbw_ratio  time_ratio")
+          f"busbw_ratio  time_ratio" + ("  per round" if rounds > 1 else ""))
     for r in rows:
         ratio = "N/A" if r["busbw_ratio"] is None else f"{r['busbw_ratio']:.2f}"
+        per = r.get("round_ratios") or []
+        tail = (f"  {statistics.median(per):.2f} ({min(per):.2f}..{max(per):.2f})"
+                if per else "")
         print(f"{r['size']:12d}  {'in ' if r['inplace'] else 'out'}  "
               f"{_fmt_time(r['acoll_time_us']):>10s}  {_fmt_time(r['peer_time_us']):>9s}  "
               f"{r['acoll_busbw']:11.3f}  {r['peer_busbw']:11.3f}  {ratio:>11s}  "
-              f"{r['time_ratio']:10.2f}")
+              f"{r['time_ratio']:10.2f}{tail}")
     ratios = [r["busbw_ratio"] for r in rows if r["busbw_ratio"] is not None]
     if ratios:
         geo = math.exp(sum(math.log(x) for x in ratios if x > 0) / len(ratios))
@@ -232,15 +272,21 @@ def _machine() -> dict[str, Any]:
 
 
 def report(res: Result, peer: Result | None, *, argv: Sequence[str], json_path: str | None,
-           plot_path: str | None) -> None:
+           plot_path: str | None,
+           per_round: dict[tuple[int, bool], list[float]] | None = None) -> None:
     """What the driver adds after the tables: the comparison, ``--json``, ``--plot``.
 
-    ``argv`` is the command line (the JSON ``command`` and the plot's stamp).
+    ``argv`` is the command line (the JSON ``command`` and the plot's stamp); with
+    ``--rounds``, ``res`` and ``peer`` are medians (:func:`median_result`) and
+    ``per_round`` the rounds' own ratios (:func:`round_ratios`).
     """
     rows = None
     if peer is not None:
         rows = comparison(res, peer)
-        _print_comparison(rows, peer.backend)
+        if per_round is not None:
+            for row in rows:
+                row["round_ratios"] = per_round.get((row["size"], row["inplace"]), [])
+        _print_comparison(rows, peer.backend, int(res.settings.get("rounds", 1)))
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     command = shlex.join([PROG, *argv])
     if json_path:
