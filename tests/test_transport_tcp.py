@@ -24,6 +24,7 @@ from transport_conformance import (
     DEADLINE,
     FailureRecorder,
     GarbageCase,
+    Pair,
     TransportConformance,
     TransportHarness,
     connect_pair,
@@ -629,6 +630,21 @@ async def test_bug_in_a_send_batch_fails_its_connection_only(
         await p.aclose()
 
 
+async def _full_socket(harness: TransportHarness, size: int, count: int
+                       ) -> tuple[Pair, list[asyncio.Future[None]], tcp._SendThreads | None]:
+    """A pair whose peer stopped reading, with ``count`` sends of ``size`` bytes queued on
+    ``a``'s first socket, filled by the loop thread (its send threads taken away: they are
+    returned, to put back)."""
+    p = await connect_pair(harness)
+    assert isinstance(p.a, TcpConnection)
+    assert isinstance(p.b, TcpConnection)
+    p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls
+    threads, p.a._threads = p.a._threads, None  # fill the socket on the loop thread
+    futs = [p.a.isend(host_buffer(bytearray(size)), t, meta_for(t)) for t in range(1, count + 1)]
+    await asyncio.sleep(0.2)
+    return p, futs, threads
+
+
 async def test_failure_close_drops_sends_a_send_thread_has_out(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """close(drop_queued=True) while a batch of whole frames is on the send thread: when it
@@ -636,16 +652,9 @@ async def test_failure_close_drops_sends_a_send_thread_has_out(
     notice (the peer has stopped reading)."""
     import threading
 
-    harness = _harness("t", 1, threads=1)
-    p = await connect_pair(harness)
+    p, futs, threads = await _full_socket(_harness("t", 1, threads=1), 3 << 20, 12)
     try:
         assert isinstance(p.a, TcpConnection)
-        assert isinstance(p.b, TcpConnection)
-        p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls
-        threads, p.a._threads = p.a._threads, None  # fill the socket on the loop thread
-        futs = [p.a.isend(host_buffer(bytearray(3 << 20)), t, meta_for(t))
-                for t in range(1, 13)]
-        await asyncio.sleep(0.2)
         s = p.a._socks[0]
         gate = threading.Event()
         real = tcp._write_batch
@@ -755,16 +764,9 @@ async def test_send_thread_takes_queue_behind_a_partly_written_frame() -> None:
     """Whether sends go to the thread depends on what is queued, not on the head frame's
     rest: once the socket filled in the middle of a frame, the frames behind it still go
     to the thread (they used to stay on the loop thread until the queue ran dry)."""
-    harness = _harness("t", 1, threads=1, split=0)
-    p = await connect_pair(harness)
+    p, futs, threads = await _full_socket(_harness("t", 1, threads=1, split=0), 512 << 10, 32)
     try:
         assert isinstance(p.a, TcpConnection)
-        assert isinstance(p.b, TcpConnection)
-        p.b._loop.remove_reader(p.b._socks[0].fd)  # the peer stalls
-        threads, p.a._threads = p.a._threads, None  # fill the socket on the loop thread
-        futs = [p.a.isend(host_buffer(bytearray(512 << 10)), t, meta_for(t))
-                for t in range(1, 33)]
-        await asyncio.sleep(0.2)
         s = p.a._socks[0]
         head = s.queue[0]
         assert 0 < head[2] < len(head[0]) + head[1].nbytes, "the socket filled mid-frame"
