@@ -292,11 +292,12 @@ async def test_ranks_may_differ_on_going_through_the_host(
     assert staged_1 == 0
 
 
-@pytest.mark.parametrize("path", ["direct", "ordered"])
+@pytest.mark.parametrize(("path", "ring_chunks"), [("direct", "8"), ("ordered", "8"),
+                                                   ("direct", "1")])
 @pytest.mark.parametrize("nranks", [2, 3, 4])
 async def test_ring_through_the_host_pipelines_its_copies(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        nranks: int, path: str) -> None:
+        nranks: int, path: str, ring_chunks: str) -> None:
     """Above one chunk, a device all_reduce through the host downloads its input in pieces
     (each awaited only before the ring first reads it; fake downloads land 100 loop
     iterations late, so a piece read early would carry the block's previous contents) and
@@ -304,8 +305,10 @@ async def test_ring_through_the_host_pipelines_its_copies(
     dtypes, in place and not, with and without stream=, and every element uploaded once.
     Both where the copies go on the caller's stream (the call starts at once: direct) and
     where they are ordered after it (here: the pool must grow first). (The default;
-    ACOLL_GPU_VIA_HOST_PIPELINE=0 turns it off.)"""
+    ACOLL_GPU_VIA_HOST_PIPELINE=0 turns it off.) With ``ACOLL_RING_CHUNKS=1`` the ring's
+    chunks (whole segments) are larger than the copies' pieces."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_RING_CHUNKS", ring_chunks)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
     monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
