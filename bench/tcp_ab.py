@@ -13,6 +13,7 @@ same processes and rounds is what makes their ratios comparable. Variants:
 
 - ``gloo``: ``torch.distributed.all_reduce`` on a CPU tensor.
 - ``chunks=K``: acoll with ``ACOLL_RING_CHUNKS=K`` (set on the communicator per round).
+- ``chunk=SIZE``: acoll with ``ACOLL_CHUNK_SIZE=SIZE`` (likewise).
 - ``offload=SIZE``: acoll with the send thread taking a socket's queue from SIZE bytes
   queued (``_OFFLOAD_MIN``, 512 KiB).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
@@ -70,14 +71,16 @@ async def main() -> None:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{args.port}",
                                     rank=rank, world_size=n)
             t = torch.from_numpy(np.ones(nbytes // 4, np.float32))
-        default_chunks = comm.ring_chunks
+        default_chunks, default_chunk = comm.ring_chunks, comm.chunk_bytes
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             k = rnd % len(variants)
             for v in variants[k:] + variants[:k]:
-                comm.ring_chunks = default_chunks
+                comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
                 tcp._OFFLOAD_MIN = offload_min
+                if v.startswith("chunk="):
+                    comm.chunk_bytes = parse_size(v.split("=")[1])
                 if v.startswith("offload="):
                     tcp._OFFLOAD_MIN = parse_size(v.split("=")[1])
                 if v.startswith("chunks="):
@@ -97,8 +100,9 @@ async def main() -> None:
                     for _ in range(args.iters):
                         await comm.all_reduce(x)
                 times[v].append((time.perf_counter() - t0) / args.iters)
-        comm.ring_chunks = default_chunks
+        comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
+        tcp._OFFLOAD_MIN = offload_min
         flat = np.array([times[v][i] for v in variants for i in range(args.rounds)])
         await comm.all_reduce(flat, op=acoll.MAX)
         if dist is not None:
