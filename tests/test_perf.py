@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import subprocess
@@ -217,6 +219,32 @@ def test_median_result_and_round_ratios() -> None:
     assert med.notes == ["note acoll"]
     peers = [result("mpi", t) for t in (2.0, 2.0, 1.0)]
     assert round_ratios(mine, peers) == {(1024, True): [2.0, 0.5, 0.5]}
+
+    # N/A in the first round only: the other rounds count, and so do their wrong elements
+    late = [result("acoll", t, w) for t, w in ((1.0, 0), (4.0, 4), (2.0, 0))]
+    late[0].records[0] = Record(1024, 256, "float32", "sum", -1, True, None, None, None,
+                                None, "N/A")
+    med = median_result(late)
+    assert med.records[0].time_us == 3.0
+    assert med.records[0].busbw == pytest.approx(2.0 / 3.0)
+    assert med.records[0].wrong == 4
+    assert med.records[0].note == "measured in 2 of 3 rounds"
+    # matched by (size, mode), not position: a round with its records in another order
+    swapped = [result("acoll", 1.0), result("acoll", 3.0)]
+    swapped[1].records.reverse()
+    assert median_result(swapped).records[0].time_us == 2.0
+
+
+def test_rounds_without_peer_print_medians() -> None:
+    from acoll.perf.report import Record, Result, median_result, report
+
+    rounds = [Result("acoll", {"nranks": 2}, [Record(8, 2, "float32", "sum", -1, True, t,
+                                                     1.0, 1.0, 0)], []) for t in (5.0, 7.0)]
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        report(median_result(rounds), None, argv=[], json_path=None, plot_path=None)
+    assert "# medians of 2 rounds" in buf.getvalue()
+    assert "6.00" in buf.getvalue()
 
 
 def test_vs_nccl_without_cuda_is_clear() -> None:

@@ -97,21 +97,33 @@ class Result:
 
 
 def median_result(rounds: list[Result]) -> Result:
-    """One result from ``rounds`` of the same sweep: per record, the median time of the
-    rounds that measured it (bandwidths follow from it); wrong elements add up."""
+    """One result from ``rounds`` of the same sweep: per (size, mode), the median time of
+    the rounds that measured it (bandwidths follow from it) and the wrong elements of every
+    round added up. Records are matched by (size, mode), never by position; a record that
+    no round measured stays as the first round has it."""
     first = rounds[0]
+    keyed = [{(x.size, x.inplace): x for x in r.records} for r in rounds]
     records = []
-    for i, rec in enumerate(first.records):
-        times = [t for r in rounds if (t := r.records[i].time_us) is not None]
-        wrong = [w for r in rounds if (w := r.records[i].wrong) is not None]
-        if not times or rec.time_us is None or rec.algbw is None or rec.busbw is None:
-            records.append(rec)
+    for rec in first.records:
+        key = (rec.size, rec.inplace)
+        mine = [k[key] for k in keyed if key in k]
+        measured = [x for x in mine if x.time_us is not None and x.algbw is not None
+                    and x.busbw is not None]
+        wrong = [x.wrong for x in mine if x.wrong is not None]
+        if not measured:
+            records.append(Record(rec.size, rec.count, rec.type, rec.redop, rec.root,
+                                  rec.inplace, None, None, None,
+                                  sum(wrong) if wrong else None, rec.note))
             continue
-        med = statistics.median(times)
-        scale = rec.time_us / med if med > 0 else 1.0
+        ref = measured[0]
+        ref_time, ref_algbw, ref_busbw = ref.time_us or 0.0, ref.algbw or 0.0, ref.busbw or 0.0
+        med = statistics.median([x.time_us or 0.0 for x in measured])
+        scale = ref_time / med if med > 0 else 1.0
+        note = "" if len(measured) == len(rounds) else (
+            f"measured in {len(measured)} of {len(rounds)} rounds")
         records.append(Record(rec.size, rec.count, rec.type, rec.redop, rec.root,
-                              rec.inplace, med, rec.algbw * scale, rec.busbw * scale,
-                              sum(wrong) if wrong else None, rec.note))
+                              rec.inplace, med, ref_algbw * scale, ref_busbw * scale,
+                              sum(wrong) if wrong else None, note))
     notes: list[str] = []
     for r in rounds:
         notes += [n for n in r.notes if n not in notes]
@@ -253,6 +265,8 @@ def _print_comparison(rows: list[dict[str, Any]], name: str, rounds: int = 1) ->
         per = r.get("round_ratios") or []
         tail = (f"  {statistics.median(per):.2f} ({min(per):.2f}..{max(per):.2f})"
                 if per else "")
+        if rounds > 1 and len(per) < rounds:  # (a mode N/A in some rounds on either side)
+            tail += f" ({len(per)} of {rounds} rounds)"
         print(f"{r['size']:12d}  {'in ' if r['inplace'] else 'out'}  "
               f"{_fmt_time(r['acoll_time_us']):>10s}  {_fmt_time(r['peer_time_us']):>9s}  "
               f"{r['acoll_busbw']:11.3f}  {r['peer_busbw']:11.3f}  {ratio:>11s}  "
@@ -262,6 +276,18 @@ def _print_comparison(rows: list[dict[str, Any]], name: str, rounds: int = 1) ->
         geo = math.exp(sum(math.log(x) for x in ratios if x > 0) / len(ratios))
         print(f"# busbw ratio acoll/{name}: geometric mean {geo:.2f}, "
               f"min {min(ratios):.2f}, max {max(ratios):.2f}")
+    print("#", flush=True)
+
+
+def _print_medians(res: Result) -> None:
+    rounds = int(res.settings.get("rounds", 1))
+    print(f"# medians of {rounds} rounds")
+    print("#       size  mode   time(us)  busbw(GB/s)")
+    for r in res.records:
+        if r.time_us is None or r.busbw is None:
+            continue
+        print(f"{r.size:12d}  {'in ' if r.inplace else 'out'}  {_fmt_time(r.time_us):>9s}  "
+              f"{r.busbw:11.3f}{'  ' + r.note if r.note else ''}")
     print("#", flush=True)
 
 
@@ -287,6 +313,11 @@ def report(res: Result, peer: Result | None, *, argv: Sequence[str], json_path: 
             for row in rows:
                 row["round_ratios"] = per_round.get((row["size"], row["inplace"]), [])
         _print_comparison(rows, peer.backend, int(res.settings.get("rounds", 1)))
+        if peer.wrong:
+            print(f"# WARNING: {peer.backend}'s own results had {peer.wrong} wrong elements",
+                  flush=True)
+    elif int(res.settings.get("rounds", 1)) > 1:
+        _print_medians(res)
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     command = shlex.join([PROG, *argv])
     if json_path:
