@@ -65,12 +65,11 @@ def ring_chunk_items(chunk_bytes: int, ring_chunks: int, max_bytes: int, itemsiz
     ``chunk_bytes`` (``ACOLL_CHUNK_SIZE``) is the smallest chunk; a larger segment is cut
     into ``ring_chunks`` (``ACOLL_RING_CHUNKS``; 0: no limit) chunks of at most
     ``max_bytes`` (``ACOLL_RING_CHUNK_MAX``: messages stay within what transports keep
-    when they arrive early). Every chunk costs
-    the same fixed work (a header, a wake-up, a reduce call, a hand-over to the send
-    thread): on a 16-core host over loopback TCP, 64 MiB all-reduces with 4 and 8 ranks
-    moved 1.16 to 1.33x more busbw in 2 MiB chunks than in 512 KiB ones (16 to 32 chunks
-    a segment), while at 16 MiB (4 to 8 chunks a segment) 512 KiB was as fast or faster.
-    Every rank computes the same value from the same arguments (ring tags count chunks).
+    when they arrive early). Every chunk costs the same fixed work (a header, a wake-up, a
+    reduce call, a hand-over to the send thread): on a 16-core host over loopback TCP,
+    paired with always 512 KiB, 64 and 256 MiB all-reduces with 4 and 8 ranks moved 1.09
+    to 1.18x more busbw this way (``bench/results/session24_h200/4_paired/``). Every rank
+    computes the same value from the same arguments (ring tags count chunks).
     """
     base = max(1, chunk_bytes // itemsize)
     if ring_chunks <= 0:

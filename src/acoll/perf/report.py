@@ -115,15 +115,14 @@ def median_result(rounds: list[Result]) -> Result:
                                   rec.inplace, None, None, None,
                                   sum(wrong) if wrong else None, rec.note))
             continue
-        ref = measured[0]
-        ref_time, ref_algbw, ref_busbw = ref.time_us or 0.0, ref.algbw or 0.0, ref.busbw or 0.0
+        ref = measured[0]  # (bandwidths scale with 1 / time)
         med = statistics.median([x.time_us or 0.0 for x in measured])
-        scale = ref_time / med if med > 0 else 1.0
-        note = "" if len(measured) == len(rounds) else (
+        scale = (ref.time_us or 0.0) / med if med > 0 else 1.0
+        note = ref.note if len(measured) == len(rounds) else (
             f"measured in {len(measured)} of {len(rounds)} rounds")
         records.append(Record(rec.size, rec.count, rec.type, rec.redop, rec.root,
-                              rec.inplace, med, ref_algbw * scale, ref_busbw * scale,
-                              sum(wrong) if wrong else None, note))
+                              rec.inplace, med, (ref.algbw or 0.0) * scale,
+                              (ref.busbw or 0.0) * scale, sum(wrong) if wrong else None, note))
     notes: list[str] = []
     for r in rounds:
         notes += [n for n in r.notes if n not in notes]
