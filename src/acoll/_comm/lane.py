@@ -383,7 +383,13 @@ class _LaneCall:
             now = loop.time()
             if now >= deadline:
                 raise timed_out()
-            await asyncio.sleep(0 if now - start < _YIELD_POLL_S else _SLEEP_S)
+            if now - start < _YIELD_POLL_S:
+                # (a peer that shares this core runs now: without it a poll burns the
+                # rest of this process's time slice while the peer it waits for waits)
+                os.sched_yield()
+                await asyncio.sleep(0)
+            else:
+                await asyncio.sleep(_SLEEP_S)
             self.lane.yield_at = time.perf_counter_ns() + STEP_NS
             if done():  # (first: an op that completed everywhere completes here too)
                 return
