@@ -668,6 +668,8 @@ def one_shot_max(lane: Lane) -> int:
 
 #: what the one-shot all_reduce reads from its peers at most (bytes, all peers together)
 _ONE_SHOT_BYTES = 256 << 10
+#: a step plan with at most this many steps makes them once, when it is made
+_MADE_STEPS = 64
 
 
 class _Step(NamedTuple):
@@ -846,6 +848,8 @@ class StepPlan(_LaneCall):
                  op: ReduceOp = ReduceOp.SUM) -> None:
         self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
         self.steps = steps
+        #: the steps made once, for plans that are kept (all_reduce's) and not too long
+        self._made = [steps[k] for k in range(len(steps))] if len(steps) <= _MADE_STEPS else None
         item = dtype.itemsize
         per = max(lane.limit // item, 1)
         self._item, self._dtype = item, dtype
@@ -886,7 +890,7 @@ class StepPlan(_LaneCall):
             try:
                 if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
                     await self._turn(seq)
-                item, ins, steps = self._item, self._ins, self.steps
+                item, ins, steps, made = self._item, self._ins, self.steps, self._made
                 rank, peers, inboxes, boards = lane.rank, lane.peers, lane.inboxes, lane.boards
                 word_a, word_b = self._words
                 inplace = mine is res or np.may_share_memory(mine, res)
@@ -899,7 +903,7 @@ class StepPlan(_LaneCall):
                         await asyncio.sleep(0)
                         lane.yield_at = time.perf_counter_ns() + STEP_NS
                         self.comm.check_usable()
-                    step = steps[k]
+                    step = made[k] if made is not None else steps[k]
                     slot, value = (seq + k) & 1, stamp(seq, k)
                     on_boards = step.board and boards is not None
                     if on_boards:  # (written once, for every peer)
