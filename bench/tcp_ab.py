@@ -16,6 +16,8 @@ same processes and rounds is what makes their ratios comparable. Variants:
 - ``chunk=SIZE``: acoll with ``ACOLL_CHUNK_SIZE=SIZE`` (likewise).
 - ``offload=SIZE``: acoll with the send thread taking a socket's queue from SIZE bytes
   queued (``_OFFLOAD_MIN``, 512 KiB).
+- ``recvoff``: acoll with its receive threads idle (``_RECV_OFFLOAD_MIN`` out of reach:
+  the loop thread reads every payload, as before receive threads).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
   only when its head frame's unsent rest was at least 512 KiB).
 
@@ -60,6 +62,7 @@ async def main() -> None:
     variants: list[str] = args.variants
     queued_rule = tcp._queued_at_least
     offload_min = tcp._OFFLOAD_MIN
+    recv_min = tcp._RECV_OFFLOAD_MIN
     async with await acoll.init_from_env() as comm:
         n, rank = comm.size, comm.rank
         x = np.ones(nbytes // 4, np.float32)
@@ -79,6 +82,7 @@ async def main() -> None:
                 comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
                 tcp._OFFLOAD_MIN = offload_min
+                tcp._RECV_OFFLOAD_MIN = 1 << 62 if v == "recvoff" else recv_min
                 if v.startswith("chunk="):
                     comm.chunk_bytes = parse_size(v.split("=")[1])
                 if v.startswith("offload="):
@@ -103,6 +107,7 @@ async def main() -> None:
         comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
         tcp._OFFLOAD_MIN = offload_min
+        tcp._RECV_OFFLOAD_MIN = recv_min
         flat = np.array([times[v][i] for v in variants for i in range(args.rounds)])
         await comm.all_reduce(flat, op=acoll.MAX)
         if dist is not None:

@@ -8,12 +8,13 @@ import asyncio
 import os
 import socket
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgpack
 import pytest
 
 from acoll import _auth
-from acoll._memory import host_buffer
+from acoll._memory import Buffer, host_buffer
 from acoll._transport import tcp
 from acoll._transport.base import ConnectionLost, MessageSizeError
 from acoll._transport.matching import Matcher
@@ -40,9 +41,18 @@ OTHER_KEY = bytes(range(1, 33))
 
 def _transport(nsocks: int, stripe: int | None = None, host: str = "127.0.0.1",
                family: socket.AddressFamily = socket.AF_INET,
-               key: bytes = KEY, send_threads: int = 0, split: int = -1) -> TcpTransport:
+               key: bytes = KEY, send_threads: int = 0, split: int = -1,
+               recv_threads: int = 0) -> TcpTransport:
     return TcpTransport((host, 0), family, key=key, nsocks=nsocks, stripe=stripe, bufsize=0,
-                        timeout=HANDSHAKE_TIMEOUT, send_threads=send_threads, split=split)
+                        timeout=HANDSHAKE_TIMEOUT, send_threads=send_threads, split=split,
+                        recv_threads=recv_threads)
+
+
+def _owned_buffer(obj: Any) -> Buffer:
+    """A host buffer marked as acoll's own memory (what a space's scratch is)."""
+    b = host_buffer(obj)
+    b.owned = True
+    return b
 
 
 def _sockaddr(handle: bytes) -> tuple[socket.AddressFamily, tuple[str, int]]:
@@ -203,11 +213,13 @@ GARBAGE: dict[str, GarbageCase] = {
 
 
 def _harness(name: str, nsocks: int, stripe: int | None = None, threads: int = 0,
-             split: int = -1) -> TransportHarness:
+             split: int = -1, recv: int = 0, owned: bool = False) -> TransportHarness:
     return TransportHarness(
-        name, lambda: _transport(nsocks, stripe, send_threads=threads, split=split), GARBAGE,
+        name, lambda: _transport(nsocks, stripe, send_threads=threads, split=split,
+                                 recv_threads=recv), GARBAGE,
         stranger=lambda: _transport(nsocks, stripe, key=OTHER_KEY, send_threads=threads,
-                                    split=split))
+                                    split=split, recv_threads=recv),
+        buffer=_owned_buffer if owned else host_buffer)
 
 
 # (send threads forced on and off: the default depends on the CPUs of the machine; with a
@@ -216,7 +228,12 @@ HARNESSES = [_harness("nsocks1", 1), _harness("nsocks3-stripe64k", 3, 64 << 10),
              _harness("nsocks1-sendthread", 1, threads=1),
              _harness("nsocks3-sendthread", 3, 64 << 10, threads=1),
              _harness("nsocks1-sendthread-shared", 1, threads=1, split=0),
-             _harness("nsocks2-split-nothread", 2, 64 << 10, split=1)]
+             _harness("nsocks2-split-nothread", 2, 64 << 10, split=1),
+             # receive threads: they read early messages' storage, and (owned) receives
+             # posted on acoll's own memory; never a user's buffer
+             _harness("nsocks1-recvthread-owned", 1, threads=1, recv=1, owned=True),
+             _harness("nsocks2-recvthread-owned", 2, 64 << 10, split=1, recv=1, owned=True),
+             _harness("nsocks1-recvthread-user", 1, threads=1, recv=1)]
 
 
 @pytest.fixture(params=HARNESSES, ids=str)
@@ -805,3 +822,97 @@ async def test_bug_in_write_path_fails_connection_not_loop(
         await within(failures.event.wait())
     finally:
         await p.aclose()
+
+
+def _record_thread_reads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(address, bytes) of every payload a receive thread is handed, from now on."""
+    import numpy as np
+
+    reads: list[tuple[int, int]] = []
+    real = tcp._read_payload
+
+    def recording(sock: socket.socket, view: memoryview, left: int
+                  ) -> tuple[int, bool, BaseException | None]:
+        reads.append((int(np.frombuffer(view, np.uint8).ctypes.data), left))
+        return real(sock, view, left)
+
+    monkeypatch.setattr(tcp, "_read_payload", recording)
+    return reads
+
+
+def _inside(reads: list[tuple[int, int]], buf: Any) -> bool:
+    import numpy as np
+
+    lo = int(np.frombuffer(buf, np.uint8).ctypes.data)
+    return any(lo <= addr < lo + len(buf) for addr, _ in reads)
+
+
+async def test_receive_thread_reads_owned_memory_and_storage_never_a_users(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A receive thread reads large payloads into a receive posted on acoll's own memory
+    and into an early message's storage; a receive posted on a user's buffer is read by
+    the loop thread only (the thread may write a moment after a receive failed)."""
+    reads = _record_thread_reads(monkeypatch)
+    size = 8 << 20
+    p = await connect_pair(_harness("recv", 1, threads=1, recv=1))
+    try:
+        assert isinstance(p.b, TcpConnection)
+        assert p.b._recv_threads is not None
+        owned, user, early = (bytearray(size) for _ in range(3))
+        got = p.b.irecv(_owned_buffer(owned), 1)
+        await within(asyncio.gather(p.a.isend(host_buffer(payload(size, 1)), 1), got))
+        assert owned == payload(size, 1)
+        assert _inside(reads, owned), "the owned receive went to the receive thread"
+        before = len(reads)
+        got = p.b.irecv(host_buffer(user), 2)
+        await within(asyncio.gather(p.a.isend(host_buffer(payload(size, 2)), 2), got))
+        assert user == payload(size, 2)
+        assert not _inside(reads, user), "a thread wrote into a user's buffer"
+        sent = p.a.isend(host_buffer(payload(size, 3)), 3)  # arrives before its receive
+        await within(sent)
+        await asyncio.sleep(0.05)
+        assert len(reads) > before, "the early message's storage went to the thread"
+        await within(p.b.irecv(host_buffer(early), 3))
+        assert early == payload(size, 3)
+        assert not _inside(reads, early)
+    finally:
+        await p.aclose()
+
+
+@pytest.mark.parametrize("how", ["abort", "peer_abort"])
+async def test_failure_while_a_receive_thread_reads(monkeypatch: pytest.MonkeyPatch,
+                                                     how: str) -> None:
+    """The connection fails while a receive thread reads a payload: the receive fails,
+    the thread's job ends (the socket is shut down under it) and only then is the socket
+    closed; nothing is left reading."""
+    reads = _record_thread_reads(monkeypatch)
+    p = await connect_pair(_harness("recv", 1, threads=1, recv=1))
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        got = p.b.irecv(_owned_buffer(bytearray(256 << 20)), 1)
+        p.a.isend(host_buffer(bytearray(256 << 20)), 1)
+        for _ in range(2000):
+            if any(s.reading for s in p.b._socks):
+                break
+            await asyncio.sleep(0.001)
+        assert any(s.reading for s in p.b._socks), "a receive thread took the payload"
+        if how == "abort":
+            p.b.abort()
+        else:
+            p.a.abort()
+        with pytest.raises(ConnectionLost):
+            await within(got)
+        await within(p.b.wait_closed())
+        assert all(s.fd < 0 and not s.reading for s in p.b._socks)
+        assert reads
+    finally:
+        await p.aclose()
+
+
+def test_receive_threads_only_with_split_sockets() -> None:
+    """ACOLL_SOCKET_RECV_THREADS: a receive thread reads sockets this side never sends on,
+    so unsplit connections get none."""
+    assert _transport(1, send_threads=1, recv_threads=1).recv_threads is not None
+    assert _transport(1, send_threads=1, split=0, recv_threads=1).recv_threads is None
+    assert _transport(1, send_threads=1, recv_threads=0).recv_threads is None

@@ -63,16 +63,19 @@ class Buffer:
     space's own code looks inside it.
     """
 
-    __slots__ = ("_ptr", "_view", "array", "space")
+    __slots__ = ("_ptr", "_view", "array", "owned", "space")
 
-    def __init__(self, array: Any, space: MemorySpace) -> None:
+    def __init__(self, array: Any, space: MemorySpace, owned: bool = False) -> None:
         self.array = array
         self.space = space
+        #: acoll's own memory (a space's scratch), never a user's: a transport may let a
+        #: receive into it be written a moment after the receive ended (a thread's read)
+        self.owned = owned
         self._ptr = -1  # cached: an array's address and bytes do not move under it
         self._view: memoryview | None = None
 
     def __getitem__(self, items: slice) -> Buffer:
-        return Buffer(self.array[items], self.space)
+        return Buffer(self.array[items], self.space, self.owned)
 
     @property
     def count(self) -> int:

@@ -82,7 +82,7 @@ class HostSpace(MemorySpace):
         if raw is None or raw.size < nbytes:
             raw = empty_bytes(max(nbytes, 64))  # no huge pages: see empty_bytes
             self._pool[slot] = raw
-        return Buffer(raw[:nbytes].view(dtype), self)
+        return Buffer(raw[:nbytes].view(dtype), self, owned=True)
 
     async def reduce(self, out: Buffer, a: Buffer, b: Buffer, op: ReduceOp,
                      pace: Pace) -> None:

@@ -88,8 +88,8 @@ class Message(Generic[T, R]):
         error: why ``token`` fails (``MessageSizeError``, the connection's failure).
     """
 
-    __slots__ = ("claimed", "dest", "drop", "error", "meta", "received", "ref", "storage",
-                 "table", "tag", "token", "total")
+    __slots__ = ("claimed", "dest", "drop", "error", "meta", "owned", "received", "ref",
+                 "storage", "table", "tag", "token", "total")
 
     def __init__(self, tag: int, total: int, token: T | None = None,
                  dest: memoryview | None = None) -> None:
@@ -104,6 +104,7 @@ class Message(Generic[T, R]):
         self.claimed = 0  # payload bytes announced by part headers
         self.received = 0  # payload bytes landed
         self.drop = False  # being drained: payload is read and thrown away
+        self.owned = False  # ``dest`` is the owner's own memory, not a user's (see post)
         # the matcher's table that holds it (None once handed back or dropped)
         self.table: dict[int, Message[T, R]] | None = None
 
@@ -175,8 +176,11 @@ class Matcher(Generic[T, R]):
         return len(self._posted) + len(self._early) + len(self._draining)
 
     # ------------------------------------------------------------------ receives
-    def post(self, tag: int, dest: memoryview, token: T) -> Message[T, R] | None:
-        """A receive of ``dest.nbytes`` bytes (``dest`` is byte-shaped) under ``tag``.
+    def post(self, tag: int, dest: memoryview, token: T, *, owned: bool = False
+             ) -> Message[T, R] | None:
+        """A receive of ``dest.nbytes`` bytes (``dest`` is byte-shaped) under ``tag``;
+        ``owned``: ``dest`` is the owner's own memory (a transport may then let it be
+        written a moment after the receive ended, see :attr:`Message.owned`).
 
         Returns ``None`` when it waits (its delivery will come out of :meth:`landed`,
         :meth:`hold`, :meth:`fail` or :meth:`peer_closed`), or the delivery to carry out
@@ -198,6 +202,7 @@ class Matcher(Generic[T, R]):
             raise ProtocolError(f"a receive for tag {tag:#x} is already posted")
         if msg is None:
             msg = Message(tag, nbytes, token, dest)
+            msg.owned = owned
             msg.table = self._posted
             self._posted[tag] = msg
             return None

@@ -69,6 +69,7 @@ import contextlib
 import functools
 import os
 import queue
+import select
 import socket
 import struct
 import threading
@@ -108,6 +109,12 @@ SEND_THREADS = Setting("SOCKET_SEND_THREADS", int, -1,
                         "Threads per process that copy large sends into the kernel (0: the "
                         "loop thread does it; -1: one when the process may use 4 CPUs or "
                         "more).", "NET")
+RECV_THREADS = Setting("SOCKET_RECV_THREADS", int, -1,
+                       "Threads per process that copy large receives into acoll's own "
+                       "memory (a reduction's scratch, early messages' storage) out of the "
+                       "kernel while the loop thread reduces; only with split sockets "
+                       "(0: the loop thread does it; -1: one when the process may use 4 "
+                       "CPUs or more).", "NET")
 MAX_EARLY = Setting("SOCKET_MAX_EARLY", parse_size, 4 << 30,
                     "Largest message kept in memory when it arrives before its receive is "
                     "posted (or drained when its size is wrong); a larger one fails the "
@@ -138,6 +145,8 @@ _MAX_SOCKS = 16  # sockets per connection, twice this when split
 _MAX_PART = 1 << 30  # payload bytes per frame at most (the header's length field is 32 bits)
 _OFFLOAD_MIN = 512 << 10  # bytes queued on a socket from which a send thread sends them
 _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at most
+_RECV_OFFLOAD_MIN = 256 << 10  # a frame's payload left from which a receive thread reads it
+_RECV_WAIT_MS = 2  # a receive job with nothing to read for this long goes back to the loop
 
 
 _Msg = Message[asyncio.Future[bytes], None]
@@ -160,8 +169,8 @@ class _Sock:
     """One socket of a connection, with its reader and writer state."""
 
     __slots__ = ("close_deferred", "direct_entry", "direct_left", "direct_view", "fd",
-                 "flight", "peer_done", "queue", "sent_close", "sock", "stage", "stage_len",
-                 "stage_view", "writing")
+                 "flight", "peer_done", "queue", "reading", "sent_close", "sock", "stage",
+                 "stage_len", "stage_view", "writing")
 
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -180,6 +189,7 @@ class _Sock:
         # items taken off the queue by a send thread's batch (empty: no batch in flight)
         self.flight: deque[list[Any]] = deque()
         self.close_deferred = False  # released while a batch was in flight: close on return
+        self.reading = False  # a receive thread is reading a payload from it (no reader)
 
 
 def _discard_input(sock: socket.socket) -> None:
@@ -216,8 +226,9 @@ class _SendThreads:
     starts its own).
     """
 
-    def __init__(self, count: int) -> None:
+    def __init__(self, count: int, kind: str = "send") -> None:
         self._count = count
+        self._kind = kind
         self._pid = -1  # the process whose threads run the queue
         self._jobs: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._lock = threading.Lock()
@@ -234,7 +245,7 @@ class _SendThreads:
             self._jobs = queue.SimpleQueue()  # (a parent's leftover jobs are not ours)
             for i in range(self._count):
                 threading.Thread(target=self._run, args=(self._jobs,),
-                                 name=f"acoll-send-{i}", daemon=True).start()
+                                 name=f"acoll-{self._kind}-{i}", daemon=True).start()
             self._pid = os.getpid()
 
     @staticmethod
@@ -243,17 +254,18 @@ class _SendThreads:
             job = jobs.get()
             try:
                 job()
-            except BaseException:  # a batch reports its own errors; this is a last resort
-                log.exception("a send batch raised")
+            except BaseException:  # a job reports its own errors; this is a last resort
+                log.exception("a socket thread's job raised")
 
 
 _threads: _SendThreads | None = None
+_recv_threads: _SendThreads | None = None
 _threads_lock = threading.Lock()
 
 
 def _forget_threads() -> None:
-    global _threads, _threads_lock
-    _threads = None
+    global _threads, _recv_threads, _threads_lock
+    _threads = _recv_threads = None
     _threads_lock = threading.Lock()  # (it may have been held by another thread at fork)
 
 
@@ -272,6 +284,44 @@ def _threads_for(count: int | None = None) -> _SendThreads | None:
         if _threads is None:
             _threads = _SendThreads(min(n, 16))
         return _threads
+
+
+def _recv_threads_for(count: int | None = None) -> _SendThreads | None:
+    """The process's receive threads per ``ACOLL_SOCKET_RECV_THREADS``, or ``None``."""
+    global _recv_threads
+    n = RECV_THREADS.resolve(count)
+    if n < 0:
+        n = 1 if len(os.sched_getaffinity(0)) >= 4 else 0
+    if n == 0:
+        return None
+    with _threads_lock:
+        if _recv_threads is None:
+            _recv_threads = _SendThreads(min(n, 16), "recv")
+        return _recv_threads
+
+
+def _read_payload(sock: socket.socket, view: memoryview, left: int
+                  ) -> tuple[int, bool, BaseException | None]:
+    """Read up to ``left`` bytes into ``view`` from non-blocking ``sock``, waiting for data
+    at most ``_RECV_WAIT_MS`` at a time: ``(bytes read, end of file, error or None)``;
+    never raises. Runs on a receive thread; touches nothing but its arguments."""
+    got = 0
+    try:
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        while got < left:
+            try:
+                n = sock.recv_into(view[got:], left - got)
+            except (BlockingIOError, InterruptedError):
+                if not poller.poll(_RECV_WAIT_MS):
+                    break  # (the peer is slow: the loop takes the socket back meanwhile)
+                continue
+            if n == 0:
+                return got, True, None
+            got += n
+    except BaseException as exc:  # OSError: the connection broke; anything else: a bug
+        return got, False, exc
+    return got, False, None
 
 
 def _write_batch(sock: socket.socket, bufs: list[Any], total: int
@@ -342,9 +392,12 @@ class TcpConnection(Connection):
 
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
                  max_early: int | None = None, threads: _SendThreads | None = None,
-                 send_half: int | None = None) -> None:
+                 send_half: int | None = None, recv_threads: _SendThreads | None = None
+                 ) -> None:
         self._loop = asyncio.get_running_loop()
         self._threads = threads
+        # (a receive thread reads only sockets this side never sends on)
+        self._recv_threads = recv_threads if send_half is not None else None
         self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
             _storage, max_early=MAX_EARLY.resolve(max_early),
             limit_name="ACOLL_SOCKET_MAX_EARLY")
@@ -417,7 +470,7 @@ class TcpConnection(Connection):
         fut: asyncio.Future[bytes] = self._loop.create_future()
         buf = buffer.view()
         try:
-            msg = self._match.post(tag, buf, fut)
+            msg = self._match.post(tag, buf, fut, owned=buffer.owned)
         except ProtocolError as exc:
             fut.set_exception(exc)
             return fut
@@ -521,11 +574,13 @@ class TcpConnection(Connection):
         for s in self._socks:
             if s.fd < 0:
                 continue
-            if s.flight:  # a send thread is writing to it: close when the batch is back
+            if s.flight or s.reading:
+                # a socket thread is using it: close when its job is back
                 self._loop.remove_reader(s.fd)
                 self._want_writable(s, False)
                 with contextlib.suppress(OSError):
-                    s.sock.shutdown(socket.SHUT_RDWR)  # cuts the batch short (EPIPE)
+                    # cuts a send batch short (EPIPE), ends a receive job (end of file)
+                    s.sock.shutdown(socket.SHUT_RDWR)
                 s.close_deferred = True
                 continue
             self._close_sock(s)
@@ -711,8 +766,9 @@ class TcpConnection(Connection):
                     flight.append(head)  # (its send failed; its bytes still go out)
             s.queue.extendleft(reversed(flight))
             if s.close_deferred:
-                self._close_sock(s)
-                self._check_released()
+                if not s.reading:
+                    self._close_sock(s)
+                    self._check_released()
                 return
             if not open_ or self._failed is not None:
                 return
@@ -730,6 +786,74 @@ class TcpConnection(Connection):
         _fail_items(items, self._failed or ConnectionLost("the connection was closed locally"))
 
     # ------------------------------------------------------------------ reading
+    @staticmethod
+    def _offloadable(s: _Sock) -> bool:
+        """Whether the payload arriving on ``s`` goes to memory acoll owns (an early
+        message's storage, or a receive posted on a buffer marked ``owned``): only such a
+        payload is read by a receive thread, which may still be writing for a moment after
+        the receive failed; a user's buffer is never written after its receive ended."""
+        entry = s.direct_entry
+        return entry is not None and not entry.drop and (
+            entry.storage is not None or entry.owned)
+
+    def _offload_recv(self, s: _Sock) -> None:
+        """Hand the rest of the payload arriving on ``s`` to a receive thread; the loop
+        stops watching ``s`` until the job is back (:meth:`_recv_returned`)."""
+        assert self._recv_threads is not None
+        assert s.direct_view is not None
+        self._loop.remove_reader(s.fd)
+        s.reading = True
+        loop, sock, view, left = self._loop, s.sock, s.direct_view, s.direct_left
+
+        def job() -> None:
+            try:
+                got, eof, err = _read_payload(sock, view, left)
+            except BaseException as exc:  # (a bug: the connection fails on return)
+                got, eof, err = 0, False, exc
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(self._recv_returned, s, got, eof, err)
+
+        self._recv_threads.submit(job)
+
+    def _recv_returned(self, s: _Sock, got: int, eof: bool, err: BaseException | None
+                       ) -> None:
+        """A receive thread's job came back (on the loop thread): account what it read,
+        then read on here (or hand the rest to a thread again)."""
+        s.reading = False
+        try:
+            if s.close_deferred:  # released meanwhile
+                if not s.flight:
+                    self._close_sock(s)
+                    self._check_released()
+                return
+            if s.fd < 0 or self._failed is not None:
+                return
+            if err is not None and not isinstance(err, OSError):
+                raise err if isinstance(err, Exception) else RuntimeError(repr(err))
+            if got:
+                entry = s.direct_entry
+                s.direct_left -= got
+                if s.direct_left:
+                    if s.direct_view is not None:
+                        s.direct_view = s.direct_view[got:]
+                else:
+                    s.direct_view = s.direct_entry = None
+                if entry is not None:
+                    done = self._match.landed(entry, got)
+                    if done is not None:
+                        self._deliver(done)
+            if err is not None:
+                self._lost(ConnectionLost(f"receive from {self.peer} failed: {err}"))
+                return
+            if eof:
+                self._eof(s)
+                return
+            if s.fd >= 0 and not s.peer_done:
+                self._loop.add_reader(s.fd, self._on_readable, s)
+                self._read(s, time.perf_counter_ns() + _IO_NS)
+        except Exception as exc:
+            self._internal_error("receiving from", exc)
+
     def _on_readable(self, s: _Sock) -> None:
         try:
             self._read(s, time.perf_counter_ns() + _IO_NS)
@@ -739,11 +863,17 @@ class TcpConnection(Connection):
     def _read(self, s: _Sock, until: int) -> None:
         """Read and dispatch from ``s`` (calls of ``_IO_SLICE`` bytes at most) until it has
         no more data or ``perf_counter_ns()`` passes ``until``."""
+        if s.reading:
+            return  # (a receive thread has the socket; it reports back)
         sock = s.sock
         try:
             while True:
                 if s.direct_left:
                     view = s.direct_view
+                    if (view is not None and s.direct_left >= _RECV_OFFLOAD_MIN
+                            and self._recv_threads is not None and self._offloadable(s)):
+                        self._offload_recv(s)
+                        return
                     want = min(s.direct_left, _IO_SLICE)
                     if view is None:  # the payload is dropped: read it into the stage
                         want = min(want, _STAGE)
@@ -884,12 +1014,13 @@ class TcpListener(QueuedListener):
     """
 
     def __init__(self, sock: socket.socket, handle: bytes, stripe: int, bufsize: int,
-                 handshake_timeout: float, key: bytes, threads: _SendThreads | None = None
-                 ) -> None:
+                 handshake_timeout: float, key: bytes, threads: _SendThreads | None = None,
+                 recv_threads: _SendThreads | None = None) -> None:
         self._sock = sock
         self.handle = handle
         self._stripe = stripe
         self._threads = threads
+        self._recv_threads = recv_threads
         self._bufsize = bufsize
         self._key = key
         self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
@@ -990,7 +1121,7 @@ class TcpListener(QueuedListener):
             timer.cancel()
             socks = [group[i] for i in range(count)]
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe,
-                                 threads=self._threads,
+                                 threads=self._threads, recv_threads=self._recv_threads,
                                  send_half=1 if nsocks & _SPLIT_FLAG else None)
             self._offer(hello, conn)
 
@@ -1051,7 +1182,8 @@ class TcpTransport(Transport):
     def __init__(self, sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
                  key: bytes, nsocks: int | None = None, stripe: int | None = None,
                  bufsize: int | None = None, timeout: float = 30.0,
-                 send_threads: int | None = None, split: int | None = None) -> None:
+                 send_threads: int | None = None, split: int | None = None,
+                 recv_threads: int | None = None) -> None:
         if len(key) < 16:
             raise ValueError("TcpTransport needs the job's authentication key")
         self.key = key
@@ -1068,6 +1200,7 @@ class TcpTransport(Transport):
         self.threads = _threads_for(send_threads)
         split = SPLIT.resolve(split)
         self.split = self.threads is not None if split < 0 else bool(split)
+        self.recv_threads = _recv_threads_for(recv_threads) if self.split else None
         # sockets a connection opens, and the count its handshake states
         self.total = self.nsocks * 2 if self.split else self.nsocks
         self.wire_count = self.total | (_SPLIT_FLAG if self.split else 0)
@@ -1084,7 +1217,7 @@ class TcpTransport(Transport):
         name = sock.getsockname()
         handle = msgpack.packb([name[0], name[1], name[3] if len(name) == 4 else 0])
         return TcpListener(sock, handle, self.stripe, self.bufsize, self.timeout, self.key,
-                           self.threads)
+                           self.threads, self.recv_threads)
 
     async def connect(self, handle: bytes, hello: bytes, deadline: float) -> TcpConnection:
         try:
@@ -1125,6 +1258,7 @@ class TcpTransport(Transport):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
         return TcpConnection(socks, f"{host}:{port}", self.stripe, threads=self.threads,
+                             recv_threads=self.recv_threads,
                              send_half=0 if self.split else None)
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
