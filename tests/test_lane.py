@@ -171,7 +171,7 @@ def test_segment_layout_places_mailboxes_after_the_rings() -> None:
     with pytest.raises(ProtocolError, match="does not match"):
         SegmentLayout.read_header(mem[:plain.size])
     with pytest.raises(ValueError, match="lane"):
-        SegmentLayout(4 * PAGE, 2 << 20)
+        SegmentLayout(4 * PAGE, (2 << 20) + 64)
 
 
 # --------------------------------------------------------------------------- who gets one
@@ -203,7 +203,7 @@ def test_lane_size_needs_one_host_separate_processes_and_every_rank_willing(
 def test_lane_size_follows_the_communicator_and_the_cores(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert [shm.auto_lane(n) for n in (2, 3, 4, 5, 8, 9)] == [
-        1 << 20, 1 << 20, 1 << 20, 1 << 20, ((4 << 20) // 7) & ~63, 0]
+        2 << 20, 1 << 20, 1 << 20, 1 << 20, ((4 << 20) // 7) & ~63, 0]
     assert shm.auto_lane(17) == 0
     assert shm.auto_lane(0) == 1 << 20
     monkeypatch.setattr(os, "cpu_count", lambda: 3)
@@ -220,7 +220,27 @@ def test_lane_max_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
     t = shm.ShmTransport(key=bytes(32), nranks=2)
     assert t.lane == 4096
     monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "auto")
-    assert shm.ShmTransport(key=bytes(32), nranks=2).lane == 1 << 20
+    assert shm.ShmTransport(key=bytes(32), nranks=2).lane == 2 << 20
+    monkeypatch.setenv("ACOLL_SHM_LANE_MAX", "2M")
+    assert shm.ShmTransport(key=bytes(32), nranks=2).lane == 2 << 20
+    monkeypatch.setenv("ACOLL_SHM_LANE_MAX", str((2 << 20) + 64))
+    with pytest.raises(acoll.InvalidUsage, match="ACOLL_SHM_LANE_MAX"):
+        shm.ShmTransport(key=bytes(32))
+
+
+def test_steps_move_at_most_step_max_per_peer() -> None:
+    """A slot larger than STEP_MAX serves one-step calls; step plans still cut their
+    parts at STEP_MAX per peer (every rank alike: it depends on the lane alone)."""
+    from acoll._comm.lane import STEP_MAX, Lane, all_reduce_steps, one_shot_max
+
+    for limit, step in ((2 << 20, STEP_MAX), (STEP_MAX, STEP_MAX), (64 << 10, 64 << 10)):
+        lane = Lane(0, 2, limit)
+        assert lane.step == step
+        assert one_shot_max(lane) == limit
+        steps = all_reduce_steps(lane, (4 << 20) // 4, lane.step // 4)
+        parts = [max(b - a for _, a, b in steps[k].sends) for k in range(len(steps))]
+        assert max(parts) * 4 <= step
+        assert len(steps) == 2 * -(-(4 << 20) // (2 * step))
 
 
 # --------------------------------------------------------------------------- processes

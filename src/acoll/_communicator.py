@@ -822,7 +822,7 @@ class Communicator:
                 made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
             else:
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
-                    lane, s.count, lane.limit // s.itemsize), rop)
+                    lane, s.count, lane.step // s.itemsize), rop)
             key = _plan_key(send, op)
             if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
@@ -950,7 +950,7 @@ class Communicator:
             return buf
         if self._lane is not None:
             await self._lane_bytes(desc, b, b, broadcast_steps(
-                self._lane, b.nbytes, self._lane.limit, root))
+                self._lane, b.nbytes, self._lane.step, root))
             return buf
         make = self._p2p_make(Mode.BROADCAST, "broadcast", b, b, b.count, order, root=root)
         self._learn("broadcast", buf, None, None, root, make)
@@ -1018,7 +1018,7 @@ class Communicator:
         if self._lane is not None:
             block = s.nbytes
             await self._lane_bytes(desc, s, r, all_gather_steps(
-                self._lane, block, self._lane.limit))
+                self._lane, block, self._lane.step))
             return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
         self._learn("all_gather", send, recv, None, 0, make)
@@ -1050,7 +1050,7 @@ class Communicator:
             self.check_usable()
             lane = self._lane
             await self._lane_run(StepPlan(self, lane, desc, r.dtype, reduce_scatter_steps(
-                lane, r.count, lane.limit // r.itemsize), rop), s.array, r.array)
+                lane, r.count, lane.step // r.itemsize), rop), s.array, r.array)
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
@@ -1082,7 +1082,7 @@ class Communicator:
         if self._lane is not None:
             block = s.nbytes // self.size
             await self._lane_bytes(desc, s, r, all_to_all_steps(
-                self._lane, block, self._lane.limit))
+                self._lane, block, self._lane.step))
             return out
         make = self._p2p_make(Mode.ALL_TO_ALL, "all_to_all", s, r, s.count // self.size,
                               order)

@@ -67,7 +67,7 @@ ALIGN = 64
 SEG_MAGIC = b"ACSHMSEG"
 SEG_VERSION = 2
 _SEG_HDR = struct.Struct("<8sIIQQQ")
-MAX_LANE = 1 << 20
+MAX_LANE = 2 << 20
 
 HDR = struct.Struct("<HBBIQQQ16s16x")
 assert HDR.size == ALIGN
