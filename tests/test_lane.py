@@ -243,6 +243,29 @@ def test_steps_move_at_most_step_max_per_peer() -> None:
         assert len(steps) == 2 * -(-(4 << 20) // (2 * step))
 
 
+def test_two_ranks_with_boards_take_one_shot_steps() -> None:
+    """2 ranks with boards: every all_reduce too large for one step goes in one-shot steps
+    of a slot (each rank puts its piece on its board, combines the peer's); without boards
+    (mailboxes) and with more ranks, two-shot steps."""
+    from acoll._comm.lane import Lane, all_reduce_one_shot_steps, one_shot_steps_max
+
+    lane = Lane(1, 2, 4096)
+    assert one_shot_steps_max(lane) == 0  # no boards yet
+    lane.boards = []  # (only its presence counts)
+    assert one_shot_steps_max(lane) >= 1 << 50
+    three = Lane(0, 3, 4096)
+    three.boards = []
+    assert one_shot_steps_max(three) == 0
+    steps = all_reduce_one_shot_steps(lane, 2500, 1024)
+    assert len(steps) == 3
+    for k, (lo, hi) in enumerate([(0, 1024), (1024, 2048), (2048, 2500)]):
+        step = steps[k]
+        assert step.board
+        assert step.sends == [(False, lo, hi)]
+        assert step.recvs == [(hi - lo, -1)]
+        assert step.combine == (lo, lo, hi - lo)
+
+
 # --------------------------------------------------------------------------- processes
 def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio",
          env_extra: dict[str, str] | None = None, wait: float = 120,

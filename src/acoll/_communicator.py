@@ -58,11 +58,13 @@ from ._comm.lane import (
     StepPlan,
     Steps,
     all_gather_steps,
+    all_reduce_one_shot_steps,
     all_reduce_steps,
     all_to_all_steps,
     broadcast_steps,
     lane_size,
     one_shot_max,
+    one_shot_steps_max,
     reduce_scatter_steps,
 )
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
@@ -820,6 +822,9 @@ class Communicator:
             made: AllReducePlan | StepPlan
             if s.nbytes <= one_shot_max(lane):
                 made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
+            elif s.nbytes <= one_shot_steps_max(lane):
+                made = StepPlan(self, lane, desc, s.dtype, all_reduce_one_shot_steps(
+                    lane, s.count, lane.limit // s.itemsize), rop)
             else:
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
                     lane, s.count, lane.step // s.itemsize), rop)

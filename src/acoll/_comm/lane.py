@@ -80,7 +80,8 @@ from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, Trans
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
-__all__ = ["STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps", "all_gather_steps",
+__all__ = ["STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
+           "all_reduce_one_shot_steps", "one_shot_steps_max", "all_gather_steps",
            "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
            "reduce_scatter_steps"]
@@ -672,6 +673,20 @@ def one_shot_max(lane: Lane) -> int:
     return min(lane.limit, _ONE_SHOT_BYTES // (lane.size - 1))
 
 
+def one_shot_steps_max(lane: Lane) -> int:
+    """The largest all_reduce (bytes) the lane runs in one-shot steps
+    (:func:`all_reduce_one_shot_steps`) when it is too large for one step; larger ones,
+    and every one of more than 2 ranks or without boards, go two-shot. A function of the
+    lane alone (its boards are used by every rank or by none)."""
+    if lane.size != 2 or lane.boards is None:
+        return 0
+    return _PAIR_ONE_SHOT_SLOTS * lane.limit
+
+
+#: 2 ranks: one-shot steps up to this many slots; paired against two-shot steps on the
+#: 2-core VM they were 1.03 to 1.09x faster at every size from 4 to 128 MiB
+#: (``bench/lane_pair_ab.py``), so every size takes them
+_PAIR_ONE_SHOT_SLOTS = 1 << 40
 #: what the one-shot all_reduce reads from its peers at most (bytes, all peers together)
 _ONE_SHOT_BYTES = 256 << 10
 #: a step plan with at most this many steps makes them once, when it is made
@@ -737,6 +752,22 @@ class _AllReduceSteps(Steps):
                          [(b - a, -1)] * len(self.peers), (a, a, b - a))
         return _Step([(True, a, b)] * len(self.peers),
                      [(parts[p][1] - parts[p][0], parts[p][0]) for p in self.peers],
+                     board=True)
+
+
+class _AllReduceOneShotSteps(Steps):
+    """One-shot all_reduce in steps: per piece of up to ``per`` elements, every rank puts
+    its whole piece on its board and combines every peer's, in rank order (no all-gather
+    step; for 2 ranks it reads as many bytes across cores as the two-shot steps, in half
+    the steps)."""
+
+    def __init__(self, lane: Lane, count: int, per: int) -> None:
+        super().__init__(lane, count, per, per)
+
+    def __getitem__(self, k: int) -> _Step:
+        lo, hi = self.piece(k)
+        n = len(self.peers)
+        return _Step([(False, lo, hi)] * n, [(hi - lo, -1)] * n, (lo, lo, hi - lo),
                      board=True)
 
 
@@ -816,6 +847,12 @@ def all_reduce_steps(lane: Lane, count: int, per: int) -> Steps:
     return _AllReduceSteps(lane, count, per)
 
 
+def all_reduce_one_shot_steps(lane: Lane, count: int, per: int) -> Steps:
+    """One-shot all_reduce of ``count`` elements in pieces of ``per`` (every rank reads
+    every peer's whole piece: only where the lane has boards)."""
+    return _AllReduceOneShotSteps(lane, count, per)
+
+
 def reduce_scatter_steps(lane: Lane, block: int, per: int) -> Steps:
     """reduce_scatter of blocks of ``block`` elements, ``per`` at most per step."""
     return _ReduceScatterSteps(lane, block, per)
@@ -857,7 +894,7 @@ class StepPlan(_LaneCall):
         #: the steps made once, for plans that are kept (all_reduce's) and not too long
         self._made = [steps[k] for k in range(len(steps))] if len(steps) <= _MADE_STEPS else None
         item = dtype.itemsize
-        per = max(lane.step // item, 1)
+        per = max(steps.per, 1)  # (elements per peer per step; at most a slot)
         self._item, self._dtype = item, dtype
         top = head(desc.packed, 0)
         self._words = top[:2]
@@ -948,7 +985,7 @@ class StepPlan(_LaneCall):
                         if got != (word_a, word_b, m * item):
                             raise self._disagree(peer, got, (word_a, word_b, m * item))
                     if step.combine is not None:
-                        self._reduce(slot, mine, res, step.combine, inplace)
+                        self._reduce(slot, mine, res, step.combine, inplace, views_in)
                     else:
                         for peer, (m, at) in zip(peers, step.recvs, strict=True):
                             if m and at >= 0:
@@ -964,8 +1001,9 @@ class StepPlan(_LaneCall):
                 lane.release()
 
     def _reduce(self, slot: int, mine: Any, res: Any, where: tuple[int, int, int],
-                inplace: bool) -> None:
-        """Combine this rank's operand with its peers' (in rank order) into ``res``."""
+                inplace: bool, views_in: Any) -> None:
+        """Combine this rank's operand with its peers' (in rank order, from ``views_in``:
+        the mailboxes' or the boards' payload views) into ``res``."""
         a, at, m = where
         if not m:
             return
@@ -975,8 +1013,7 @@ class StepPlan(_LaneCall):
             saved = self.lane.scratch(m * self._item)[:m * self._item].view(self._dtype)
             np.copyto(saved, own)
             own = saved
-        operands = [own if k == rank else self._ins[k][slot][:m]  # type: ignore[index]
-                    for k in range(n)]
+        operands = [own if k == rank else views_in[k][slot][:m] for k in range(n)]
         ufunc = self._ufunc
         ufunc(operands[0], operands[1], out=out)
         for part in operands[2:]:
