@@ -916,3 +916,104 @@ def test_receive_threads_only_with_split_sockets() -> None:
     assert _transport(1, send_threads=1, recv_threads=1).recv_threads is not None
     assert _transport(1, send_threads=1, split=0, recv_threads=1).recv_threads is None
     assert _transport(1, send_threads=1, recv_threads=0).recv_threads is None
+
+
+def _count_jobs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(bytes a receive job was given, bytes it read) for every job from now on."""
+    jobs: list[tuple[int, int]] = []
+    real = tcp._read_payload
+
+    def counting(sock: socket.socket, view: memoryview, left: int
+                 ) -> tuple[int, bool, BaseException | None]:
+        got = real(sock, view, left)
+        jobs.append((left, got[0]))
+        return got
+
+    monkeypatch.setattr(tcp, "_read_payload", counting)
+    return jobs
+
+
+async def _raw_send(sock: socket.socket, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[sock.send(view):]
+        except BlockingIOError:
+            await asyncio.sleep(0.001)
+
+
+def _data_header(tag: int, length: int) -> bytes:
+    return tcp._HDR.pack(tcp._MAGIC, tcp._DATA, 0, length, tag, length, 0, bytes(16))
+
+
+async def test_a_peer_stalled_mid_frame_leaves_the_receive_thread_idle(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job that found nothing to read hands the socket back to the loop, which waits for
+    it to be readable (no job every 2 ms while the peer is silent); the frame completes
+    once the rest comes."""
+    jobs = _count_jobs(monkeypatch)
+    p = await connect_pair(_harness("recv", 1, threads=1, recv=1))
+    try:
+        assert isinstance(p.a, TcpConnection)
+        size = 8 << 20
+        data = bytes(range(256)) * (size // 256)
+        out = bytearray(size)
+        got = p.b.irecv(_owned_buffer(out), 7)
+        sock = p.a._send_socks[0].sock
+        await _raw_send(sock, _data_header(7, size) + data[:1 << 20])
+        await asyncio.sleep(0.1)
+        during = len(jobs)
+        await asyncio.sleep(0.4)
+        assert len(jobs) - during <= 1, "the receive thread polled a silent peer"
+        await _raw_send(sock, data[1 << 20:])
+        await within(got)
+        assert out == data
+    finally:
+        await p.aclose()
+
+
+async def test_a_receive_job_reads_a_bounded_share(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One job reads at most _RECV_JOB_BYTES, then goes to the back of the thread's queue
+    (a peer trickling a large frame cannot hold the thread for the others)."""
+    monkeypatch.setattr(tcp, "_RECV_JOB_BYTES", 1 << 20)
+    jobs = _count_jobs(monkeypatch)
+    p = await connect_pair(_harness("recv", 1, threads=1, recv=1))
+    try:
+        size = 8 << 20
+        out = bytearray(size)
+        got = p.b.irecv(_owned_buffer(out), 1)
+        await within(asyncio.gather(p.a.isend(host_buffer(payload(size, 1)), 1), got))
+        assert out == payload(size, 1)
+        assert len(jobs) >= 6
+        assert all(read <= 1 << 20 for _, read in jobs)
+    finally:
+        await p.aclose()
+
+
+@pytest.mark.parametrize("which", ["recv", "send"])
+async def test_a_socket_thread_that_cannot_start_leaves_the_work_to_the_loop(
+        monkeypatch: pytest.MonkeyPatch, which: str) -> None:
+    """submit() failing (no thread could be started) falls back to the loop thread: the
+    messages arrive, nothing is left marked as in a thread, the connection closes."""
+    def refuse(self: tcp._SendThreads, job: Callable[[], None]) -> None:
+        raise RuntimeError("can't start new thread")
+
+    p = await connect_pair(_harness("t", 1, threads=1, recv=1))
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        pool = p.b._recv_threads if which == "recv" else p.a._threads
+        assert pool is not None
+        monkeypatch.setattr(pool, "submit", refuse.__get__(pool))
+        for tag in (1, 2):
+            out = bytearray(4 << 20)
+            got = p.b.irecv(_owned_buffer(out), tag)
+            await within(asyncio.gather(p.a.isend(host_buffer(payload(4 << 20, tag)), tag),
+                                        got))
+            assert out == payload(4 << 20, tag)
+        assert (p.b._recv_threads if which == "recv" else p.a._threads) is None
+        assert not any(s.reading or s.flight for c in (p.a, p.b) for s in c._socks)
+    finally:
+        await p.aclose()
+    await within(p.a.wait_closed())
+    await within(p.b.wait_closed())

@@ -33,6 +33,19 @@ Meanwhile the loop thread keeps receiving and reducing, so a rank sends and rece
 cores, as Gloo's do. One batch per socket is in flight at a time (frames stay in order); its
 socket is not closed under it (a close waits for the batch to come back).
 
+Receive threads (``ACOLL_SOCKET_RECV_THREADS``, split sockets only: a thread reads only
+sockets this side does not send on): when at least ``_RECV_OFFLOAD_MIN`` bytes of a frame's
+payload are still to come and they go to acoll's own memory (an early message's storage,
+or a receive posted on a buffer marked ``owned``: a reduction's scratch), the loop stops
+watching the socket and a thread ``recv_into``s the payload (without the GIL) while the
+loop thread reduces. A job reads at most ``_RECV_JOB_BYTES`` for at most ``_RECV_JOB_NS``
+and gives up after ``_RECV_WAIT_MS`` without data (the loop then waits for the socket to
+be readable), so one slow peer cannot hold the thread for the others. A user's buffer is
+never read into by a thread: after a receive failed, its job may go on writing acoll's
+memory until the rest of that frame part has arrived or the socket was shut down (release
+shuts it down, and closes it once the job is back). If no thread can be started, the loop
+thread does the work.
+
 Split sockets (``ACOLL_SOCKET_SPLIT``, by default on when there is a send thread): a
 connection opens twice ``ACOLL_SOCKET_NSOCKS`` sockets; the connector sends on the first
 half, the listener on the second, each reads the other half. Then no socket is both sent on
@@ -148,6 +161,10 @@ _OFFLOAD_BATCH = 8 << 20  # payload bytes handed to the send thread at once, at 
 _RECV_OFFLOAD_MIN = 768 << 10  # a frame's payload left from which a receive thread reads it
 # (paired runs on 16 cores: with 256 KiB, 512 KiB ring chunks lost 5 to 8% to the hand-offs)
 _RECV_WAIT_MS = 2  # a receive job with nothing to read for this long goes back to the loop
+# what one receive job reads at most, and for how long: then the next connection's job runs
+# (one slow peer trickling a large frame must not hold the thread for the others)
+_RECV_JOB_BYTES = 8 << 20
+_RECV_JOB_NS = 10_000_000
 
 
 _Msg = Message[asyncio.Future[bytes], None]
@@ -303,14 +320,17 @@ def _recv_threads_for(count: int | None = None) -> _SendThreads | None:
 
 def _read_payload(sock: socket.socket, view: memoryview, left: int
                   ) -> tuple[int, bool, BaseException | None]:
-    """Read up to ``left`` bytes into ``view`` from non-blocking ``sock``, waiting for data
-    at most ``_RECV_WAIT_MS`` at a time: ``(bytes read, end of file, error or None)``;
-    never raises. Runs on a receive thread; touches nothing but its arguments."""
+    """Read up to ``left`` bytes into ``view`` from non-blocking ``sock`` (at most
+    ``_RECV_JOB_BYTES``, for at most ``_RECV_JOB_NS``), waiting for data at most
+    ``_RECV_WAIT_MS`` at a time: ``(bytes read, end of file, error or None)``; never
+    raises. Runs on a receive thread; touches nothing but its arguments."""
     got = 0
+    left = min(left, _RECV_JOB_BYTES)
+    until = time.perf_counter_ns() + _RECV_JOB_NS
     try:
         poller = select.poll()
         poller.register(sock.fileno(), select.POLLIN)
-        while got < left:
+        while got < left and time.perf_counter_ns() < until:
             try:
                 n = sock.recv_into(view[got:], left - got)
             except (BlockingIOError, InterruptedError):
@@ -743,7 +763,14 @@ class TcpConnection(Connection):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(self._offloaded, s, written, total, err)
 
-        self._threads.submit(batch)
+        try:
+            self._threads.submit(batch)  # (may fail to start its thread: the loop sends)
+        except Exception as exc:
+            log.warning("send thread unavailable (%r): the loop thread sends", exc)
+            self._threads = None
+            s.queue.extendleft(reversed(flight))
+            s.flight = deque()
+            self._flush(s)
 
     def _offloaded(self, s: _Sock, written: int, total: int, err: BaseException | None
                    ) -> None:
@@ -797,13 +824,13 @@ class TcpConnection(Connection):
         return entry is not None and not entry.drop and (
             entry.storage is not None or entry.owned)
 
-    def _offload_recv(self, s: _Sock) -> None:
-        """Hand the rest of the payload arriving on ``s`` to a receive thread; the loop
-        stops watching ``s`` until the job is back (:meth:`_recv_returned`)."""
-        assert self._recv_threads is not None
+    def _offload_recv(self, s: _Sock) -> bool:
+        """Hand the rest of the payload arriving on ``s`` to a receive thread (False: none
+        could take it); the loop stops watching ``s`` until the job is back
+        (:meth:`_recv_returned`)."""
+        threads = self._recv_threads
+        assert threads is not None
         assert s.direct_view is not None
-        self._loop.remove_reader(s.fd)
-        s.reading = True
         loop, sock, view, left = self._loop, s.sock, s.direct_view, s.direct_left
 
         def job() -> None:
@@ -814,7 +841,15 @@ class TcpConnection(Connection):
             with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
                 loop.call_soon_threadsafe(self._recv_returned, s, got, eof, err)
 
-        self._recv_threads.submit(job)
+        try:
+            threads.submit(job)  # (may fail to start its thread: the loop reads on)
+        except Exception as exc:
+            log.warning("receive thread unavailable (%r): the loop thread reads", exc)
+            self._recv_threads = None
+            return False
+        self._loop.remove_reader(s.fd)
+        s.reading = True
+        return True
 
     def _recv_returned(self, s: _Sock, got: int, eof: bool, err: BaseException | None
                        ) -> None:
@@ -851,7 +886,8 @@ class TcpConnection(Connection):
                 return
             if s.fd >= 0 and not s.peer_done:
                 self._loop.add_reader(s.fd, self._on_readable, s)
-                self._read(s, time.perf_counter_ns() + _IO_NS)
+                if got:  # (a job that found nothing waits for the socket to be readable)
+                    self._read(s, time.perf_counter_ns() + _IO_NS)
         except Exception as exc:
             self._internal_error("receiving from", exc)
 
@@ -872,8 +908,8 @@ class TcpConnection(Connection):
                 if s.direct_left:
                     view = s.direct_view
                     if (view is not None and s.direct_left >= _RECV_OFFLOAD_MIN
-                            and self._recv_threads is not None and self._offloadable(s)):
-                        self._offload_recv(s)
+                            and self._recv_threads is not None and self._offloadable(s)
+                            and self._offload_recv(s)):
                         return
                     want = min(s.direct_left, _IO_SLICE)
                     if view is None:  # the payload is dropped: read it into the stage
