@@ -45,6 +45,18 @@ def _count(cls: Any, kind: str) -> None:
 
 _count(lane_mod._LaneCall, "lane")
 _count(lane_mod.StepPlan, "steps")
+#: every step plan made: (its Steps class, payload bytes per peer per step)
+STEP_PLANS: list[tuple[str, int]] = []
+_step_plan_init = lane_mod.StepPlan.__init__
+
+
+def _record_plan(self: Any, comm: Any, lane: Any, desc: Any, dtype: Any, steps: Any,
+                 *args: Any) -> None:
+    STEP_PLANS.append((type(steps).__name__, steps.per * np.dtype(dtype).itemsize))
+    _step_plan_init(self, comm, lane, desc, dtype, steps, *args)
+
+
+lane_mod.StepPlan.__init__ = _record_plan  # type: ignore[method-assign]
 
 if os.environ.get("LANE_NO_BOARD_RANK") == sys.argv[3]:  # this rank cannot map boards
 
@@ -74,6 +86,16 @@ async def steps_matrix(comm: acoll.Communicator) -> dict[str, Any]:
     counts = [1000, 4099, 65537] if comm.size == 2 else [1000, 4099]
     checks = await check_all(comm, counts, ALL_DTYPES, ALL_OPS)
     return {"checks": checks}
+
+
+async def pair_large(comm: acoll.Communicator) -> dict[str, Any]:
+    """2 ranks, the automatic lane (2 MiB slots): every collective over a slot, so
+    all_reduce goes in one-shot steps of a slot, the others in steps of at most 1 MiB per
+    peer, reduce off the lane; float32 and float64, every op."""
+    counts = [(5 << 18) + 7]  # 5 MiB + 28 bytes of float32
+    checks = await check_all(comm, counts, [np.dtype(np.float32), np.dtype(np.float64)],
+                             ALL_OPS)
+    return {"checks": checks, "plans": sorted(set(STEP_PLANS))}
 
 
 async def mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:

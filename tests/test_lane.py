@@ -300,8 +300,9 @@ def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (2, "uvloop"), (3, "debug"),
                                          (4, "asyncio")])
 def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> None:
-    """Counts 1 to 20000 (the lane) and 150001 (over the lane's size for most dtypes:
-    the message path) for every collective, op and dtype; in place and not."""
+    """Counts 1 to 20000 (the lane) and 150001 (with 3 and 4 ranks over the lane's size
+    for most dtypes: the message path; 2 ranks' 2 MiB slots hold it) for every
+    collective, op and dtype; in place and not."""
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     results = _run("matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400)
@@ -330,6 +331,27 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
         assert res["boards"], res  # (all-gather steps went through the boards)
         assert res["step_runs"] > 200, res  # most calls went in steps
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
+
+
+def test_two_ranks_run_large_all_reduces_in_one_shot_steps_of_a_slot() -> None:
+    """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in
+    one-shot steps of a whole slot, every other collective in steps of at most STEP_MAX
+    per peer, and every result matches NumPy bit for bit."""
+    from acoll._comm.lane import STEP_MAX
+
+    results = _run("pair_large", 2, cpus=max(2, os.cpu_count() or 1), wait=400)
+    for res in results:
+        assert res is not None
+        assert res["lane"] == 2 << 20
+        assert res["boards"], res
+        assert res["checks"] == results[0]["checks"]  # type: ignore[index]
+        plans = {(kind, per) for kind, per in res["plans"]}
+        assert ("_AllReduceOneShotSteps", 2 << 20) in plans, plans
+        assert not any(kind == "_AllReduceSteps" for kind, _ in plans), plans
+        assert all(per <= STEP_MAX for kind, per in plans
+                   if kind != "_AllReduceOneShotSteps"), plans
+        assert {kind for kind, _ in plans} >= {"_AllGatherSteps", "_BroadcastSteps",
+                                               "_AllToAllSteps", "_ReduceScatterSteps"}
 
 
 def test_steps_without_boards_when_one_rank_cannot_map_them() -> None:

@@ -9,10 +9,12 @@ computes its result straight from them: one copy in, one pass out, no record, no
 matching, no future and no wake-up on the way. An all_reduce combines the contributions
 in rank order on every rank, so every rank gets the same bits.
 
-Larger collectives (all but reduce) run as one op in steps of at most a slot per peer
-(:class:`StepPlan`, the algorithms are :class:`Steps` subclasses): all_reduce two-shot (a
-reduce-scatter step then an all-gather step per chunk), the others one kind of step per
-piece. Steps that send every peer the same bytes go through each rank's *board*
+Larger collectives (all but reduce) run as one op in steps of at most ``Lane.step`` per
+peer (the slot, at most ``STEP_MAX``; :class:`StepPlan`, the algorithms are :class:`Steps`
+subclasses): all_reduce two-shot (a reduce-scatter step then an all-gather step per
+chunk), or, with 2 ranks and boards, one-shot steps of a whole slot (every rank boards its
+piece and combines its peer's: :func:`one_shot_steps_max`); the others one kind of step
+per piece. Steps that send every peer the same bytes go through each rank's *board*
 (:class:`~acoll._transport.shmlane.Board`, mapped by every peer) when every rank could map
 every board (:meth:`Lane.setup`), else through the mailboxes.
 
@@ -178,7 +180,8 @@ class Lane:
         self.size = size
         self.limit = limit
         #: payload bytes per peer of one step of a step plan: the slot, at most
-        #: ``STEP_MAX`` (a larger slot only serves calls made in one step)
+        #: ``STEP_MAX`` (a larger slot serves calls made in one step, and 2-rank one-shot
+        #: all_reduce steps, which move a whole slot)
         self.step = min(limit, STEP_MAX)
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []
@@ -891,7 +894,7 @@ class StepPlan(_LaneCall):
                  op: ReduceOp = ReduceOp.SUM) -> None:
         self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
         self.steps = steps
-        #: the steps made once, for plans that are kept (all_reduce's) and not too long
+        #: the steps made once, when there are at most _MADE_STEPS (every step is used)
         self._made = [steps[k] for k in range(len(steps))] if len(steps) <= _MADE_STEPS else None
         item = dtype.itemsize
         per = max(steps.per, 1)  # (elements per peer per step; at most a slot)
