@@ -16,6 +16,7 @@ same processes and rounds is what makes their ratios comparable. Variants:
 - ``chunk=SIZE``: acoll with ``ACOLL_CHUNK_SIZE=SIZE`` (likewise).
 - ``offload=SIZE``: acoll with the send thread taking a socket's queue from SIZE bytes
   queued (``_OFFLOAD_MIN``, 512 KiB).
+- ``algo=NAME``: acoll with ``ACOLL_ALGO=all_reduce:NAME`` (e.g. ``direct``).
 - ``recvoff``: acoll with its receive threads idle (``_RECV_OFFLOAD_MIN`` out of reach:
   the loop thread reads every payload, as before receive threads).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
@@ -75,11 +76,15 @@ async def main() -> None:
                                     rank=rank, world_size=n)
             t = torch.from_numpy(np.ones(nbytes // 4, np.float32))
         default_chunks, default_chunk = comm.ring_chunks, comm.chunk_bytes
+        default_algo = comm._algo
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             k = rnd % len(variants)
             for v in variants[k:] + variants[:k]:
                 comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
+                comm._algo = default_algo
+                if v.startswith("algo="):
+                    comm._algo = "all_reduce:" + v.split("=")[1]
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
                 tcp._OFFLOAD_MIN = offload_min
                 tcp._RECV_OFFLOAD_MIN = 1 << 62 if v == "recvoff" else recv_min
@@ -105,6 +110,7 @@ async def main() -> None:
                         await comm.all_reduce(x)
                 times[v].append((time.perf_counter() - t0) / args.iters)
         comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
+        comm._algo = default_algo
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
         tcp._OFFLOAD_MIN = offload_min
         tcp._RECV_OFFLOAD_MIN = recv_min

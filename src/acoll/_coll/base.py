@@ -44,7 +44,7 @@ class Coll(enum.IntEnum):
 ANY_SEQ = 0xFFFFFFFF
 
 #: Names of the algorithm codes carried in descriptors (0: the collective has one).
-ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain"}
+ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain", 5: "direct"}
 
 
 _DESC = struct.Struct("<BBBBIQ")
