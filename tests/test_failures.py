@@ -36,9 +36,11 @@ async def _settle(comms: list[acoll.Communicator]) -> None:
     await asyncio.sleep(0)
 
 
-@pytest.mark.parametrize("n", [3, 5])
-async def test_abort_during_allreduce_is_remote_error_everywhere(n: int) -> None:
+@pytest.mark.parametrize(("n", "algo"), [(3, ""), (5, ""), (4, "direct")])
+async def test_abort_during_allreduce_is_remote_error_everywhere(n: int, algo: str) -> None:
     comms = await _ranks(n)
+    for c in comms:
+        c._algo = f"all_reduce:{algo}" if algo else c._algo
     victim = n - 1
     bufs = [np.ones(1 << 20, np.float32) for _ in range(n)]
     tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs, strict=True)

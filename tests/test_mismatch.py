@@ -125,14 +125,17 @@ async def test_recv_waiting_for_a_peer_that_moved_on() -> None:
     assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
 
 
-async def test_different_algorithm_settings_are_named() -> None:
+@pytest.mark.parametrize(("first", "second", "n"), [("ring", "rd", 2), ("ring", "direct", 3),
+                                                    ("direct", "rd", 3)])
+async def test_different_algorithm_settings_are_named(first: str, second: str,
+                                                      n: int) -> None:
     uid = acoll.get_unique_id()
-    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=DEADLINE)
-                                   for r in range(2)))
-    comms[0]._algo = "ring"
-    comms[1]._algo = "rd"
+    comms = await asyncio.gather(*(acoll.init_rank(n, uid, r, timeout=DEADLINE)
+                                   for r in range(n)))
+    for c in comms:
+        c._algo = first if c.rank == 0 else second
     t = time.monotonic()
-    out = await asyncio.gather(*(c.all_reduce(np.ones(64, np.float32)) for c in comms),
+    out = await asyncio.gather(*(c.all_reduce(np.ones(64 << 10, np.float32)) for c in comms),
                                return_exceptions=True)
     for c in comms:
         c.abort()
