@@ -263,12 +263,16 @@ async def test_direct_plans_are_evicted_least_recently_used_and_fenced(
     assert len(released) >= 2 * 16  # close() gave the 16 plans' blocks back on each rank
 
 
+@pytest.mark.parametrize("algo", ["", "all_reduce:direct"])
 async def test_ranks_may_differ_on_going_through_the_host(
-        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        algo: str) -> None:
     """Going through the host is each rank's own choice (the same messages either way):
     rank 0 stages every message, rank 1 runs the host algorithm on its page-locked copy,
-    at sizes on both sides of every threshold; exact results."""
+    at sizes on both sides of every threshold, with the tuner's algorithms and with the
+    direct all-reduce; exact results."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_ALGO", algo)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
 
     async def fn(comm: acoll.Communicator) -> int:
@@ -353,7 +357,8 @@ async def test_ring_through_the_host_pipelines_its_copies(
     assert {type(st.copies) for st in stages} == {copies}
 
 
-@pytest.mark.parametrize(("algo", "pipeline"), [("ring", "0"), ("ring", "1"), ("rd", "1")])
+@pytest.mark.parametrize(("algo", "pipeline"), [("ring", "0"), ("ring", "1"), ("rd", "1"),
+                                              ("direct", "1")])
 async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
         algo: str, pipeline: str) -> None:
