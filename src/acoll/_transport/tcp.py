@@ -276,46 +276,42 @@ class _SendThreads:
                 log.exception("a socket thread's job raised")
 
 
-_threads: _SendThreads | None = None
-_recv_threads: _SendThreads | None = None
+_pools: dict[str, _SendThreads] = {}  # the process's socket threads, by kind
 _threads_lock = threading.Lock()
 
 
 def _forget_threads() -> None:
-    global _threads, _recv_threads, _threads_lock
-    _threads = _recv_threads = None
+    global _threads_lock
+    _pools.clear()
     _threads_lock = threading.Lock()  # (it may have been held by another thread at fork)
 
 
 os.register_at_fork(after_in_child=_forget_threads)
 
 
-def _threads_for(count: int | None = None) -> _SendThreads | None:
-    """The process's send threads per ``ACOLL_SOCKET_SEND_THREADS``, or ``None`` for none."""
-    global _threads
-    n = SEND_THREADS.resolve(count)
+def _pool_for(kind: str, setting: Setting[int], count: int | None) -> _SendThreads | None:
+    """The process's ``kind`` threads per ``setting`` (-1: one when the process may use 4
+    CPUs or more), made on first use; ``None`` for none."""
+    n = setting.resolve(count)
     if n < 0:
         n = 1 if len(os.sched_getaffinity(0)) >= 4 else 0
     if n == 0:
         return None
     with _threads_lock:
-        if _threads is None:
-            _threads = _SendThreads(min(n, 16))
-        return _threads
+        pool = _pools.get(kind)
+        if pool is None:
+            pool = _pools[kind] = _SendThreads(min(n, 16), kind)
+        return pool
+
+
+def _threads_for(count: int | None = None) -> _SendThreads | None:
+    """The process's send threads per ``ACOLL_SOCKET_SEND_THREADS``, or ``None`` for none."""
+    return _pool_for("send", SEND_THREADS, count)
 
 
 def _recv_threads_for(count: int | None = None) -> _SendThreads | None:
     """The process's receive threads per ``ACOLL_SOCKET_RECV_THREADS``, or ``None``."""
-    global _recv_threads
-    n = RECV_THREADS.resolve(count)
-    if n < 0:
-        n = 1 if len(os.sched_getaffinity(0)) >= 4 else 0
-    if n == 0:
-        return None
-    with _threads_lock:
-        if _recv_threads is None:
-            _recv_threads = _SendThreads(min(n, 16), "recv")
-        return _recv_threads
+    return _pool_for("recv", RECV_THREADS, count)
 
 
 def _read_payload(sock: socket.socket, view: memoryview, left: int
