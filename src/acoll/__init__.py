@@ -15,6 +15,7 @@ from ._communicator import Communicator, Registration, get_unique_id, group, ini
 from ._dtypes import AVG, MAX, MIN, PROD, SUM, ReduceOp
 from ._env import init_from_env
 from ._exitreport import install as _install_exit_report
+from ._memory.shared import empty_shared
 from ._uid import UniqueId
 from ._version import __version__ as __version__
 from .errors import (
@@ -48,6 +49,7 @@ __all__ = [
     "TimeoutError",
     "TransportError",
     "UniqueId",
+    "empty_shared",
     "errors",
     "get_unique_id",
     "group",

@@ -52,11 +52,13 @@ from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.groups import Group
 from ._comm.groups import current as current_group
 from ._comm.lane import (
+    ZERO_COPY_MIN,
     AllReducePlan,
     Lane,
     LanePlan,
     StepPlan,
     Steps,
+    ZeroCopyAllReduce,
     all_gather_steps,
     all_reduce_one_shot_steps,
     all_reduce_steps,
@@ -90,6 +92,7 @@ from ._memory import (
     MemoryKind,
     MemorySpace,
     StreamOrder,
+    shared,
 )
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
@@ -371,7 +374,7 @@ class Communicator:
         self._lane = Lane(self.rank, self.size, limit) if limit else None
         # all_reduce plans through the lane, reused by calls on NumPy arrays of the same
         # (dtype, count, op); they hold views of the mailboxes, never a user's array
-        self._lane_plans: dict[tuple[Any, int, Any], AllReducePlan | StepPlan] = {}
+        self._lane_plans: dict[tuple[Any, int, Any], _LanePlans] = {}
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._checker.on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
@@ -729,7 +732,7 @@ class Communicator:
         await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps),
                              mine, res)
 
-    async def _lane_run(self, call: LanePlan | AllReducePlan | StepPlan, mine: Any = None,
+    async def _lane_run(self, call: LanePlan | _LanePlans, mine: Any = None,
                         res: Any = None) -> None:
         """Run a lane call as the next op (``mine``/``res``: a reused plan's arrays).
 
@@ -819,7 +822,7 @@ class Communicator:
         lane = self._lane
         if lane is not None:
             self.check_usable()
-            made: AllReducePlan | StepPlan
+            made: _LanePlans
             if s.nbytes <= one_shot_max(lane):
                 made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
             elif s.nbytes <= one_shot_steps_max(lane):
@@ -828,6 +831,8 @@ class Communicator:
             else:
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
                     lane, s.count, lane.step // s.itemsize), rop)
+            if lane.registered and s.nbytes >= ZERO_COPY_MIN:
+                made = ZeroCopyAllReduce(self, lane, desc, s.dtype, s.count, rop, made)
             key = _plan_key(send, op)
             if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
@@ -1158,13 +1163,29 @@ class Communicator:
         buffers lie in registered allocations is read by the peers in place instead of
         going through the workspace: the whole CUDA allocation holding ``buf`` (for a
         memory-pool array, the pool's block) is mapped into every peer process once,
-        here. It must stay allocated until :meth:`deregister` or ``close()``. Elsewhere
-        (host buffers, ranks in one process, no intra-host path) this is a no-op that
-        still returns a handle.
+        here. It must stay allocated until :meth:`deregister` or ``close()``.
+
+        Host buffers, ranks in processes of one host (the shared-memory lane): ``buf``
+        must lie in memory from :func:`acoll.empty_shared` on every rank; the allocation
+        holding it is mapped by every peer, and an all_reduce larger than a lane slot
+        whose buffers all lie in registered allocations (any offset, on every rank) reads
+        the peers' buffers in place: no copy through shared mailboxes. If some rank's
+        buffer is not in such memory, or cannot be mapped, no rank registers it (the
+        handle's ``index`` is -1, and an INFO log line says why).
+
+        Elsewhere (ranks in one process, no intra-host path) this is a no-op that still
+        returns a handle.
         """
         self._not_in_group("register()")
         self.check_usable()
         b = self.mem.adopt(buf, "buf")
+        if self._lane is not None:
+            found = shared.find(b.ptr, b.nbytes)
+            async with self._exec.lock:
+                self.check_usable()
+                index = await self._lane.register(found, self._boot)
+            self._lane_plans.clear()  # (plans made before now do not look for it)
+            return Registration(self, index, host=True)
         if self._p2p is None or self._p2p.direct:
             return Registration(self, -1)
         async with self._exec.lock:
@@ -1178,7 +1199,16 @@ class Communicator:
             raise InvalidUsage("deregister takes a Registration of this communicator")
         self._not_in_group("deregister()")
         self.check_usable()
-        if reg.index < 0 or self._p2p is None:
+        if reg.index < 0:
+            return
+        if reg.host:
+            if self._lane is not None:
+                async with self._exec.lock:
+                    self._lane.deregister(reg.index)
+                self._lane_plans.clear()
+            reg.index = -1
+            return
+        if self._p2p is None:
             return
         async with self._exec.lock:
             await self._p2p.deregister(reg.index, self._boot)
@@ -1250,10 +1280,10 @@ class Registration:
     """A buffer registered with :meth:`Communicator.register` (pass it to
     :meth:`Communicator.deregister`); ``index`` is -1 where registering had no effect."""
 
-    __slots__ = ("comm", "index")
+    __slots__ = ("comm", "host", "index")
 
-    def __init__(self, comm: Communicator, index: int) -> None:
-        self.comm, self.index = comm, index
+    def __init__(self, comm: Communicator, index: int, host: bool = False) -> None:
+        self.comm, self.index, self.host = comm, index, host
 
     def __repr__(self) -> str:
         return f"<acoll.Registration #{self.index}>"
@@ -1326,6 +1356,9 @@ class _OnStream:
             await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
 
 
+_LanePlans = AllReducePlan | StepPlan | ZeroCopyAllReduce
+
+
 def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
     """The key of the lane plans an all_reduce of ``send`` under ``op`` may reuse: NumPy
     arrays and ops given as ReduceOp or name only (others take the general path)."""
@@ -1337,7 +1370,7 @@ def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
 class _PlanAt:
     """A lane call run by the executor as op ``seq`` (not wrapped)."""
 
-    def __init__(self, call: LanePlan | AllReducePlan | StepPlan, seq: int,
+    def __init__(self, call: LanePlan | _LanePlans, seq: int,
                  ctx: OpContext, mine: Any, res: Any) -> None:
         self.call, self.seq, self.ctx, self.mine, self.res = call, seq, ctx, mine, res
 

@@ -65,7 +65,8 @@ import numpy as np
 from .._coll.base import STEP_NS, Coll, Descriptor
 from .._config import get_logger
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
-from .._memory import Buffer
+from .._memory import Buffer, shared
+from .._memory.shared import SharedBlock, open_shared
 from .._transport.base import Connection, PeerInfo
 from .._transport.shmlane import (
     Board,
@@ -83,6 +84,7 @@ from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
 __all__ = ["STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
+           "ZERO_COPY_MIN", "ZeroCopyAllReduce",
            "all_reduce_one_shot_steps", "one_shot_steps_max", "all_gather_steps",
            "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
@@ -166,6 +168,22 @@ def _close_maps(maps: Any) -> None:
             mm.close()
 
 
+class _HostReg(NamedTuple):
+    """A registered host allocation: its token, this rank's mapping of it (kept alive while
+    registered), this rank's mappings of the peers' allocations, and every rank's array
+    bytes by rank (uint8 views)."""
+
+    token: bytes
+    keep: Any
+    maps: list[mmap.mmap]
+    views: list[Any]
+
+
+def _close_reg(reg: _HostReg) -> None:
+    reg.views.clear()
+    _close_maps(reg.maps)
+
+
 def _unwrap(conn: Connection) -> Any:
     while hasattr(conn, "inner"):
         conn = conn.inner
@@ -201,6 +219,10 @@ class Lane:
         #: every board (:meth:`setup`); else None and steps go through the mailboxes
         self.boards: list[Board] | None = None
         self._board_maps: list[mmap.mmap] = []
+        #: registered host allocations by registration index (None: deregistered); the
+        #: same on every rank, since registering is collective (:meth:`register`)
+        self.regs: list[_HostReg | None] = []
+        self._reg_of: dict[bytes, int] = {}  # this rank's allocation token -> index
 
     def scratch(self, nbytes: int) -> Any:
         """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
@@ -279,6 +301,83 @@ class Lane:
         self.boards = [Board(memoryview(maps[k]), n, self.limit, k, self.rank)
                        for k in range(n)]
 
+    async def register(self, found: tuple[SharedBlock, int] | None, boot: Any) -> int:
+        """Register this rank's allocation (``found``: from :func:`shared.find`, None when
+        the buffer is not in one) with every peer (collective): each maps every other
+        rank's allocation. Returns the registration's index, the same on every rank, or
+        -1 when some rank's buffer is not in an allocation or cannot be mapped (every rank
+        then logs why). Nothing between the two all-gathers raises, so the ranks stay in
+        step."""
+        if self.boards is None:
+            return -1
+        block = found[0] if found is not None else None
+        keep = block.mapping() if block is not None else None
+        rec: dict[str, Any] = {"why": ""}
+        if block is None or keep is None:
+            rec["why"] = (f"rank {self.rank}'s buffer is not in memory from "
+                          "acoll.empty_shared")
+        else:
+            rec.update(pid=os.getpid(), fd=block.fd, span=block.span, token=block.token)
+        maps: dict[int, mmap.mmap] = {}
+        views: list[Any] = [None] * self.size
+        try:
+            records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(rec))]
+            why = next((r["why"] for r in records if r["why"]), "")
+            for k, other in enumerate(records):
+                if why or k == self.rank:
+                    continue
+                try:
+                    maps[k], views[k] = open_shared(other["pid"], other["fd"], other["span"],
+                                                    other["token"])
+                except Exception as exc:  # (every rank must reach the all-gather)
+                    why = f"rank {self.rank} cannot map rank {k}'s registered buffer: {exc}"
+            verdicts = [msgpack.unpackb(v) for v in await boot.allgather(msgpack.packb(why))]
+            why = next((v for v in verdicts if v), "")
+        except BaseException:
+            _close_maps(maps.values())
+            raise
+        if why:
+            log.info("register: host buffers stay unregistered: %s", why)
+            _close_maps(maps.values())
+            return -1
+        assert block is not None
+        assert keep is not None
+        views[self.rank] = np.frombuffer(keep, np.uint8, block.nbytes, shared.HEADER)
+        index = len(self.regs)
+        self.regs.append(_HostReg(block.token, keep, list(maps.values()), views))
+        self._reg_of.setdefault(block.token, index)
+        return index
+
+    def deregister(self, index: int) -> None:
+        """Drop registration ``index`` (every rank does, in the same order; no op runs)."""
+        reg = self.regs[index]
+        if reg is None:
+            return
+        self.regs[index] = None
+        if self._reg_of.get(reg.token) == index:
+            del self._reg_of[reg.token]
+            again = next((k for k, r in enumerate(self.regs)
+                          if r is not None and r.token == reg.token), None)
+            if again is not None:
+                self._reg_of[reg.token] = again
+        _close_reg(reg)
+
+    @property
+    def registered(self) -> bool:
+        """Whether any host allocation is registered (the same on every rank)."""
+        return bool(self._reg_of) or any(r is not None for r in self.regs)
+
+    def locate(self, arr: Any) -> tuple[int, int]:
+        """(registration index + 1, byte offset) of ``arr`` (a contiguous NumPy array), or
+        (0, 0) when it does not lie in a registered allocation of this rank."""
+        if not self._reg_of:
+            return 0, 0
+        found = shared.find(arr.__array_interface__["data"][0], arr.nbytes)
+        if found is None:
+            return 0, 0
+        index = self._reg_of.get(found[0].token)
+        return (0, 0) if index is None else (index + 1, found[1])
+
     def announce(self, seq: int, desc: Descriptor) -> None:
         """Op ``seq`` runs off the lane (called by the executor for every such op)."""
         for out in self.outboxes:
@@ -301,6 +400,11 @@ class Lane:
         # once that is collected: nothing here keeps it)
         self._board_maps = []
         self.boards = None
+        for reg in self.regs:
+            if reg is not None:
+                _close_reg(reg)
+        self.regs = []
+        self._reg_of = {}
         for conn in self._conns:
             conn.unmap_if_released()
 
@@ -320,11 +424,13 @@ class _LaneCall:
     def _finish(self, slot: int, mine: Any, res: Any) -> None:
         """Make this rank's result from the inboxes' slot ``slot``."""
 
-    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
+                  turned: bool = False) -> None:
         """Run the call as op number ``seq`` (not wrapped): publish, wait for every peer,
         check, combine, give the peers' slots back. ``ctx``: the executor's op context
         (it then learns whom the op waits for); ``mine``/``res``: the arrays of a reused
-        plan."""
+        plan; ``turned``: the caller holds the op's turn already (first in
+        ``lane.turns``), which this run gives back."""
         lane = self.lane
         lane.inflight += 1
         turns = lane.turns
@@ -333,11 +439,14 @@ class _LaneCall:
             self.comm.check_usable()
         except BaseException:
             lane.inflight -= 1
+            if turned:
+                turns.remove(seq)
             raise
-        turns.append(seq)  # (before any await: ops publish in the order they start)
+        if not turned:
+            turns.append(seq)  # (before any await: ops publish in the order they start)
         try:
             try:
-                if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
                     # Another lane op (of a group, or of another task) publishes first;
                     # and ops that all find their peers ready never sleep: bound the
                     # loop's step.
@@ -426,6 +535,8 @@ class _LaneCall:
         def disagreements() -> None:
             self._check_announced(seq, pending)
             self._check_crossed(seq, step, pending, boxes is not None)
+            if not step:
+                self._check_recorded(seq, pending)
 
         await self._poll(seq, done, self.comm.spin_ns[pending[0]],
                          lambda: self._timed_out(seq, pending, step), disagreements)
@@ -479,6 +590,26 @@ class _LaneCall:
         await self._poll(seq, lambda: lane.turns[0] == seq, 0, lambda: AcollTimeoutError(
             f"{self.desc.coll.name.lower()} #{seq} waited {self.comm.timeout:g} s for "
             f"earlier lane ops on rank {lane.rank}"), lambda: None)
+
+    def _check_recorded(self, seq: int, pending: list[int]) -> None:
+        """A peer that said on its call line what it calls op ``seq`` with runs an
+        all_reduce that may go zero-copy (:class:`ZeroCopyAllReduce`), which this rank
+        does not: name the difference."""
+        boards = self.lane.boards
+        if (boards is None or not self.lane.registered
+                or boards[self.lane.rank].called(seq) is not None):  # (so did this rank)
+            return
+        for p in pending:
+            rec = boards[p].called(seq)
+            if rec is None:
+                continue
+            got = head_desc((rec[0], rec[1], 0))
+            if got != self.desc.packed:
+                raise InvalidUsage(self.desc.describe_difference(
+                    Descriptor.unpack(got), self.lane.rank, p))
+            raise ProtocolError(f"lane: rank {p} runs {self.desc.coll.name.lower()} #{seq} "
+                                f"as a call on registered buffers, rank {self.lane.rank} "
+                                "does not (do the ranks' registrations differ?)")
 
     def _check_announced(self, seq: int, pending: list[int]) -> None:
         for p in pending:
@@ -919,22 +1050,27 @@ class StepPlan(_LaneCall):
             for board in lane.boards]
         self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
-    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None) -> None:
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
+                  turned: bool = False) -> None:
         """Run the steps from ``mine`` into ``res`` (flat arrays of the plan's dtype; may be
-        one array) as op ``seq``."""
+        one array) as op ``seq``; ``turned``: the caller holds the op's turn already (it
+        is first in ``lane.turns``), which this run gives back."""
         lane = self.lane
         lane.inflight += 1
         try:
             self.comm.check_usable()  # (failed or closed since the caller checked)
         except BaseException:
             lane.inflight -= 1
+            if turned:
+                lane.turns.remove(seq)
             raise
         turns = lane.turns
-        turns.append(seq)  # (before any await, as in _LaneCall.run)
+        if not turned:
+            turns.append(seq)  # (before any await, as in _LaneCall.run)
         held = True
         try:
             try:
-                if turns[0] != seq or time.perf_counter_ns() >= lane.yield_at:
+                if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
                     await self._turn(seq)
                 item, ins, steps, made = self._item, self._ins, self.steps, self._made
                 rank, peers, inboxes, boards = lane.rank, lane.peers, lane.inboxes, lane.boards
@@ -1044,3 +1180,213 @@ def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, 
 
 def _nothing(slot: int) -> None:
     pass
+
+
+#: the zero-copy all_reduce combines and copies in pieces of this many bytes (of the
+#: result), yielding to the loop between them once a step's time is spent
+_ZC_PIECE = 1 << 20
+#: all_reduces from this size (bytes) may go zero-copy (smaller ones go through the
+#: mailboxes as they are: three waits for every peer cost more than their copies)
+ZERO_COPY_MIN = 512 << 10
+
+
+class ZeroCopyAllReduce(_LaneCall):
+    """An all_reduce that reads the peers' buffers in place when every rank's buffers lie
+    in registered allocations (:meth:`Lane.register`; ``fallback`` runs otherwise).
+
+    Each rank says on its board's call line which registered allocation and offset its
+    send and receive buffers are at (:meth:`Board.post_call`), and waits for every peer's
+    record: with every rank's buffers registered, every rank reaches the same verdict and
+    goes zero-copy; else every rank runs ``fallback`` (the plan it would have run, holding
+    the same turn). Zero-copy, in three phases told by the call line's phase word:
+
+    1. rank ``r`` combines part ``r`` of the result from every rank's send buffer, in rank
+       order (the bits of the lane's other plans), into its own receive buffer;
+    2. once every rank finished phase 1, it copies part ``k`` from rank ``k``'s receive
+       buffer, for every peer ``k``;
+    3. once every rank finished phase 2 (nobody reads this rank's buffers any more), it
+       returns.
+
+    In place (send is receive), a rank writes only part ``r`` in phase 1, which nobody
+    else reads then, and the other parts in phase 2, once every peer finished reading
+    them. The op keeps the lane's turn to the end: a later lane op cannot overwrite the
+    call line it needs."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
+                 op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
+        self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
+        self.heads, self.reads = [], []
+        self.fallback = fallback
+        self._dtype, self._count = np.dtype(dtype), count
+        self._nbytes = count * self._dtype.itemsize
+        self._words = head(desc.packed, 0)[:2]
+        self._parts = _split(0, count, lane.size)
+        self._piece = max(1, _ZC_PIECE // self._dtype.itemsize)
+        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
+                  turned: bool = False) -> None:
+        """Run as op ``seq`` from ``mine`` into ``res`` (flat arrays; may be one);
+        ``turned`` as for :meth:`_LaneCall.run`."""
+        lane = self.lane
+        lane.inflight += 1
+        turns = lane.turns
+        try:
+            self.comm.check_usable()  # (failed or closed since the caller checked)
+        except BaseException:
+            lane.inflight -= 1
+            if turned:
+                turns.remove(seq)
+            raise
+        if not turned:
+            turns.append(seq)  # (before any await, as in _LaneCall.run)
+        held = True
+        try:
+            if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
+                await self._turn(seq)
+            boards = lane.boards
+            assert boards is not None
+            inplace = mine is res or (
+                mine.__array_interface__["data"][0] == res.__array_interface__["data"][0])
+            sent = lane.locate(mine)
+            got = sent if inplace else lane.locate(res)
+            boards[lane.rank].post_call(seq, (*self._words, *sent, *got))
+            records = await self._records(seq, ctx)
+            if records is None:
+                held = False  # (the fallback gives the turn back)
+                await self.fallback.run(seq, ctx, mine, res, turned=True)
+                return
+            await self._zero_copy(seq, ctx, mine, res, inplace, records)
+        finally:
+            if held:
+                turns.remove(seq)
+            lane.inflight -= 1
+            if not lane.inflight and lane.release_pending:
+                lane.release()
+
+    async def _records(self, seq: int, ctx: Any) -> list[tuple[Any, Any]] | None:
+        """Wait for every peer's call record of op ``seq``; every rank's (send, receive)
+        arrays when every rank's buffers are registered, else None (the same verdict on
+        every rank)."""
+        lane = self.lane
+        boards = lane.boards
+        assert boards is not None
+        pending = [p for p in lane.peers if boards[p].called(seq) is None]
+        if pending:
+            def done() -> bool:
+                pending[:] = [p for p in pending if boards[p].called(seq) is None]
+                if ctx is not None and pending:
+                    ctx.waiting_on = pending[0]
+                    ctx.heard.update(p for p in lane.peers if p not in pending)
+                return not pending
+
+            def elsewhere() -> None:
+                self._check_announced(seq, pending)
+                self._check_published(seq, pending)
+
+            await self._poll(seq, done, self.comm.spin_ns[pending[0]],
+                             lambda: self._timed_out(seq, pending), elsewhere)
+        arrays: list[tuple[Any, Any]] = []
+        usable = True
+        for k in range(lane.size):
+            rec = boards[k].called(seq)
+            assert rec is not None
+            if k != lane.rank and (rec[0], rec[1]) != self._words:
+                raise InvalidUsage(self.desc.describe_difference(
+                    Descriptor.unpack(head_desc((rec[0], rec[1], 0))), lane.rank, k))
+            if not rec[2] or not rec[4]:
+                usable = False
+            elif usable:
+                arrays.append((self._array(k, rec[2], rec[3]), self._array(k, rec[4], rec[5])))
+        return arrays if usable else None
+
+    def _array(self, rank: int, reg: int, offset: int) -> Any:
+        regs = self.lane.regs
+        entry = regs[reg - 1] if 0 < reg <= len(regs) else None
+        if entry is None:
+            raise ProtocolError(f"lane: rank {rank} named registration {reg - 1}, which "
+                                f"rank {self.lane.rank} does not hold")
+        view = entry.views[rank]
+        if offset < 0 or offset + self._nbytes > view.nbytes:
+            raise ProtocolError(f"lane: rank {rank} named {self._nbytes} bytes at offset "
+                                f"{offset} of a registered buffer of {view.nbytes}")
+        return view[offset:offset + self._nbytes].view(self._dtype)
+
+    def _check_published(self, seq: int, pending: list[int]) -> None:
+        """A pending peer that published op ``seq`` in its mailbox or on its board runs
+        another call (or this one off the registered path): name the difference."""
+        lane = self.lane
+        boards = lane.boards
+        assert boards is not None
+        slot, value = seq & 1, stamp(seq, 0)
+        for p in pending:
+            for where in (lane.inboxes[p], boards[p]):
+                if where is None or not where.arrived_at(slot, value):
+                    continue
+                got = head_desc(where.head_at(slot))
+                if got != self.desc.packed:
+                    raise InvalidUsage(self.desc.describe_difference(
+                        Descriptor.unpack(got), lane.rank, p))
+                raise ProtocolError(f"lane: rank {p} runs all_reduce #{seq} without its "
+                                    f"registered buffers, rank {lane.rank} with them (do the "
+                                    "ranks' registrations differ?)")
+
+    async def _phase(self, seq: int, ctx: Any, value: int, step: int) -> None:
+        """Publish ``value`` as this rank's phase, then wait until every peer's phase is
+        at least ``value`` (``step``: 1 or 2, for the error of a wait that times out)."""
+        lane = self.lane
+        boards = lane.boards
+        assert boards is not None
+        boards[lane.rank].set_phase(value)
+        pending = [p for p in lane.peers if boards[p].phase() < value]
+        if not pending:
+            return
+
+        def done() -> bool:
+            pending[:] = [p for p in pending if boards[p].phase() < value]
+            if ctx is not None and pending:
+                ctx.waiting_on = pending[0]
+            return not pending
+
+        await self._poll(seq, done, self.comm.spin_ns[pending[0]],
+                         lambda: self._timed_out(seq, pending, step), lambda: None)
+
+    async def _pace(self) -> None:
+        """Yield to the loop once a step's time is spent (between pieces)."""
+        lane = self.lane
+        if time.perf_counter_ns() >= lane.yield_at:
+            await asyncio.sleep(0)
+            lane.yield_at = time.perf_counter_ns() + STEP_NS
+            self.comm.check_usable()
+
+    async def _zero_copy(self, seq: int, ctx: Any, mine: Any, res: Any, inplace: bool,
+                         arrays: list[tuple[Any, Any]]) -> None:
+        lane = self.lane
+        rank, n = lane.rank, lane.size
+        sends = [mine if k == rank else a for k, (a, _) in enumerate(arrays)]
+        recvs = [res if k == rank else b for k, (_, b) in enumerate(arrays)]
+        ufunc, piece, avg = self._ufunc, self._piece, self.op == ReduceOp.AVG
+        base = (seq + 1) << 2
+        a, b = self._parts[rank]
+        for p in range(a, b, piece):  # phase 1: my part, from every rank's send buffer
+            q = min(b, p + piece)
+            out = res[p:q]
+            operands = [sends[k][p:q] for k in range(n)]
+            if rank >= 2 and inplace:  # (the first combinations would overwrite it)
+                saved = lane.scratch(out.nbytes)[:out.nbytes].view(self._dtype)
+                np.copyto(saved, operands[rank])
+                operands[rank] = saved
+            ufunc(operands[0], operands[1], out=out)
+            for part in operands[2:]:
+                ufunc(out, part, out=out)
+            if avg:
+                finish_avg(out, n)
+            await self._pace()
+        await self._phase(seq, ctx, base + 1, 1)
+        for k in lane.peers:  # phase 2: every peer's part, from its receive buffer
+            c, d = self._parts[k]
+            for p in range(c, d, piece):
+                q = min(d, p + piece)
+                res[p:q] = recvs[k][p:q]
+                await self._pace()
+        await self._phase(seq, ctx, base + 2, 2)

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from . import shared
 from .base import (
     BYTE,
     Buffer,
@@ -21,7 +22,7 @@ from .base import (
 from .host import HostSpace
 
 __all__ = ["BYTE", "Buffer", "DType", "Fence", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
-           "DirectStaging", "Staging", "StreamOrder", "host_buffer"]
+           "DirectStaging", "Staging", "StreamOrder", "host_buffer", "shared"]
 
 _HOST = HostSpace()  # for buffers made outside any communicator (tests, transports)
 

@@ -39,8 +39,8 @@ from __future__ import annotations
 
 import struct
 
-__all__ = ["HEAD_SIZE", "Board", "Head", "Inbox", "Outbox", "board_span", "head", "head_desc",
-           "head_length", "mailbox_span", "stamp"]
+__all__ = ["HEAD_SIZE", "Board", "CallRecord", "Head", "Inbox", "Outbox", "board_span", "head",
+           "head_desc", "head_length", "mailbox_span", "stamp"]
 
 ALIGN = 64
 _SLOT = struct.Struct("<Q16sQ32x")
@@ -194,7 +194,13 @@ def head_length(h: Head) -> int:
 
 def board_span(nranks: int, lane: int) -> int:
     """Bytes of a board for ``nranks`` ranks whose slots hold ``lane`` payload bytes."""
-    return ALIGN + nranks * ALIGN + 2 * _slot_span(lane)
+    return 2 * ALIGN + nranks * ALIGN + 2 * _slot_span(lane)
+
+
+#: what a rank says of a call on registered buffers: (descriptor word a, descriptor word b,
+#: send registration + 1, send offset, recv registration + 1, recv offset); 0 for a
+#: registration means the buffer is not in one
+CallRecord = tuple[int, int, int, int, int, int]
 
 
 class Board(_Slots):
@@ -204,23 +210,31 @@ class Board(_Slots):
 
         0                  16s token (the owner's, checked by whoever maps it)
         64 + 64 k          ack line of reader k: Q ack of slot 0 | Q ack of slot 1
-        64 + 64 n          slot 0: Q stamp | 16s descriptor | Q payload length | 32x,
+        64 + 64 n          call line (owner): Q call stamp | 6Q call record | Q phase
+        128 + 64 n         slot 0: Q stamp | 16s descriptor | Q payload length | 32x,
                            then ``lane`` bytes
         ...                slot 1: the same
 
     The owner reuses a slot once every reader acknowledged the stamp it last wrote there;
     a reader loads the stamp first, copies, then acknowledges in its own line. ``me`` is
-    the rank using this view (the owner, or a reader)."""
+    the rank using this view (the owner, or a reader).
+
+    The call line serves calls on registered buffers (the lane's zero-copy all_reduce):
+    the owner writes what it calls op ``seq`` with (:data:`CallRecord`), then the stamp
+    ``seq + 1``; then, as it goes, the op's *phase* (a number that only grows). Readers
+    load the stamp first. A record stays until the owner's next such call, which it makes
+    only after every peer read this one (the op's phases say so)."""
 
     def __init__(self, mem: memoryview, nranks: int, lane: int, owner: int, me: int) -> None:
         if mem.nbytes < board_span(nranks, lane):
             raise ValueError(f"board of {mem.nbytes} bytes for {nranks} ranks and a lane "
                              f"of {lane}")
-        super().__init__(mem, lane, ALIGN + nranks * ALIGN)
+        super().__init__(mem, lane, 2 * ALIGN + nranks * ALIGN)
         self.owner, self.me = owner, me
         self._readers = [(k, (ALIGN + k * ALIGN) // 8) for k in range(nranks) if k != owner]
         self._acks = [word for _, word in self._readers]
         self._my_ack = (ALIGN + me * ALIGN) // 8
+        self._call = (ALIGN + nranks * ALIGN) // 8
 
     # owner side
     def free_at(self, slot: int) -> bool:
@@ -237,3 +251,27 @@ class Board(_Slots):
     def ack_at(self, slot: int, value: int) -> None:
         """Acknowledge, in this reader's own line, the step stamped ``value``."""
         self._words[self._my_ack + slot] = value
+
+    # the call line
+    def post_call(self, seq: int, record: CallRecord) -> None:
+        """(owner) Say what op ``seq`` is called with: the record, then the stamp."""
+        w, at = self._words, self._call
+        for k, value in enumerate(record, 1):
+            w[at + k] = value
+        w[at] = seq + 1
+
+    def called(self, seq: int) -> CallRecord | None:
+        """What the owner called op ``seq`` with, or None if it has not said (its line
+        holds an earlier op's record, or none)."""
+        w, at = self._words, self._call
+        if w[at] != seq + 1:
+            return None
+        return w[at + 1], w[at + 2], w[at + 3], w[at + 4], w[at + 5], w[at + 6]
+
+    def set_phase(self, value: int) -> None:
+        """(owner) Publish how far the current call got (a number that only grows)."""
+        self._words[self._call + 7] = value
+
+    def phase(self) -> int:
+        """How far the owner's current call got (see :meth:`set_phase`)."""
+        return self._words[self._call + 7]

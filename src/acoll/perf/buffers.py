@@ -18,7 +18,7 @@ from .._dtypes import DTYPE_NAMES
 from .colls import Usage
 
 __all__ = ["Allocator", "Buffer", "CupyAllocator", "StagedBuffer", "TorchAllocator",
-           "host_buffer"]
+           "host_buffer", "shared_buffer"]
 
 
 class Buffer:
@@ -74,6 +74,14 @@ Allocator = Callable[[int, np.dtype[Any]], Buffer]
 def host_buffer(count: int, dtype: np.dtype[Any]) -> Buffer:
     """The default allocator: host memory, a NumPy array."""
     return Buffer(np.empty(count, dtype))
+
+
+def shared_buffer(count: int, dtype: np.dtype[Any]) -> Buffer:
+    """Host memory other processes of this host can map (:func:`acoll.empty_shared`),
+    for registered buffers (``-R 1``)."""
+    from .._memory.shared import empty_shared
+
+    return Buffer(empty_shared(count, dtype))
 
 
 class TorchAllocator:

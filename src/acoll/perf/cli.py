@@ -36,7 +36,7 @@ from .backends import mpi as mpi_backend
 from .backends.acoll import AcollBackend
 from .backends.tcp import TcpBackend
 from .backends.torch import TorchBackend
-from .buffers import CupyAllocator
+from .buffers import CupyAllocator, host_buffer, shared_buffer
 from .colls import COLLECTIVES, COLLS, Usage
 from .report import PROG, Result, median_result, report, round_ratios
 from .sweep import Spec, sweep, sweep_sizes
@@ -64,6 +64,7 @@ class _Opts:
     timeout: float | None
     device: str  # where acoll's buffers live: cpu or cuda
     rounds: int  # with -N: the jobs run this many times, alternating with --vs's
+    register: bool  # acoll's buffers are registered with the communicator (-R 1)
     backend: str  # this process's side: acoll (acoll or tcp, as the collective says) or torch's
     result_file: str | None
     peer_init: str | None
@@ -121,6 +122,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--vs", choices=("gloo", "nccl", "mpi"),
                    help="also run torch.distributed with this backend (gloo, nccl), or MPI "
                         "through mpi4py and mpirun (mpi), and compare")
+    p.add_argument("-R", "--register", type=int, choices=(0, 1), default=0,
+                   help="1: acoll's buffers are registered with the communicator "
+                        "(comm.register; host buffers from acoll.empty_shared), as "
+                        "nccl-tests' -R; other libraries' buffers are not (default 0)")
     p.add_argument("--rounds", type=int, default=1, metavar="R",
                    help="with -N: run the sweep R times, alternating with --vs's, and report "
                         "medians and per-round ratios (for machines whose speed drifts)")
@@ -164,7 +169,7 @@ def _parse(argv: list[str]) -> _Opts:
                 ns.warmup_iters, DTYPE_NAMES[dtype], op.name.lower(), ns.root,
                 bool(ns.check), ns.average, ns.inplace, progress, ns.inject_error)
     return _Opts(spec, ns.nranks, ns.json, ns.plot, ns.vs, ns.loop, ns.timeout, ns.device,
-                 ns.rounds, ns.backend,
+                 ns.rounds, bool(ns.register), ns.backend,
                  ns.result_file, ns.peer_init, list(argv))
 
 
@@ -174,7 +179,8 @@ def _rank_args(o: _Opts, backend: str, result_file: str, peer_init: str | None) 
     args = [s.coll, "-b", str(s.minbytes), "-e", str(s.maxbytes), "-f", repr(s.factor),
             "-i", str(s.stepbytes), "-n", str(s.iters), "-w", str(s.warmup), "-d", s.dtype,
             "-o", s.op, "-r", str(s.root), "-c", str(int(s.check)), "-a", str(s.average),
-            "--loop", o.loop, "--device", o.device, "--backend", backend,
+            "--loop", o.loop, "--device", o.device, "-R", str(int(o.register)),
+            "--backend", backend,
             "--result-file", result_file,
             "--progress" if s.progress else "--no-progress"]
     if not s.inplace:
@@ -324,7 +330,10 @@ async def _acoll_rank(o: _Opts) -> tuple[Result, LaunchInfo | None, str | None]:
         side = COLLS[o.spec.coll].backends[0]
         if cuda and side == "acoll":
             assert comm.device is not None
-            backend = AcollBackend(comm, CupyAllocator(comm.device))
+            backend = AcollBackend(comm, CupyAllocator(comm.device), register=o.register)
+        elif side == "acoll":
+            backend = AcollBackend(comm, shared_buffer if o.register else host_buffer,
+                                   register=o.register)
         else:
             backend = _ACOLL_SIDE[side](comm)
         res = await sweep(backend, o.spec)

@@ -224,6 +224,9 @@ class _Sweep:
         itemsize, n = self.dtype.itemsize, self.n
         biggest = max(max(self.coll.counts(s, itemsize, n)[:2]) for s in self.sizes)
         bufs = self.backend.alloc(biggest, self.dtype), self.backend.alloc(biggest, self.dtype)
+        note = await self.backend.prepare(bufs)
+        if note:
+            self.res.note(note)
         for i, size in enumerate(self.sizes):
             recs = [await self._one(bufs, i, size, inplace) for inplace in self.modes]
             self.res.records.extend(recs)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -12,7 +12,7 @@ from ..._communicator import Communicator
 from ..._dtypes import ReduceOp
 from ..._version import __version__
 from ...errors import InvalidUsage
-from ..buffers import Allocator, host_buffer
+from ..buffers import Allocator, Buffer, host_buffer
 from ..colls import Coll
 from ..report import human
 from .base import Backend, Op, OpArgs
@@ -45,10 +45,12 @@ _CALLS: dict[str, _Call] = {
 class AcollBackend(Backend):
     """Collectives of ``comm``; the test memory comes from ``allocator``."""
 
-    def __init__(self, comm: Communicator, allocator: Allocator = host_buffer) -> None:
+    def __init__(self, comm: Communicator, allocator: Allocator = host_buffer,
+                 register: bool = False) -> None:
         super().__init__(allocator)
         self.comm = comm
         self.name = "acoll"
+        self._register = register
         self.rank, self.size = comm.rank, comm.size
         # the transports carrying this rank's traffic (one per peer; usually one kind)
         nets = sorted({str(comm.transport_name(p)) for p in range(comm.size) if p != comm.rank})
@@ -60,6 +62,21 @@ class AcollBackend(Backend):
             "loop": "uvloop" if loop == "uvloop" else "asyncio",
             "chunk": human(int(getattr(comm, "chunk_bytes", 0))),
         }
+        if register:
+            self.info["backend"] += " registered"
+
+    async def prepare(self, bufs: Sequence[Buffer]) -> str | None:
+        """With ``register``: register the sweep's buffers (collective). A buffer that
+        could not be registered (the handle's index is -1: the ranks are not processes of
+        one host, say) is measured as it is, and the results say so."""
+        if not self._register:
+            return None
+        for buf in bufs:
+            reg = await self.comm.register(buf.obj)
+            if reg.index < 0:
+                return ("-R 1: registering the buffers had no effect here (see "
+                        "Communicator.register); they were measured unregistered")
+        return None
 
     def make_op(self, coll: Coll, args: OpArgs) -> Op | None:
         call, comm = _CALLS[coll.name], self.comm

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,6 +74,11 @@ class Backend(ABC):
     def alloc(self, count: int, dtype: np.dtype[Any]) -> Buffer:
         """A buffer of ``count`` elements of ``dtype``."""
         return self.allocator(count, dtype)
+
+    async def prepare(self, bufs: Sequence[Buffer]) -> str | None:
+        """Collective: get the sweep's buffers ready before any op (e.g. register them);
+        returns a note for the results when something did not work out."""
+        return None
 
     @abstractmethod
     def make_op(self, coll: Coll, args: OpArgs) -> Op | None:
