@@ -30,21 +30,31 @@ import acoll
 from acoll._comm import lane as lane_mod
 from collective_cases import ALL_DTYPES, ALL_OPS, check_all
 
-RUNS = {"lane": 0, "steps": 0}  # lane ops run, by kind
+RUNS = {"lane": 0, "steps": 0, "zc_calls": 0, "zero_copy": 0}  # lane ops run, by kind
 
 
 def _count(cls: Any, kind: str) -> None:
     run = cls.run
 
-    async def counted(self: Any, seq: int, *args: Any) -> None:
+    async def counted(self: Any, seq: int, *args: Any, **kwargs: Any) -> None:
         RUNS[kind] += 1
-        await run(self, seq, *args)
+        await run(self, seq, *args, **kwargs)
 
     cls.run = counted
 
 
 _count(lane_mod._LaneCall, "lane")
 _count(lane_mod.StepPlan, "steps")
+_count(lane_mod.ZeroCopyAllReduce, "zc_calls")
+_zero_copy = lane_mod.ZeroCopyAllReduce._zero_copy
+
+
+async def _counted_zero_copy(self: Any, *args: Any) -> None:
+    RUNS["zero_copy"] += 1
+    await _zero_copy(self, *args)
+
+
+lane_mod.ZeroCopyAllReduce._zero_copy = _counted_zero_copy  # type: ignore[method-assign]
 #: every step plan made: (its Steps class, payload bytes per peer per step)
 STEP_PLANS: list[tuple[str, int]] = []
 _step_plan_init = lane_mod.StepPlan.__init__
@@ -424,9 +434,225 @@ async def bad_op(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(comm.all_reduce(x, op=["sum"] if comm.rank == 0 else "sum"))
 
 
+# ------------------------------------------------------------------ registered buffers
+class _Arena:
+    """Buffers carved out of one registered allocation (``acoll.empty_shared``): each
+    ``take`` is a copy of an array at the next offset (a multiple of 8 bytes, plus
+    ``skew``), wrapping around; calls use at most a few at once, far fewer than fit."""
+
+    def __init__(self, nbytes: int, skew: int = 0) -> None:
+        self.block = acoll.empty_shared(nbytes, np.uint8)
+        self.at, self.skew = 0, skew
+
+    def take(self, a: Any) -> Any:
+        a = np.ascontiguousarray(a)
+        start = -(-self.at // 16) * 16 + self.skew
+        if start + a.nbytes > self.block.nbytes:
+            start = self.skew
+        self.at = start + a.nbytes
+        view = self.block[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+        view[...] = a
+        return view
+
+
+async def _registered(comm: acoll.Communicator, nbytes: int, skew: int = 0) -> _Arena:
+    arena = _Arena(nbytes, skew)
+    reg = await comm.register(arena.block)
+    assert reg.index >= 0, reg
+    return arena
+
+
+async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:
+    """Every collective on buffers in a registered allocation (all_reduce above
+    ZERO_COPY_MIN goes zero-copy), at offsets that are multiples of the itemsize only,
+    bit for bit against NumPy, in place and not."""
+    arena = await _registered(comm, 48 << 20, skew=8)
+    counts = [(1 << 18) + 5, 150_001] if comm.size == 2 else [(1 << 18) + 5]
+    dtypes = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.float16, np.uint8)]
+    checks = await check_all(comm, counts, dtypes, ALL_OPS, dev=arena.take)
+    return {"checks": checks, "zc_calls": RUNS["zc_calls"], "zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_reuse(comm: acoll.Communicator) -> dict[str, Any]:
+    """The same registered buffers, refilled at once after every call: a rank that left
+    a call while a peer still read its buffers would corrupt the peer's result (and
+    ranks skewed by a rank that sleeps now and then)."""
+    n, r = comm.size, comm.rank
+    x = acoll.empty_shared((1 << 17) + 3, np.float64)
+    y = acoll.empty_shared((1 << 17) + 3, np.float64)
+    await comm.register(x)
+    await comm.register(y)
+    bad = 0
+    for i in range(150):
+        x[:] = r + i
+        await comm.all_reduce(x, None if i % 2 else y)
+        got = x if i % 2 else y
+        bad += int(np.count_nonzero(got != sum(q + i for q in range(n))))
+        if r == i % n and i % 7 == 0:
+            await asyncio.sleep(0.002)
+    return {"bad": bad, "zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_mixed(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0's buffers are registered, the others' are not (after registering a shared
+    allocation they do not use): every rank runs the plain plan, with right results."""
+    n, r = comm.size, comm.rank
+    arena = await _registered(comm, 8 << 20)
+    count = (1 << 18) + 3
+    x = arena.take(np.full(count, r + 1, np.float32)) if r == 0 else np.full(count, r + 1,
+                                                                             np.float32)
+    for _ in range(3):
+        x[:] = r + 1
+        await comm.all_reduce(x)
+        assert np.all(x == n * (n + 1) / 2), x[:4]
+    return {"zc_calls": RUNS["zc_calls"], "zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_refused(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 registers a plain NumPy array: nobody registers anything."""
+    buf = np.zeros(1 << 20, np.uint8) if comm.rank == 1 else acoll.empty_shared(1 << 20,
+                                                                                np.uint8)
+    reg = await comm.register(buf)
+    x = np.ones(1 << 18, np.float32)
+    await comm.all_reduce(x)
+    return {"index": reg.index, "zc_calls": RUNS["zc_calls"], "ok": bool(np.all(x == comm.size))}
+
+
+async def reg_dereg(comm: acoll.Communicator) -> dict[str, Any]:
+    """Zero-copy until deregistered, then the plain plan; the same array throughout."""
+    n, r = comm.size, comm.rank
+    x = acoll.empty_shared((1 << 19) + 1, np.float32)
+    reg = await comm.register(x)
+    x[:] = r + 1
+    await comm.all_reduce(x)
+    before = RUNS["zero_copy"]
+    await comm.deregister(reg)
+    x[:] = r + 1
+    await comm.all_reduce(x)
+    assert np.all(x == n * (n + 1) / 2), x[:4]
+    again = await comm.register(x[1:])  # a sub-array registers its whole allocation
+    x[:] = r + 2
+    await comm.all_reduce(x)
+    assert np.all(x == n * (n + 3) / 2), x[:4]
+    return {"before": before, "after": RUNS["zero_copy"], "index": again.index}
+
+
+async def reg_group(comm: acoll.Communicator) -> dict[str, Any]:
+    """Zero-copy all_reduces in a group and as concurrent tasks, mixed with lane ops in
+    steps and one-slot ops (they take the lane's turn one after the other)."""
+    n, r = comm.size, comm.rank
+    arena = await _registered(comm, 32 << 20)
+    big = [arena.take(np.full(300_001 + k, r + k, np.float32)) for k in range(2)]
+    small = np.full(3, r, np.int64)
+    gathered = np.zeros(n * 300_000, np.int32)
+    async with comm.group():
+        await comm.all_reduce(big[0])
+        await comm.all_reduce(small)
+        await comm.all_reduce(big[1])
+        await comm.all_gather(np.full(300_000, r, np.int32), gathered)
+    for k in range(2):
+        assert np.all(big[k] == sum(q + k for q in range(n))), (k, big[k][:4])
+    assert list(small) == [n * (n - 1) // 2] * 3, small
+    assert np.array_equal(gathered, np.repeat(np.arange(n, dtype=np.int32), 300_000))
+    xs = [arena.take(np.full(200_000 + k, r * 10 + k, np.float64)) for k in range(3)]
+    await asyncio.gather(*(comm.all_reduce(x) for x in xs), comm.all_reduce(small))
+    for k, x in enumerate(xs):
+        assert np.all(x == sum(q * 10 + k for q in range(n))), (k, x[:4])
+    return {"zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:
+    arena = await _registered(comm, 8 << 20)
+    x = arena.take(np.ones((1 << 18) + (comm.rank == 0), np.float32))
+    return await _outcome(comm.all_reduce(x))
+
+
+async def reg_mismatch_kind(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0 all_reduces a registered buffer; the others broadcast one as large."""
+    arena = await _registered(comm, 8 << 20)
+    x = arena.take(np.ones(1 << 18, np.float32))
+    return await _outcome(comm.all_reduce(x) if comm.rank == 0 else comm.broadcast(x))
+
+
+async def reg_mismatch_small(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0 all_reduces a registered buffer (zero-copy size); the others a few
+    elements (one mailbox slot, no call record)."""
+    arena = await _registered(comm, 8 << 20)
+    x = arena.take(np.ones(1 << 18 if comm.rank == 0 else 4, np.float32))
+    return await _outcome(comm.all_reduce(x))
+
+
+async def reg_killed(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 is SIGKILLed while every rank runs zero-copy all_reduces of 16 MiB."""
+    arena = await _registered(comm, 20 << 20)
+    x = arena.take(np.ones(1 << 22, np.float32))
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        asyncio.get_running_loop().call_later(0.3, os.kill, os.getpid(), signal.SIGKILL)
+
+    async def forever() -> None:
+        while True:
+            await comm.all_reduce(x)
+
+    return {**await _outcome(forever()), "zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_stalled(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1's loop stalls for 6 s between its two phases of a zero-copy all_reduce
+    (deadline 3 s)."""
+    arena = await _registered(comm, 8 << 20)
+    x = arena.take(np.ones(1 << 20, np.float32))
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        phase = lane_mod.ZeroCopyAllReduce._phase
+
+        async def stalling(self: Any, seq: int, ctx: Any, value: int, step: int) -> None:
+            if step == 1:
+                time.sleep(6)  # noqa: ASYNC251 - stalling the loop is the point
+            await phase(self, seq, ctx, value, step)
+
+        lane_mod.ZeroCopyAllReduce._phase = stalling  # type: ignore[method-assign]
+    return await _outcome(comm.all_reduce(x))
+
+
+async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
+    """The loop's worst lag while 64 MiB registered buffers are all_reduced in place."""
+    arena = await _registered(comm, 66 << 20)
+    x = arena.take(np.zeros(16 << 20, np.float32))
+    await comm.all_reduce(x)
+    lags: list[float] = []
+    busy: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            t, c = loop.time(), time.thread_time()
+            await asyncio.sleep(0.001)
+            lag = loop.time() - t - 0.001
+            lags.append(lag)
+            busy.append(min(lag, time.thread_time() - c))
+
+    tick = asyncio.create_task(ticker())
+    ops = 0
+    t0 = time.perf_counter()
+    while True:  # at least 3 ops and 0.25 s, as rank 0 counts them
+        more = np.array([ops < 3 or time.perf_counter() - t0 < 0.25], np.int32)
+        await comm.broadcast(more)
+        if not more[0]:
+            break
+        await comm.all_reduce(x)
+        ops += 1
+    stop = True
+    await tick
+    return {"ticks": len(lags), "worst_lag": max(lags), "worst_busy_lag": max(busy),
+            "ops": ops, "zero_copy": RUNS["zero_copy"]}
+
+
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
-    timeout_s = 3.0 if scenario in ("timeout", "silent_group", "stalled_in_steps") else 60.0
+    timeout_s = 3.0 if scenario in ("timeout", "silent_group", "stalled_in_steps",
+                                    "reg_stalled") else 60.0
     try:
         comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
     except acoll.AcollError as exc:  # a peer that formed first failed already (on purpose)
