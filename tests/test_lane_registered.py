@@ -7,15 +7,16 @@ from __future__ import annotations
 import gc
 import mmap
 import os
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import acoll
-from acoll._comm.lane import ZERO_COPY_MIN, _new_board
+from acoll._comm.lane import ZERO_COPY_MIN, ZeroCopyAllReduce, _new_board
 from acoll._memory import shared
 from acoll._transport import shm
-from acoll._transport.shmlane import Board, board_span
+from acoll._transport.shmlane import Board, board_span, head, stamp
 from test_lane import _run
 
 pytestmark = pytest.mark.skipif(bool(shm.unsupported()), reason=shm.unsupported() or "-")
@@ -103,6 +104,26 @@ def test_the_board_call_line_carries_a_record_then_phases() -> None:
     assert reader.called(4) == (1, 2, 3, 64, 0, 0)
     assert reader.phase() == 21
     assert owner.free_at(0) is False  # (reader 2 has not acknowledged)
+
+
+def test_a_peer_that_posted_its_call_record_then_published_is_no_offender() -> None:
+    """A waiter's list of peers without a record goes stale between polls: a peer may post
+    its record, see everyone's and publish its fallback's first step in the meantime (seen
+    with 8 ranks on 16 cores: a ProtocolError on every rank, of a call every rank made
+    alike). Only a peer that published without a record is named."""
+    seq, desc = 1847, os.urandom(16)
+    mems = [memoryview(bytearray(board_span(2, 256))) for _ in range(2)]
+    boards = [Board(mems[k], 2, 256, owner=k, me=0) for k in range(2)]
+    peer_owns = Board(mems[1], 2, 256, owner=1, me=1)
+    call = object.__new__(ZeroCopyAllReduce)
+    call.lane = SimpleNamespace(boards=boards, inboxes=[None, None], rank=0)  # type: ignore[assignment]
+    call.desc = SimpleNamespace(packed=desc)  # type: ignore[assignment]
+    peer_owns.post_call(seq - 1, (*head(desc, 0)[:2], 0, 0, 0, 0))  # (the op before)
+    peer_owns.publish_at(seq & 1, stamp(seq, 0), head(desc, 64))
+    with pytest.raises(acoll.ProtocolError, match="rank 1 runs all_reduce #1847 without"):
+        call._check_published(seq, [1])
+    peer_owns.post_call(seq, (*head(desc, 0)[:2], 0, 0, 0, 0))
+    call._check_published(seq, [1])  # (the record is there now: its fallback runs)
 
 
 # --------------------------------------------------------------------------- processes

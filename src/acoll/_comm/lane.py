@@ -1313,8 +1313,14 @@ class ZeroCopyAllReduce(_LaneCall):
         return view[offset:offset + self._nbytes].view(self._dtype)
 
     def _check_published(self, seq: int, pending: list[int]) -> None:
-        """A pending peer that published op ``seq`` in its mailbox or on its board runs
-        another call (or this one off the registered path): name the difference."""
+        """A pending peer that published op ``seq`` in its mailbox or on its board without
+        saying on its call line what it calls op ``seq`` with runs another call (or this
+        one off the registered path): name the difference.
+
+        ``pending`` may be stale: a peer may have posted its record, seen every rank's
+        (this one's included) and published the fallback's first step since it was
+        computed. So the call line is read after the publication (the owner writes the
+        record first; stores are seen in order), and a peer that posted is no offender."""
         lane = self.lane
         boards = lane.boards
         assert boards is not None
@@ -1323,6 +1329,8 @@ class ZeroCopyAllReduce(_LaneCall):
             for where in (lane.inboxes[p], boards[p]):
                 if where is None or not where.arrived_at(slot, value):
                     continue
+                if boards[p].called(seq) is not None:
+                    break  # (it posted first: its fallback runs; done() sees it next)
                 got = head_desc(where.head_at(slot))
                 if got != self.desc.packed:
                     raise InvalidUsage(self.desc.describe_difference(
