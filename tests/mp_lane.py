@@ -562,24 +562,32 @@ async def reg_group(comm: acoll.Communicator) -> dict[str, Any]:
 
 
 async def reg_mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:
-    arena = await _registered(comm, 8 << 20)
-    x = arena.take(np.ones((1 << 18) + (comm.rank == 0), np.float32))
-    return await _outcome(comm.all_reduce(x))
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        await comm.all_reduce(arena.take(np.ones((1 << 18) + (comm.rank == 0), np.float32)))
+
+    return await _outcome(call())  # (a rank still registering may get the error there)
 
 
 async def reg_mismatch_kind(comm: acoll.Communicator) -> dict[str, Any]:
     """Rank 0 all_reduces a registered buffer; the others broadcast one as large."""
-    arena = await _registered(comm, 8 << 20)
-    x = arena.take(np.ones(1 << 18, np.float32))
-    return await _outcome(comm.all_reduce(x) if comm.rank == 0 else comm.broadcast(x))
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        x = arena.take(np.ones(1 << 18, np.float32))
+        await (comm.all_reduce(x) if comm.rank == 0 else comm.broadcast(x))
+
+    return await _outcome(call())
 
 
 async def reg_mismatch_small(comm: acoll.Communicator) -> dict[str, Any]:
     """Rank 0 all_reduces a registered buffer (zero-copy size); the others a few
     elements (one mailbox slot, no call record)."""
-    arena = await _registered(comm, 8 << 20)
-    x = arena.take(np.ones(1 << 18 if comm.rank == 0 else 4, np.float32))
-    return await _outcome(comm.all_reduce(x))
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        await comm.all_reduce(arena.take(np.ones(1 << 18 if comm.rank == 0 else 4,
+                                                 np.float32)))
+
+    return await _outcome(call())
 
 
 async def reg_killed(comm: acoll.Communicator) -> dict[str, Any]:
@@ -613,6 +621,92 @@ async def reg_stalled(comm: acoll.Communicator) -> dict[str, Any]:
 
         lane_mod.ZeroCopyAllReduce._phase = stalling  # type: ignore[method-assign]
     return await _outcome(comm.all_reduce(x))
+
+
+async def reg_left_early(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1's loop stalls 5 s (deadline 3 s) between two pieces of phase 2 of a
+    zero-copy all_reduce, while it copies rank 0's part out of rank 0's buffer; rank 0
+    times out in the last phase and refills its buffer at once. Rank 1 must raise, not
+    return a result that mixes rank 0's new bytes in (REG_CANCEL=1: rank 0's call is
+    cancelled instead)."""
+    r = comm.rank
+    x = acoll.empty_shared(1 << 22, np.float32)  # 16 MiB: 2 MiB parts, several pieces
+    await comm.register(x)
+    x[:] = 1
+    await comm.all_reduce(x)
+    if r == 1:
+        real = lane_mod.paced
+        stalled = [False]
+
+        async def stalling(pace: Any, key: Any, *args: Any) -> None:
+            async def pace_then_stall() -> None:
+                if key[0] == "copy" and not stalled[0]:
+                    stalled[0] = True
+                    time.sleep(5)  # noqa: ASYNC251 - stalling the loop is the point
+                await pace()
+
+            await real(pace_then_stall, key, *args)
+
+        lane_mod.paced = stalling
+    x[:] = 1
+    if r == 0 and os.environ.get("REG_CANCEL"):
+        task = asyncio.ensure_future(comm.all_reduce(x))
+        await asyncio.sleep(1.0)
+        task.cancel()
+        try:
+            out = await _outcome(task)
+        except asyncio.CancelledError:
+            out = {"error": "CancelledError"}
+    else:
+        out = await _outcome(comm.all_reduce(x))
+    if r == 0:
+        x[:] = 1000  # (the call failed: the buffer is the caller's again)
+        await asyncio.sleep(6)
+        return out
+    values = sorted({float(v) for v in np.unique(x)})
+    return {**out, "values": values}
+
+
+async def reg_dereg_alone(comm: acoll.Communicator) -> dict[str, Any]:
+    """Every rank registers x then y; rank REG_ALONE alone deregisters x (against the
+    contract): its buffer is no longer registered there, so every rank runs the plain
+    plan, whichever rank it is."""
+    x = acoll.empty_shared((1 << 18) + 5, np.float32)
+    y = acoll.empty_shared((1 << 18) + 5, np.float32)
+    rx = await comm.register(x)
+    await comm.register(y)
+    if comm.rank == int(os.environ["REG_ALONE"]):
+        await comm.deregister(rx)
+    x[:] = 1
+    before = RUNS["zero_copy"]
+    out = await _outcome(comm.all_reduce(x))
+    return {**out, "ok": bool(np.all(x == comm.size)), "zero_copy": RUNS["zero_copy"] - before}
+
+
+async def reg_lag_f16(comm: acoll.Communicator) -> dict[str, Any]:
+    """The loop's worst lag while float16 buffers (a slow ufunc) are all_reduced."""
+    arena = await _registered(comm, 18 << 20)
+    x = arena.take(np.zeros(8 << 20, np.float16))
+    await comm.all_reduce(x)
+    lags: list[float] = []
+    busy: list[float] = []
+    stop = False
+
+    async def ticker() -> None:
+        loop = asyncio.get_running_loop()
+        while not stop:
+            t, c = loop.time(), time.thread_time()
+            await asyncio.sleep(0.001)
+            lag = loop.time() - t - 0.001
+            lags.append(lag)
+            busy.append(min(lag, time.thread_time() - c))
+
+    tick = asyncio.create_task(ticker())
+    for _ in range(2):
+        await comm.all_reduce(x)
+    stop = True
+    await tick
+    return {"ticks": len(lags), "worst_busy_lag": max(busy), "zero_copy": RUNS["zero_copy"]}
 
 
 async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
@@ -652,7 +746,7 @@ async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
     timeout_s = 3.0 if scenario in ("timeout", "silent_group", "stalled_in_steps",
-                                    "reg_stalled") else 60.0
+                                    "reg_stalled", "reg_left_early") else 60.0
     try:
         comm = await acoll.init_rank(n, uid, rank, timeout=timeout_s)
     except acoll.AcollError as exc:  # a peer that formed first failed already (on purpose)

@@ -67,8 +67,10 @@ def test_only_an_acoll_allocation_with_its_token_and_size_is_mapped() -> None:
     mm, view = shared.open_shared(pid, block.fd, block.span, block.token)
     assert view.nbytes == block.nbytes
     assert int(view[0]) == 9
-    view[1] = 5  # the same memory
-    assert int(x[1]) == 5
+    x[1] = 5  # the same memory
+    assert int(view[1]) == 5
+    with pytest.raises(ValueError, match="read-only"):
+        view[1] = 6  # (a peer's mapping is read-only)
     del view
     mm.close()
     with pytest.raises(ValueError, match="token"):
@@ -222,6 +224,58 @@ def test_large_zero_copy_all_reduces_keep_the_loop_responsive() -> None:
         assert res["zero_copy"] == res["ops"] + 1, res
         assert res["ticks"] > 20, res
         assert res["worst_busy_lag"] < 0.015, res
+
+
+@pytest.mark.parametrize("cancel", [False, True])
+def test_a_peer_that_left_early_never_lets_a_reader_return_its_new_bytes(cancel: bool) -> None:
+    """Rank 0 leaves the last phase (its deadline, or a cancellation) while rank 1 still
+    copies from rank 0's buffer, and refills it: rank 1 raises instead of returning a
+    result with rank 0's new bytes in it."""
+    results = _run("reg_left_early", 2, cpus=4,
+                   env_extra={"REG_CANCEL": "1"} if cancel else None)
+    assert results[0] is not None
+    assert results[0]["error"] == ("CancelledError" if cancel else "TimeoutError"), results
+    late = results[1]
+    assert late is not None
+    assert late["error"] in ("RemoteError", "TimeoutError"), late
+    assert late["after"] < 10, late
+
+
+@pytest.mark.parametrize("alone", [0, 1])
+def test_one_rank_deregistering_alone_makes_every_rank_take_the_plain_plan(alone: int
+                                                                            ) -> None:
+    """(Before: a ProtocolError when the deregistering rank had the higher number, the
+    plain plan when it had the lower: the verdict followed the order of the records.)"""
+    for res in _run("reg_dereg_alone", 2, cpus=4, env_extra={"REG_ALONE": str(alone)}):
+        assert res is not None
+        assert res["error"] is None, res
+        assert res["ok"], res
+        assert res["zero_copy"] == 0, res
+
+
+def test_float16_zero_copy_all_reduces_keep_the_loop_responsive() -> None:
+    """float16 ufuncs are 70x slower than float32 ones: pieces are sized by time."""
+    for res in _run("reg_lag_f16", 2, cpus=4):
+        assert res is not None
+        assert res["zero_copy"] == 3, res
+        assert res["ticks"] > 10, res
+        assert res["worst_busy_lag"] < 0.008, res
+
+
+def test_empty_shared_refuses_dtypes_and_sizes_it_cannot_share_and_leaks_nothing() -> None:
+    def memfds() -> int:
+        return sum(os.readlink(f"/proc/self/fd/{f}").startswith("/memfd:acoll-host")
+                   for f in os.listdir("/proc/self/fd") if os.path.exists(f"/proc/self/fd/{f}"))
+
+    before = memfds()
+    for dtype in (object, "V0", [("a", object)]):
+        with pytest.raises(acoll.InvalidUsage, match="fixed-size"):
+            acoll.empty_shared(16, dtype)
+    with pytest.raises(acoll.InvalidUsage, match="too many"):
+        acoll.empty_shared((1 << 40, 1 << 40), np.uint8)  # (wraps to 0 in int64)
+    with pytest.raises(acoll.InvalidUsage, match="shape"):
+        acoll.empty_shared((2, True))
+    assert memfds() == before
 
 
 def test_zero_copy_starts_at_half_a_mebibyte() -> None:

@@ -1167,11 +1167,13 @@ class Communicator:
 
         Host buffers, ranks in processes of one host (the shared-memory lane): ``buf``
         must lie in memory from :func:`acoll.empty_shared` on every rank; the allocation
-        holding it is mapped by every peer, and an all_reduce larger than a lane slot
-        whose buffers all lie in registered allocations (any offset, on every rank) reads
-        the peers' buffers in place: no copy through shared mailboxes. If some rank's
-        buffer is not in such memory, or cannot be mapped, no rank registers it (the
-        handle's ``index`` is -1, and an INFO log line says why).
+        holding it is mapped (read-only) by every peer, and an all_reduce of at least
+        512 KiB (``lane.ZERO_COPY_MIN``) whose buffers all lie in registered allocations
+        (any offset, on every rank) reads the peers' buffers in place: no copy through
+        shared mailboxes. If some rank's buffer is not in such memory, or cannot be
+        mapped, or the ranks cannot map each other's memory at all (no boards), no rank
+        registers it (the handle's ``index`` is -1, and an INFO log line says why).
+        Deregister on every rank alike, in the same order.
 
         Elsewhere (ranks in one process, no intra-host path) this is a no-op that still
         returns a handle.

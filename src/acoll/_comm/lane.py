@@ -66,6 +66,7 @@ from .._coll.base import STEP_NS, Coll, Descriptor
 from .._config import get_logger
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer, shared
+from .._memory.host import paced
 from .._memory.shared import SharedBlock, open_shared
 from .._transport.base import Connection, PeerInfo
 from .._transport.shmlane import (
@@ -309,6 +310,8 @@ class Lane:
         then logs why). Nothing between the two all-gathers raises, so the ranks stay in
         step."""
         if self.boards is None:
+            log.info("register: host buffers stay unregistered: the lane has no boards "
+                     "(ranks cannot map each other's memory)")
             return -1
         block = found[0] if found is not None else None
         keep = block.mapping() if block is not None else None
@@ -1184,7 +1187,9 @@ def _nothing(slot: int) -> None:
 
 #: the zero-copy all_reduce combines and copies in pieces of this many bytes (of the
 #: result), yielding to the loop between them once a step's time is spent
-_ZC_PIECE = 1 << 20
+#: the phase word's low bits in a zero-copy op: 1 and 2 after the two phases, this one
+#: for a rank that left the op by an exception (see :class:`ZeroCopyAllReduce`)
+_ABANDONED = 3
 #: all_reduces from this size (bytes) may go zero-copy (smaller ones go through the
 #: mailboxes as they are: three waits for every peer cost more than their copies)
 ZERO_COPY_MIN = 512 << 10
@@ -1210,7 +1215,14 @@ class ZeroCopyAllReduce(_LaneCall):
     In place (send is receive), a rank writes only part ``r`` in phase 1, which nobody
     else reads then, and the other parts in phase 2, once every peer finished reading
     them. The op keeps the lane's turn to the end: a later lane op cannot overwrite the
-    call line it needs."""
+    call line it needs.
+
+    A rank that leaves the op by an exception once it posted its record (a timeout, a
+    cancellation, a peer's failure) first sets its phase to the *abandoned* value
+    (``_ABANDONED``), before its caller can touch its buffers again: a peer may still be
+    reading them. Every wait for phases checks for that value after it is satisfied (the
+    abandoned value passes any wait of the op), so a peer that read buffers which may
+    have changed under it raises instead of returning a result."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
                  op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
@@ -1221,7 +1233,6 @@ class ZeroCopyAllReduce(_LaneCall):
         self._nbytes = count * self._dtype.itemsize
         self._words = head(desc.packed, 0)[:2]
         self._parts = _split(0, count, lane.size)
-        self._piece = max(1, _ZC_PIECE // self._dtype.itemsize)
         self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
@@ -1250,13 +1261,18 @@ class ZeroCopyAllReduce(_LaneCall):
                 mine.__array_interface__["data"][0] == res.__array_interface__["data"][0])
             sent = lane.locate(mine)
             got = sent if inplace else lane.locate(res)
-            boards[lane.rank].post_call(seq, (*self._words, *sent, *got))
-            records = await self._records(seq, ctx)
+            board = boards[lane.rank]
+            board.post_call(seq, (*self._words, *sent, *got))
+            try:
+                records = await self._records(seq, ctx)
+                if records is not None:
+                    await self._zero_copy(seq, ctx, mine, res, inplace, records)
+            except BaseException:
+                board.set_phase(((seq + 1) << 2) + _ABANDONED)  # (see the class doc)
+                raise
             if records is None:
                 held = False  # (the fallback gives the turn back)
                 await self.fallback.run(seq, ctx, mine, res, turned=True)
-                return
-            await self._zero_copy(seq, ctx, mine, res, inplace, records)
         finally:
             if held:
                 turns.remove(seq)
@@ -1286,26 +1302,30 @@ class ZeroCopyAllReduce(_LaneCall):
 
             await self._poll(seq, done, self.comm.spin_ns[pending[0]],
                              lambda: self._timed_out(seq, pending), elsewhere)
-        arrays: list[tuple[Any, Any]] = []
-        usable = True
+        records = []
         for k in range(lane.size):
             rec = boards[k].called(seq)
             assert rec is not None
             if k != lane.rank and (rec[0], rec[1]) != self._words:
                 raise InvalidUsage(self.desc.describe_difference(
                     Descriptor.unpack(head_desc((rec[0], rec[1], 0))), lane.rank, k))
-            if not rec[2] or not rec[4]:
-                usable = False
-            elif usable:
-                arrays.append((self._array(k, rec[2], rec[3]), self._array(k, rec[4], rec[5])))
-        return arrays if usable else None
+            records.append(rec)
+        if any(not rec[2] or not rec[4] for rec in records):
+            return None  # (the verdict of every rank: they all read the same records)
+        return [(self._array(k, rec[2], rec[3]), self._array(k, rec[4], rec[5]))
+                for k, rec in enumerate(records)]
 
     def _array(self, rank: int, reg: int, offset: int) -> Any:
         regs = self.lane.regs
-        entry = regs[reg - 1] if 0 < reg <= len(regs) else None
-        if entry is None:
+        if not 0 < reg <= len(regs):  # (indexes are never reused: see Lane.register)
             raise ProtocolError(f"lane: rank {rank} named registration {reg - 1}, which "
-                                f"rank {self.lane.rank} does not hold")
+                                f"rank {self.lane.rank} never made")
+        entry = regs[reg - 1]
+        if entry is None:
+            raise InvalidUsage(f"{self.desc.coll.name.lower()}: rank {rank} calls it on "
+                               f"registered buffers (registration {reg - 1}) that rank "
+                               f"{self.lane.rank} deregistered (deregister() on every rank "
+                               "alike, in the same order)")
         view = entry.views[rank]
         if offset < 0 or offset + self._nbytes > view.nbytes:
             raise ProtocolError(f"lane: rank {rank} named {self._nbytes} bytes at offset "
@@ -1347,17 +1367,22 @@ class ZeroCopyAllReduce(_LaneCall):
         assert boards is not None
         boards[lane.rank].set_phase(value)
         pending = [p for p in lane.peers if boards[p].phase() < value]
-        if not pending:
-            return
+        if pending:
+            def done() -> bool:
+                pending[:] = [p for p in pending if boards[p].phase() < value]
+                if ctx is not None and pending:
+                    ctx.waiting_on = pending[0]
+                return not pending
 
-        def done() -> bool:
-            pending[:] = [p for p in pending if boards[p].phase() < value]
-            if ctx is not None and pending:
-                ctx.waiting_on = pending[0]
-            return not pending
-
-        await self._poll(seq, done, self.comm.spin_ns[pending[0]],
-                         lambda: self._timed_out(seq, pending, step), lambda: None)
+            await self._poll(seq, done, self.comm.spin_ns[pending[0]],
+                             lambda: self._timed_out(seq, pending, step), lambda: None)
+        abandoned = ((seq + 1) << 2) + _ABANDONED
+        gone = [p for p in lane.peers if boards[p].phase() == abandoned]
+        if gone:
+            self.comm.check_usable()  # (its own failure, when it arrived: the first cause)
+            raise RemoteError(f"{self.desc.coll.name.lower()} #{seq}: rank {gone[0]} left "
+                              f"the call at phase {step} while rank {lane.rank} read its "
+                              "registered buffers", gone[0])
 
     async def _pace(self) -> None:
         """Yield to the loop once a step's time is spent (between pieces)."""
@@ -1373,15 +1398,16 @@ class ZeroCopyAllReduce(_LaneCall):
         rank, n = lane.rank, lane.size
         sends = [mine if k == rank else a for k, (a, _) in enumerate(arrays)]
         recvs = [res if k == rank else b for k, (_, b) in enumerate(arrays)]
-        ufunc, piece, avg = self._ufunc, self._piece, self.op == ReduceOp.AVG
+        ufunc, avg, dtype = self._ufunc, self.op == ReduceOp.AVG, self._dtype
         base = (seq + 1) << 2
         a, b = self._parts[rank]
-        for p in range(a, b, piece):  # phase 1: my part, from every rank's send buffer
-            q = min(b, p + piece)
+
+        def combine(i: int, j: int) -> None:  # my part, from every rank's send buffer
+            p, q = a + i, a + j
             out = res[p:q]
             operands = [sends[k][p:q] for k in range(n)]
             if rank >= 2 and inplace:  # (the first combinations would overwrite it)
-                saved = lane.scratch(out.nbytes)[:out.nbytes].view(self._dtype)
+                saved = lane.scratch(out.nbytes)[:out.nbytes].view(dtype)
                 np.copyto(saved, operands[rank])
                 operands[rank] = saved
             ufunc(operands[0], operands[1], out=out)
@@ -1389,12 +1415,18 @@ class ZeroCopyAllReduce(_LaneCall):
                 ufunc(out, part, out=out)
             if avg:
                 finish_avg(out, n)
-            await self._pace()
+
+        # (pieces of about 0.2 ms, learnt per dtype, op and rank count: a float16 sum
+        # is 70x slower than a float32 one)
+        await paced(self._pace, ("zero-copy", dtype, self.op, n), b - a, dtype.itemsize,
+                    combine)
         await self._phase(seq, ctx, base + 1, 1)
         for k in lane.peers:  # phase 2: every peer's part, from its receive buffer
             c, d = self._parts[k]
-            for p in range(c, d, piece):
-                q = min(d, p + piece)
-                res[p:q] = recvs[k][p:q]
-                await self._pace()
+            src = recvs[k]
+
+            def copy(i: int, j: int, c: int = c, src: Any = src) -> None:
+                res[c + i:c + j] = src[c + i:c + j]
+
+            await paced(self._pace, ("copy", dtype.itemsize), d - c, dtype.itemsize, copy)
         await self._phase(seq, ctx, base + 2, 2)

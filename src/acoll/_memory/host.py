@@ -18,7 +18,7 @@ import numpy as np
 from .._dtypes import ReduceOp, as_host_array, byte_view, empty_bytes, finish_avg, reduce_into
 from .base import Buffer, MemoryKind, MemorySpace, Pace
 
-__all__ = ["HostSpace"]
+__all__ = ["HostSpace", "paced"]
 
 _PIECE_NS = 200_000  # target duration of one piece of a reduction or copy
 _FIRST_PIECE = 1 << 14  # items, before the speed of a kind of piece is known
@@ -31,7 +31,7 @@ _SMALL_WORK = 64 << 10  # bytes done at once, unpaced
 _piece_items: dict[tuple[Any, ...], int] = {}  # learnt piece size per (work, dtype, op)
 
 
-async def _paced(pace: Pace, key: tuple[Any, ...], n: int, itemsize: int,
+async def paced(pace: Pace, key: tuple[Any, ...], n: int, itemsize: int,
                  work: Callable[[int, int], None]) -> None:
     """Run ``work(start, stop)`` over ``[0, n)`` in pieces of about ``_PIECE_NS`` and at
     most ``_MAX_PIECE_BYTES``, awaiting ``pace()`` between pieces.
@@ -94,7 +94,7 @@ class HostSpace(MemorySpace):
         def work(i: int, j: int) -> None:
             reduce_into(o[i:j], x[i:j], y[i:j], op)
 
-        await _paced(pace, ("reduce", o.dtype, op), o.size, o.itemsize, work)
+        await paced(pace, ("reduce", o.dtype, op), o.size, o.itemsize, work)
 
     async def finish_avg(self, buf: Buffer, n: int, pace: Pace) -> None:
         arr = buf.array
@@ -107,7 +107,7 @@ class HostSpace(MemorySpace):
         def work(i: int, j: int) -> None:
             finish_avg(arr[i:j], n)
 
-        await _paced(pace, ("avg", arr.dtype), arr.size, arr.itemsize, work)
+        await paced(pace, ("avg", arr.dtype), arr.size, arr.itemsize, work)
 
     async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
         d, s = dst.array, src.array
@@ -118,7 +118,7 @@ class HostSpace(MemorySpace):
         def work(i: int, j: int) -> None:
             d[i:j] = s[i:j]
 
-        await _paced(pace, ("copy", d.itemsize), d.size, d.itemsize, work)
+        await paced(pace, ("copy", d.itemsize), d.size, d.itemsize, work)
 
     def pointer(self, buf: Buffer) -> int:
         return int(buf.array.ctypes.data)

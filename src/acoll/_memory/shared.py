@@ -16,9 +16,11 @@ descriptor is closed and it leaves the registry; peers that mapped it keep their
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
+import sys
 import threading
 import weakref
 from typing import Any
@@ -40,6 +42,10 @@ _SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
 
 class _Map(mmap.mmap):
     """An mmap that can be referenced weakly (the registry must not keep it alive)."""
+
+
+#: Python's mmap keeps a duplicate of the descriptor it maps unless told not to (3.13+)
+_NO_FD_COPY: dict[str, Any] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 
 
 class SharedBlock:
@@ -77,33 +83,47 @@ def empty_shared(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.nd
     other processes of this host can map. Collectives of a communicator whose ranks are
     processes of one host read such arrays in place once registered
     (``await comm.register(x)``): the fastest host path. Sub-arrays (views) of it count
-    as registered too. It costs one page more than the array, and a file descriptor
-    while it lives.
+    as registered too. It costs one page more than the array and, while it lives, two
+    file descriptors (one on Python 3.13 and later, whose mmap can do without its copy);
+    each peer that maps it once registered holds one more (none on 3.13+).
 
     Raises:
-        InvalidUsage: a negative size. OSError: the system has no memfd.
+        InvalidUsage: a negative or non-integer size, a size over 2**62 bytes, or a
+        dtype without fixed-size items (object, void of size 0). OSError: the system
+        has no memfd, or too little memory.
     """
     from ..errors import InvalidUsage
 
     dt = np.dtype(dtype)
+    if dt.hasobject or dt.itemsize == 0:
+        raise InvalidUsage(f"empty_shared: dtype {dt} has no fixed-size items to share")
     dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if any(not isinstance(d, int) or d < 0 for d in dims):
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
         raise InvalidUsage(f"empty_shared: shape must hold non-negative ints, got {shape!r}")
-    count = int(np.prod(dims, dtype=np.int64))
+    count = 1
+    for d in dims:
+        count *= d  # (Python ints: no wrap-around)
     nbytes = count * dt.itemsize
+    if nbytes > 1 << 62:
+        raise InvalidUsage(f"empty_shared: {shape!r} of {dt} is {nbytes} bytes, too many")
     span = HEADER + max(mmap.PAGESIZE, -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE)
     fd = os.memfd_create(NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     try:
         os.ftruncate(fd, span)
         if _SEALS:
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        mm = _Map(fd, span)
+        mm = _Map(fd, span, **_NO_FD_COPY)
+        try:
+            token = os.urandom(16)
+            mm[:16] = token
+            arr = np.frombuffer(mm, dt, count, HEADER).reshape(dims)
+        except BaseException:
+            with contextlib.suppress(BufferError):
+                mm.close()
+            raise
     except BaseException:
         os.close(fd)
         raise
-    token = os.urandom(16)
-    mm[:16] = token
-    arr = np.frombuffer(mm, dt, count, HEADER).reshape(dims)
     start = arr.__array_interface__["data"][0]
     block = SharedBlock(fd, span, start, token, mm)
     with _lock:
@@ -126,7 +146,8 @@ def find(address: int, nbytes: int) -> tuple[SharedBlock, int] | None:
 def open_shared(pid: int, fd: int, span: int, token: bytes) -> tuple[mmap.mmap, Any]:
     """Map another process's allocation (its descriptor ``fd``, through ``/proc``) after
     checking that it is one: a memfd named ``acoll-host``, ``span`` bytes, sealed against
-    resizing, holding ``token``. Returns the mapping and its array bytes (uint8).
+    resizing, holding ``token``. Returns the mapping and its array bytes (uint8), both
+    read-only: peers only ever read a registered allocation.
 
     Raises:
         OSError: it cannot be opened. ValueError: it is not the allocation announced.
@@ -134,14 +155,16 @@ def open_shared(pid: int, fd: int, span: int, token: bytes) -> tuple[mmap.mmap, 
     path = f"/proc/{int(pid)}/fd/{int(fd)}"
     if not os.readlink(path).startswith(f"/memfd:{NAME}"):
         raise ValueError(f"{path} is not an acoll host allocation")
-    sfd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
+    sfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     try:
+        if not os.readlink(f"/proc/self/fd/{sfd}").startswith(f"/memfd:{NAME}"):
+            raise ValueError(f"{path} is not an acoll host allocation")  # (it changed)
         size = os.fstat(sfd).st_size
         if size != span:
             raise ValueError(f"the allocation holds {size} bytes, not {span}")
         if _SEALS and fcntl.fcntl(sfd, fcntl.F_GET_SEALS) & _SEALS != _SEALS:
             raise ValueError("the allocation is not sealed against resizing")
-        mm = mmap.mmap(sfd, span)
+        mm = mmap.mmap(sfd, span, prot=mmap.PROT_READ, **_NO_FD_COPY)
     finally:
         os.close(sfd)
     if mm[:16] != token:
