@@ -667,6 +667,41 @@ async def reg_left_early(comm: acoll.Communicator) -> dict[str, Any]:
     return {**out, "values": values}
 
 
+async def reg_aborted_under(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 0's zero-copy all_reduce runs in a task; rank 0 aborts the communicator from
+    another task while rank 1 is about to copy its last piece of rank 0's part, refills
+    its buffer and blocks its loop (so the op's own task cannot react). Rank 1 must not
+    return a result with rank 0's new bytes in it."""
+    r = comm.rank
+    x = acoll.empty_shared(1 << 22, np.float32)
+    await comm.register(x)
+    x[:] = 1
+    await comm.all_reduce(x)
+    if r == 1:
+        real = lane_mod.paced
+
+        async def stalling(pace: Any, key: Any, n: int, itemsize: int, work: Any) -> None:
+            if key[0] != "copy":
+                await real(pace, key, n, itemsize, work)
+                return
+            work(0, n - 1)
+            time.sleep(4)  # noqa: ASYNC251 - stalling the loop is the point
+            work(n - 1, n)  # (no pace: nothing lets this rank hear of the abort first)
+
+        lane_mod.paced = stalling
+    x[:] = 1
+    if r == 0:
+        task = asyncio.ensure_future(comm.all_reduce(x))
+        await asyncio.sleep(1.0)  # (in the last phase's wait by now)
+        comm.abort()
+        x[:] = 1000  # (the communicator is gone: the buffer is the caller's again)
+        time.sleep(6)  # noqa: ASYNC251 - the op's task must not run before rank 1 reads
+        out = await _outcome(task)
+        return out
+    out = await _outcome(comm.all_reduce(x))
+    return {**out, "values": sorted({float(v) for v in np.unique(x)})}
+
+
 async def reg_dereg_alone(comm: acoll.Communicator) -> dict[str, Any]:
     """Every rank registers x then y; rank REG_ALONE alone deregisters x (against the
     contract): its buffer is no longer registered there, so every rank runs the plain

@@ -493,6 +493,9 @@ class Communicator:
             return
         self._error = error
         self._lane_plans.clear()
+        lane = getattr(self, "_lane", None)  # (None before the lane is made)
+        if lane is not None:
+            lane.abandon()  # (before any caller can touch its buffers again)
         log.info("rank %d: communicator failed: %s", self.rank, error)
         self._p2p_seq.fail(error)
         if self._p2p is not None:
@@ -514,6 +517,9 @@ class Communicator:
         if self._closed:
             return
         self._closed = True
+        lane = getattr(self, "_lane", None)
+        if lane is not None:
+            lane.abandon()
         if self._error is None:
             self._error = ClosedError("the communicator was aborted")
         self._p2p_seq.fail(self._error)

@@ -224,6 +224,9 @@ class Lane:
         #: same on every rank, since registering is collective (:meth:`register`)
         self.regs: list[_HostReg | None] = []
         self._reg_of: dict[bytes, int] = {}  # this rank's allocation token -> index
+        #: the abandoned phase value of the zero-copy op whose peers may be reading this
+        #: rank's buffers now (0: none; see :class:`ZeroCopyAllReduce` and :meth:`abandon`)
+        self.abandon_at = 0
 
     def scratch(self, nbytes: int) -> Any:
         """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
@@ -364,6 +367,13 @@ class Lane:
             if again is not None:
                 self._reg_of[reg.token] = again
         _close_reg(reg)
+
+    def abandon(self) -> None:
+        """Mark the zero-copy op in flight, if any, as abandoned by this rank (now: its
+        caller may touch its buffers from here on). Called when the communicator fails or
+        is aborted, whichever task runs the op."""
+        if self.abandon_at and self.boards is not None:
+            self.boards[self.rank].set_phase(self.abandon_at)
 
     @property
     def registered(self) -> bool:
@@ -1185,8 +1195,6 @@ def _nothing(slot: int) -> None:
     pass
 
 
-#: the zero-copy all_reduce combines and copies in pieces of this many bytes (of the
-#: result), yielding to the loop between them once a step's time is spent
 #: the phase word's low bits in a zero-copy op: 1 and 2 after the two phases, this one
 #: for a rank that left the op by an exception (see :class:`ZeroCopyAllReduce`)
 _ABANDONED = 3
@@ -1218,11 +1226,13 @@ class ZeroCopyAllReduce(_LaneCall):
     call line it needs.
 
     A rank that leaves the op by an exception once it posted its record (a timeout, a
-    cancellation, a peer's failure) first sets its phase to the *abandoned* value
-    (``_ABANDONED``), before its caller can touch its buffers again: a peer may still be
-    reading them. Every wait for phases checks for that value after it is satisfied (the
-    abandoned value passes any wait of the op), so a peer that read buffers which may
-    have changed under it raises instead of returning a result."""
+    cancellation, a peer's failure), or whose communicator fails or is aborted while the
+    op runs (a call cancelled while another task runs it, in a group), sets its phase to
+    the *abandoned* value (``_ABANDONED``, :meth:`Lane.abandon`) before its caller can
+    touch its buffers again: a peer may still be reading them. Every wait for phases
+    checks for that value after it is satisfied (the abandoned value passes any wait of
+    the op), so a peer that read buffers which may have changed under it raises instead
+    of returning a result."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
                  op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
@@ -1262,14 +1272,21 @@ class ZeroCopyAllReduce(_LaneCall):
             sent = lane.locate(mine)
             got = sent if inplace else lane.locate(res)
             board = boards[lane.rank]
+            lane.abandon_at = ((seq + 1) << 2) + _ABANDONED
             board.post_call(seq, (*self._words, *sent, *got))
             try:
                 records = await self._records(seq, ctx)
                 if records is not None:
                     await self._zero_copy(seq, ctx, mine, res, inplace, records)
-            except BaseException:
-                board.set_phase(((seq + 1) << 2) + _ABANDONED)  # (see the class doc)
+            except BaseException as exc:
+                lane.abandon()  # (see the class doc)
+                if not isinstance(exc, (AcollError, asyncio.CancelledError)):
+                    # (e.g. MemoryError: the peers must not wait for this rank's next op)
+                    self.comm.fail(ProtocolError(
+                        f"lane: all_reduce #{seq} failed on rank {lane.rank}: {exc!r}"))
                 raise
+            finally:
+                lane.abandon_at = 0
             if records is None:
                 held = False  # (the fallback gives the turn back)
                 await self.fallback.run(seq, ctx, mine, res, turned=True)
@@ -1385,8 +1402,11 @@ class ZeroCopyAllReduce(_LaneCall):
                               "registered buffers", gone[0])
 
     async def _pace(self) -> None:
-        """Yield to the loop once a step's time is spent (between pieces)."""
+        """Between pieces: stop if the communicator failed (it may have been cancelled
+        from another task: the caller's buffers are no longer the op's), and yield to the
+        loop once a step's time is spent."""
         lane = self.lane
+        self.comm.check_usable()
         if time.perf_counter_ns() >= lane.yield_at:
             await asyncio.sleep(0)
             lane.yield_at = time.perf_counter_ns() + STEP_NS

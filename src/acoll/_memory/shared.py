@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import mmap
+import operator
 import os
 import sys
 import threading
@@ -34,6 +35,7 @@ __all__ = ["HEADER", "SharedBlock", "empty_shared", "find", "open_shared"]
 log = get_logger("INIT")
 
 NAME = "acoll-host"
+_LINK = f"/memfd:{NAME} (deleted)"  # what /proc/PID/fd/N reads for such an allocation
 #: bytes before the array: the token (16 bytes) and padding to a page
 HEADER = mmap.PAGESIZE
 _SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
@@ -78,7 +80,8 @@ def _free(start: int, fd: int) -> None:
     os.close(fd)
 
 
-def empty_shared(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+def empty_shared(shape: int | tuple[int, ...] | list[int], dtype: Any = np.float32
+                 ) -> np.ndarray:
     """A new uninitialised NumPy array of ``shape`` and ``dtype`` in host memory that
     other processes of this host can map. Collectives of a communicator whose ranks are
     processes of one host read such arrays in place once registered
@@ -95,10 +98,15 @@ def empty_shared(shape: int | tuple[int, ...], dtype: Any = np.float32) -> np.nd
     from ..errors import InvalidUsage
 
     dt = np.dtype(dtype)
-    if dt.hasobject or dt.itemsize == 0:
-        raise InvalidUsage(f"empty_shared: dtype {dt} has no fixed-size items to share")
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
-    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
+    if dt.hasobject or dt.itemsize == 0 or dt.subdtype is not None:
+        raise InvalidUsage(f"empty_shared: dtype {dt} has no fixed-size scalar items to "
+                           "share (object, empty or sub-array dtypes)")
+    raw = tuple(shape) if isinstance(shape, (tuple, list)) else (shape,)
+    try:
+        dims: tuple[int, ...] | None = tuple(operator.index(d) for d in raw)
+    except TypeError:
+        dims = None
+    if dims is None or any(isinstance(d, bool) for d in raw) or any(d < 0 for d in dims):
         raise InvalidUsage(f"empty_shared: shape must hold non-negative ints, got {shape!r}")
     count = 1
     for d in dims:
@@ -153,11 +161,11 @@ def open_shared(pid: int, fd: int, span: int, token: bytes) -> tuple[mmap.mmap, 
         OSError: it cannot be opened. ValueError: it is not the allocation announced.
     """
     path = f"/proc/{int(pid)}/fd/{int(fd)}"
-    if not os.readlink(path).startswith(f"/memfd:{NAME}"):
+    if os.readlink(path) != _LINK:
         raise ValueError(f"{path} is not an acoll host allocation")
     sfd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOCTTY | os.O_NONBLOCK)
     try:
-        if not os.readlink(f"/proc/self/fd/{sfd}").startswith(f"/memfd:{NAME}"):
+        if os.readlink(f"/proc/self/fd/{sfd}") != _LINK:
             raise ValueError(f"{path} is not an acoll host allocation")  # (it changed)
         size = os.fstat(sfd).st_size
         if size != span:
