@@ -290,6 +290,10 @@ def test_empty_shared_refuses_dtypes_and_sizes_it_cannot_share_and_leaks_nothing
         acoll.empty_shared((1 << 40, 1 << 40), np.uint8)  # (wraps to 0 in int64)
     with pytest.raises(acoll.InvalidUsage, match="shape"):
         acoll.empty_shared((2, True))
+    with pytest.raises(acoll.InvalidUsage, match="sub-array"):
+        acoll.empty_shared(4, ("f4", (3,)))
+    assert acoll.empty_shared(np.int64(4), np.int16).shape == (4,)  # (NumPy integers)
+    assert acoll.empty_shared([2, np.int32(3)]).shape == (2, 3)
     assert memfds() == before
 
 
