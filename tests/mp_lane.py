@@ -46,15 +46,27 @@ def _count(cls: Any, kind: str) -> None:
 _count(lane_mod._LaneCall, "lane")
 _count(lane_mod.StepPlan, "steps")
 _count(lane_mod.ZeroCopyAllReduce, "zc_calls")
-_zero_copy = lane_mod.ZeroCopyAllReduce._zero_copy
+#: zero-copy runs by collective ("zero_copy" counts all_reduce's, as before)
+ZERO_COPY_BY: dict[str, int] = {}
 
 
-async def _counted_zero_copy(self: Any, *args: Any) -> None:
-    RUNS["zero_copy"] += 1
-    await _zero_copy(self, *args)
+def _count_zero_copy(cls: Any, name: str) -> None:
+    run = cls._zero_copy
+
+    async def counted(self: Any, *args: Any) -> None:
+        ZERO_COPY_BY[name] = ZERO_COPY_BY.get(name, 0) + 1
+        if name == "all_reduce":
+            RUNS["zero_copy"] += 1
+        await run(self, *args)
+
+    cls._zero_copy = counted
 
 
-lane_mod.ZeroCopyAllReduce._zero_copy = _counted_zero_copy  # type: ignore[method-assign]
+for _cls, _name in ((lane_mod.ZeroCopyAllReduce, "all_reduce"),
+                    (lane_mod.ZeroCopyAllGather, "all_gather"),
+                    (lane_mod.ZeroCopyReduceScatter, "reduce_scatter"),
+                    (lane_mod.ZeroCopyBroadcast, "broadcast")):
+    _count_zero_copy(_cls, _name)
 #: every step plan made: (its Steps class, payload bytes per peer per step)
 STEP_PLANS: list[tuple[str, int]] = []
 _step_plan_init = lane_mod.StepPlan.__init__
@@ -470,7 +482,8 @@ async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:
     counts = [(1 << 18) + 5, 150_001] if comm.size == 2 else [(1 << 18) + 5]
     dtypes = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.float16, np.uint8)]
     checks = await check_all(comm, counts, dtypes, ALL_OPS, dev=arena.take)
-    return {"checks": checks, "zc_calls": RUNS["zc_calls"], "zero_copy": RUNS["zero_copy"]}
+    return {"checks": checks, "zc_calls": RUNS["zc_calls"], "zero_copy": RUNS["zero_copy"],
+            "by": ZERO_COPY_BY}
 
 
 async def reg_reuse(comm: acoll.Communicator) -> dict[str, Any]:
@@ -491,6 +504,42 @@ async def reg_reuse(comm: acoll.Communicator) -> dict[str, Any]:
         if r == i % n and i % 7 == 0:
             await asyncio.sleep(0.002)
     return {"bad": bad, "zero_copy": RUNS["zero_copy"]}
+
+
+async def reg_reuse_colls(comm: acoll.Communicator) -> dict[str, Any]:
+    """all_gather, reduce_scatter and broadcast on registered buffers, each buffer spoiled
+    (-1) right after its call: a rank that left while a peer still read from it would
+    give that peer -1s."""
+    n, r = comm.size, comm.rank
+    c = (1 << 16) + 3  # float64: 512 KiB + 24 B, the broadcast's size; the others n x that
+    send = acoll.empty_shared(n * c, np.float64)
+    recv = acoll.empty_shared(n * c, np.float64)
+    await comm.register(send)
+    await comm.register(recv)
+    bad = 0
+    for i in range(60):
+        kind, root = i % 3, (i // 3) % n
+        if kind == 0:
+            mine = send[:c]
+            mine[:] = r + i
+            await comm.all_gather(mine, recv)
+            bad += int(np.count_nonzero(recv != np.repeat(np.arange(n) + i, c)))
+            mine[:] = -1
+        elif kind == 1:
+            send[:] = np.repeat(np.arange(n) * 10 + r + i, c)
+            out = recv[r * c:(r + 1) * c] if i % 2 else recv[:c]
+            await comm.reduce_scatter(send, out)
+            bad += int(np.count_nonzero(out != sum(r * 10 + q + i for q in range(n))))
+            send[:] = -1
+        else:
+            buf = recv[:c]
+            buf[:] = r + i
+            await comm.broadcast(buf, root)
+            bad += int(np.count_nonzero(buf != root + i))
+            buf[:] = -1
+        if r == i % n and i % 5 == 0:
+            await asyncio.sleep(0.002)
+    return {"bad": bad, "by": ZERO_COPY_BY}
 
 
 async def reg_mixed(comm: acoll.Communicator) -> dict[str, Any]:
@@ -614,10 +663,10 @@ async def reg_stalled(comm: acoll.Communicator) -> dict[str, Any]:
     if comm.rank == 1:
         phase = lane_mod.ZeroCopyAllReduce._phase
 
-        async def stalling(self: Any, seq: int, ctx: Any, value: int, step: int) -> None:
+        async def stalling(self: Any, seq: int, ctx: Any, step: int) -> None:
             if step == 1:
                 time.sleep(6)  # noqa: ASYNC251 - stalling the loop is the point
-            await phase(self, seq, ctx, value, step)
+            await phase(self, seq, ctx, step)
 
         lane_mod.ZeroCopyAllReduce._phase = stalling  # type: ignore[method-assign]
     return await _outcome(comm.all_reduce(x))

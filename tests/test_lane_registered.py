@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import acoll
+from acoll._coll.base import Coll
 from acoll._comm.lane import ZERO_COPY_MIN, ZeroCopyAllReduce, _new_board
 from acoll._memory import shared
 from acoll._transport import shm
@@ -122,7 +123,7 @@ def test_a_peer_that_posted_its_call_record_then_published_is_no_offender() -> N
     peer_owns = Board(mems[1], 2, 256, owner=1, me=1)
     call = object.__new__(ZeroCopyAllReduce)
     call.lane = SimpleNamespace(boards=boards, inboxes=[None, None], rank=0)  # type: ignore[assignment]
-    call.desc = SimpleNamespace(packed=desc)  # type: ignore[assignment]
+    call.desc = SimpleNamespace(packed=desc, coll=Coll.ALL_REDUCE)  # type: ignore[assignment]
     peer_owns.post_call(seq - 1, (*head(desc, 0)[:2], 0, 0, 0, 0))  # (the op before)
     peer_owns.publish_at(seq & 1, stamp(seq, 0), head(desc, 64))
     with pytest.raises(acoll.ProtocolError, match="rank 1 runs all_reduce #1847 without"):
@@ -135,9 +136,10 @@ def test_a_peer_that_posted_its_call_record_then_published_is_no_offender() -> N
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (3, "debug"), (4, "uvloop")])
 def test_collectives_on_registered_buffers_match_numpy(n: int, loop: str) -> None:
     """Every collective, op and dtype on buffers inside a registered allocation at
-    offsets that are multiples of 8 but not of 16; all_reduces of at least
-    ZERO_COPY_MIN bytes read the peers' buffers in place (counted), the rest take their
-    usual paths; results bit for bit against NumPy."""
+    offsets that are multiples of 8 but not of 16; all_reduce, all_gather,
+    reduce_scatter and broadcast of at least ZERO_COPY_MIN bytes read the peers' buffers
+    in place (counted), the rest take their usual paths; results bit for bit against
+    NumPy."""
     if loop == "uvloop":
         pytest.importorskip("uvloop")
     results = _run("reg_matrix", n, cpus=max(n, os.cpu_count() or 1), loop=loop, wait=400)
@@ -146,6 +148,8 @@ def test_collectives_on_registered_buffers_match_numpy(n: int, loop: str) -> Non
         assert res["boards"], res
         assert res["zero_copy"] >= 20, res  # (in place and not, most dtypes and ops)
         assert res["zero_copy"] == results[0]["zero_copy"]  # type: ignore[index]
+        for name in ("all_gather", "reduce_scatter", "broadcast"):
+            assert res["by"].get(name, 0) >= 4, res["by"]
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
 
 
@@ -155,6 +159,13 @@ def test_buffers_refilled_right_after_each_call_never_corrupt_a_peer(n: int) -> 
         assert res is not None
         assert res["zero_copy"] == 150, res
         assert res["bad"] == 0, res
+
+
+def test_other_collectives_never_let_a_peer_read_spoiled_buffers() -> None:
+    for res in _run("reg_reuse_colls", 3, cpus=4):
+        assert res is not None
+        assert res["bad"] == 0, res
+        assert res["by"] == {"all_gather": 20, "reduce_scatter": 20, "broadcast": 20}, res
 
 
 def test_ranks_without_registered_buffers_make_every_rank_take_the_plain_plan() -> None:

@@ -86,13 +86,19 @@ def test_failed_setup_removes_what_it_built() -> None:
     assert _ours(t.tag) == []
 
 
+def _interruptible() -> None:
+    """(In the child) SIGINT as a terminal gives it: a suite started in the background
+    by a shell (``make test &``) has SIGINT ignored, and the child would inherit that."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.netns
 @needs_root
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_tears_everything_down(sig: int) -> None:
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--check", "--hold", "120",
                              "--hosts", "2", "--rate", "1gbit"], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE, preexec_fn=_interruptible)
     tag = f"{ns_shaped.PREFIX}{proc.pid}"
     try:
         line = read_line(proc, timeout=60)
@@ -117,7 +123,8 @@ def test_interrupted_sweep_leaves_no_rank_behind() -> None:
     proc = subprocess.Popen([sys.executable, str(SCRIPT), "--libs", "acoll", "--hosts", "2",
                              "--rate", "1gbit", "-b", "64K", "-e", "64K", "-n", "1000000",
                              "-w", "0", "--timeout", "120"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=_interruptible)
     tag = f"{ns_shaped.PREFIX}{proc.pid}"
     try:
         assert read_line(proc, timeout=60).startswith("# ")  # set up, ranks starting

@@ -58,7 +58,10 @@ from ._comm.lane import (
     LanePlan,
     StepPlan,
     Steps,
+    ZeroCopyAllGather,
     ZeroCopyAllReduce,
+    ZeroCopyBroadcast,
+    ZeroCopyReduceScatter,
     all_gather_steps,
     all_reduce_one_shot_steps,
     all_reduce_steps,
@@ -738,7 +741,7 @@ class Communicator:
         await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps),
                              mine, res)
 
-    async def _lane_run(self, call: LanePlan | _LanePlans, mine: Any = None,
+    async def _lane_run(self, call: _LaneCalls, mine: Any = None,
                         res: Any = None) -> None:
         """Run a lane call as the next op (``mine``/``res``: a reused plan's arrays).
 
@@ -961,6 +964,16 @@ class Communicator:
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
+        lane = self._lane
+        if lane is not None and lane.registered and b.nbytes >= ZERO_COPY_MIN:
+            self.check_usable()
+            raw = _bytes_of(b)
+            await self._lane_run(ZeroCopyBroadcast(self, lane, desc, b.nbytes, root, (
+                LanePlan(self, lane, desc, b, b, ReduceOp.SUM, root)
+                if self._lane_fits(b.nbytes) else StepPlan(
+                    self, lane, desc, np.dtype(np.uint8),
+                    broadcast_steps(lane, b.nbytes, lane.step, root)))), raw, raw)
+            return buf
         if self._lane_fits(b.nbytes):
             await self._lane_call(desc, b, b, root=root)
             return buf
@@ -1028,6 +1041,14 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
+        lane = self._lane
+        if lane is not None and lane.registered and r.nbytes >= ZERO_COPY_MIN:
+            self.check_usable()
+            await self._lane_run(ZeroCopyAllGather(self, lane, desc, s.nbytes, (
+                LanePlan(self, lane, desc, s, r) if self._lane_fits(s.nbytes) else StepPlan(
+                    self, lane, desc, np.dtype(np.uint8),
+                    all_gather_steps(lane, s.nbytes, lane.step)))), _bytes_of(s), _bytes_of(r))
+            return out
         if self._lane_fits(s.nbytes):
             await self._lane_call(desc, s, r)
             return out
@@ -1058,6 +1079,14 @@ class Communicator:
             return out
         if self.size == 1:
             await self._local_copy(r, s, order)
+            return out
+        lane = self._lane
+        if lane is not None and lane.registered and s.nbytes >= ZERO_COPY_MIN:
+            self.check_usable()
+            await self._lane_run(ZeroCopyReduceScatter(self, lane, desc, r.dtype, r.count, rop, (
+                LanePlan(self, lane, desc, s, r, rop) if self._lane_fits(r.nbytes) else StepPlan(
+                    self, lane, desc, r.dtype, reduce_scatter_steps(
+                        lane, r.count, lane.step // r.itemsize), rop))), s.array, r.array)
             return out
         if self._lane_fits(r.nbytes):
             await self._lane_call(desc, s, r, rop)
@@ -1365,6 +1394,13 @@ class _OnStream:
 
 
 _LanePlans = AllReducePlan | StepPlan | ZeroCopyAllReduce
+_LaneCalls = (LanePlan | _LanePlans | ZeroCopyAllGather | ZeroCopyBroadcast
+              | ZeroCopyReduceScatter)
+
+
+def _bytes_of(buf: Buffer) -> Any:
+    """A host buffer's bytes as a flat uint8 NumPy array (no copy)."""
+    return np.frombuffer(buf.view(), np.uint8)
 
 
 def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
@@ -1378,7 +1414,7 @@ def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
 class _PlanAt:
     """A lane call run by the executor as op ``seq`` (not wrapped)."""
 
-    def __init__(self, call: LanePlan | _LanePlans, seq: int,
+    def __init__(self, call: _LaneCalls, seq: int,
                  ctx: OpContext, mine: Any, res: Any) -> None:
         self.call, self.seq, self.ctx, self.mine, self.res = call, seq, ctx, mine, res
 

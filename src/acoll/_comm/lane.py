@@ -85,7 +85,8 @@ from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
 __all__ = ["STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
-           "ZERO_COPY_MIN", "ZeroCopyAllReduce",
+           "ZERO_COPY_MIN", "ZeroCopyAllGather", "ZeroCopyAllReduce", "ZeroCopyBroadcast",
+           "ZeroCopyReduceScatter",
            "all_reduce_one_shot_steps", "one_shot_steps_max", "all_gather_steps",
            "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
@@ -225,7 +226,7 @@ class Lane:
         self.regs: list[_HostReg | None] = []
         self._reg_of: dict[bytes, int] = {}  # this rank's allocation token -> index
         #: the abandoned phase value of the zero-copy op whose peers may be reading this
-        #: rank's buffers now (0: none; see :class:`ZeroCopyAllReduce` and :meth:`abandon`)
+        #: rank's buffers now (0: none; see :class:`_ZeroCopy` and :meth:`abandon`)
         self.abandon_at = 0
 
     def scratch(self, nbytes: int) -> Any:
@@ -605,9 +606,9 @@ class _LaneCall:
             f"earlier lane ops on rank {lane.rank}"), lambda: None)
 
     def _check_recorded(self, seq: int, pending: list[int]) -> None:
-        """A peer that said on its call line what it calls op ``seq`` with runs an
-        all_reduce that may go zero-copy (:class:`ZeroCopyAllReduce`), which this rank
-        does not: name the difference."""
+        """A peer that said on its call line what it calls op ``seq`` with runs a call
+        that may go zero-copy (:class:`_ZeroCopy`), which this rank does not: name the
+        difference."""
         boards = self.lane.boards
         if (boards is None or not self.lane.registered
                 or boards[self.lane.rank].called(seq) is not None):  # (so did this rank)
@@ -1196,34 +1197,26 @@ def _nothing(slot: int) -> None:
 
 
 #: the phase word's low bits in a zero-copy op: 1 and 2 after the two phases, this one
-#: for a rank that left the op by an exception (see :class:`ZeroCopyAllReduce`)
+#: for a rank that left the op by an exception (see :class:`_ZeroCopy`)
 _ABANDONED = 3
 #: all_reduces from this size (bytes) may go zero-copy (smaller ones go through the
 #: mailboxes as they are: three waits for every peer cost more than their copies)
 ZERO_COPY_MIN = 512 << 10
 
 
-class ZeroCopyAllReduce(_LaneCall):
-    """An all_reduce that reads the peers' buffers in place when every rank's buffers lie
-    in registered allocations (:meth:`Lane.register`; ``fallback`` runs otherwise).
+class _ZeroCopy(_LaneCall):
+    """A collective that reads the peers' buffers in place when every rank's buffers lie
+    in registered allocations (:meth:`Lane.register`; ``fallback``, the plan the call
+    would have run, runs otherwise, holding the same turn).
 
     Each rank says on its board's call line which registered allocation and offset its
     send and receive buffers are at (:meth:`Board.post_call`), and waits for every peer's
-    record: with every rank's buffers registered, every rank reaches the same verdict and
-    goes zero-copy; else every rank runs ``fallback`` (the plan it would have run, holding
-    the same turn). Zero-copy, in three phases told by the call line's phase word:
-
-    1. rank ``r`` combines part ``r`` of the result from every rank's send buffer, in rank
-       order (the bits of the lane's other plans), into its own receive buffer;
-    2. once every rank finished phase 1, it copies part ``k`` from rank ``k``'s receive
-       buffer, for every peer ``k``;
-    3. once every rank finished phase 2 (nobody reads this rank's buffers any more), it
-       returns.
-
-    In place (send is receive), a rank writes only part ``r`` in phase 1, which nobody
-    else reads then, and the other parts in phase 2, once every peer finished reading
-    them. The op keeps the lane's turn to the end: a later lane op cannot overwrite the
-    call line it needs.
+    record: every rank reads the same records, so every rank reaches the same verdict
+    (zero-copy when every rank's buffers are registered). Zero-copy, the subclass's
+    phases run (:meth:`_zero_copy`), each ended by :meth:`_phase`: this rank publishes
+    how far it got on its phase word and waits until every peer got as far. After the
+    last wait nobody reads this rank's buffers any more, and the op returns. The op keeps
+    the lane's turn to the end: a later lane op cannot overwrite the call line it needs.
 
     A rank that leaves the op by an exception once it posted its record (a timeout, a
     cancellation, a peer's failure), or whose communicator fails or is aborted while the
@@ -1234,21 +1227,24 @@ class ZeroCopyAllReduce(_LaneCall):
     the op), so a peer that read buffers which may have changed under it raises instead
     of returning a result."""
 
-    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
-                 op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
-        self.comm, self.lane, self.desc, self.op = comm, lane, desc, op
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any,
+                 send_count: int, recv_count: int, fallback: _LaneCall | StepPlan) -> None:
+        self.comm, self.lane, self.desc = comm, lane, desc
         self.heads, self.reads = [], []
         self.fallback = fallback
-        self._dtype, self._count = np.dtype(dtype), count
-        self._nbytes = count * self._dtype.itemsize
+        self._dtype = np.dtype(dtype)
+        self._send_bytes = send_count * self._dtype.itemsize
+        self._recv_bytes = recv_count * self._dtype.itemsize
         self._words = head(desc.packed, 0)[:2]
-        self._parts = _split(0, count, lane.size)
-        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+
+    @property
+    def _name(self) -> str:
+        return self.desc.coll.name.lower()
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
                   turned: bool = False) -> None:
-        """Run as op ``seq`` from ``mine`` into ``res`` (flat arrays; may be one);
-        ``turned`` as for :meth:`_LaneCall.run`."""
+        """Run as op ``seq`` from ``mine`` into ``res`` (flat arrays of the call's dtype;
+        may be one); ``turned`` as for :meth:`_LaneCall.run`."""
         lane = self.lane
         lane.inflight += 1
         turns = lane.turns
@@ -1267,23 +1263,23 @@ class ZeroCopyAllReduce(_LaneCall):
                 await self._turn(seq)
             boards = lane.boards
             assert boards is not None
-            inplace = mine is res or (
-                mine.__array_interface__["data"][0] == res.__array_interface__["data"][0])
             sent = lane.locate(mine)
-            got = sent if inplace else lane.locate(res)
+            got = sent if mine is res or _address(mine) == _address(res) else lane.locate(res)
             board = boards[lane.rank]
             lane.abandon_at = ((seq + 1) << 2) + _ABANDONED
             board.post_call(seq, (*self._words, *sent, *got))
             try:
                 records = await self._records(seq, ctx)
                 if records is not None:
-                    await self._zero_copy(seq, ctx, mine, res, inplace, records)
+                    sends = [mine if k == lane.rank else a for k, (a, _) in enumerate(records)]
+                    recvs = [res if k == lane.rank else b for k, (_, b) in enumerate(records)]
+                    await self._zero_copy(seq, ctx, sends, recvs)
             except BaseException as exc:
                 lane.abandon()  # (see the class doc)
                 if not isinstance(exc, (AcollError, asyncio.CancelledError)):
                     # (e.g. MemoryError: the peers must not wait for this rank's next op)
                     self.comm.fail(ProtocolError(
-                        f"lane: all_reduce #{seq} failed on rank {lane.rank}: {exc!r}"))
+                        f"lane: {self._name} #{seq} failed on rank {lane.rank}: {exc!r}"))
                 raise
             finally:
                 lane.abandon_at = 0
@@ -1296,6 +1292,12 @@ class ZeroCopyAllReduce(_LaneCall):
             lane.inflight -= 1
             if not lane.inflight and lane.release_pending:
                 lane.release()
+
+    @abstractmethod
+    async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
+                         ) -> None:
+        """The phases, from every rank's send buffer into this rank's receive buffer
+        (``sends[k]``/``recvs[k]``: rank ``k``'s; this rank's are the caller's arrays)."""
 
     async def _records(self, seq: int, ctx: Any) -> list[tuple[Any, Any]] | None:
         """Wait for every peer's call record of op ``seq``; every rank's (send, receive)
@@ -1329,25 +1331,26 @@ class ZeroCopyAllReduce(_LaneCall):
             records.append(rec)
         if any(not rec[2] or not rec[4] for rec in records):
             return None  # (the verdict of every rank: they all read the same records)
-        return [(self._array(k, rec[2], rec[3]), self._array(k, rec[4], rec[5]))
+        return [(self._array(k, rec[2], rec[3], self._send_bytes),
+                 self._array(k, rec[4], rec[5], self._recv_bytes))
                 for k, rec in enumerate(records)]
 
-    def _array(self, rank: int, reg: int, offset: int) -> Any:
+    def _array(self, rank: int, reg: int, offset: int, nbytes: int) -> Any:
         regs = self.lane.regs
         if not 0 < reg <= len(regs):  # (indexes are never reused: see Lane.register)
             raise ProtocolError(f"lane: rank {rank} named registration {reg - 1}, which "
                                 f"rank {self.lane.rank} never made")
         entry = regs[reg - 1]
         if entry is None:
-            raise InvalidUsage(f"{self.desc.coll.name.lower()}: rank {rank} calls it on "
-                               f"registered buffers (registration {reg - 1}) that rank "
-                               f"{self.lane.rank} deregistered (deregister() on every rank "
-                               "alike, in the same order)")
+            raise InvalidUsage(f"{self._name}: rank {rank} calls it on registered buffers "
+                               f"(registration {reg - 1}) that rank {self.lane.rank} "
+                               "deregistered (deregister() on every rank alike, in the "
+                               "same order)")
         view = entry.views[rank]
-        if offset < 0 or offset + self._nbytes > view.nbytes:
-            raise ProtocolError(f"lane: rank {rank} named {self._nbytes} bytes at offset "
+        if offset < 0 or offset + nbytes > view.nbytes:
+            raise ProtocolError(f"lane: rank {rank} named {nbytes} bytes at offset "
                                 f"{offset} of a registered buffer of {view.nbytes}")
-        return view[offset:offset + self._nbytes].view(self._dtype)
+        return view[offset:offset + nbytes].view(self._dtype)
 
     def _check_published(self, seq: int, pending: list[int]) -> None:
         """A pending peer that published op ``seq`` in its mailbox or on its board without
@@ -1372,16 +1375,17 @@ class ZeroCopyAllReduce(_LaneCall):
                 if got != self.desc.packed:
                     raise InvalidUsage(self.desc.describe_difference(
                         Descriptor.unpack(got), lane.rank, p))
-                raise ProtocolError(f"lane: rank {p} runs all_reduce #{seq} without its "
+                raise ProtocolError(f"lane: rank {p} runs {self._name} #{seq} without its "
                                     f"registered buffers, rank {lane.rank} with them (do the "
                                     "ranks' registrations differ?)")
 
-    async def _phase(self, seq: int, ctx: Any, value: int, step: int) -> None:
-        """Publish ``value`` as this rank's phase, then wait until every peer's phase is
-        at least ``value`` (``step``: 1 or 2, for the error of a wait that times out)."""
+    async def _phase(self, seq: int, ctx: Any, step: int) -> None:
+        """Publish that this rank finished phase ``step`` (1 or 2) of op ``seq``, then
+        wait until every peer did; raise if a peer abandoned the op (class doc)."""
         lane = self.lane
         boards = lane.boards
         assert boards is not None
+        value = ((seq + 1) << 2) + step
         boards[lane.rank].set_phase(value)
         pending = [p for p in lane.peers if boards[p].phase() < value]
         if pending:
@@ -1397,9 +1401,9 @@ class ZeroCopyAllReduce(_LaneCall):
         gone = [p for p in lane.peers if boards[p].phase() == abandoned]
         if gone:
             self.comm.check_usable()  # (its own failure, when it arrived: the first cause)
-            raise RemoteError(f"{self.desc.coll.name.lower()} #{seq}: rank {gone[0]} left "
-                              f"the call at phase {step} while rank {lane.rank} read its "
-                              "registered buffers", gone[0])
+            raise RemoteError(f"{self._name} #{seq}: rank {gone[0]} left the call at phase "
+                              f"{step} while rank {lane.rank} read its registered buffers",
+                              gone[0])
 
     async def _pace(self) -> None:
         """Between pieces: stop if the communicator failed (it may have been cancelled
@@ -1412,41 +1416,123 @@ class ZeroCopyAllReduce(_LaneCall):
             lane.yield_at = time.perf_counter_ns() + STEP_NS
             self.comm.check_usable()
 
-    async def _zero_copy(self, seq: int, ctx: Any, mine: Any, res: Any, inplace: bool,
-                         arrays: list[tuple[Any, Any]]) -> None:
-        lane = self.lane
-        rank, n = lane.rank, lane.size
-        sends = [mine if k == rank else a for k, (a, _) in enumerate(arrays)]
-        recvs = [res if k == rank else b for k, (_, b) in enumerate(arrays)]
-        ufunc, avg, dtype = self._ufunc, self.op == ReduceOp.AVG, self._dtype
-        base = (seq + 1) << 2
-        a, b = self._parts[rank]
+    async def _copy(self, dst: Any, src: Any) -> None:
+        """``dst[...] = src`` in paced pieces (nothing when they are the same memory)."""
+        if dst.size and _address(dst) != _address(src):
+            def work(i: int, j: int) -> None:
+                dst[i:j] = src[i:j]
 
-        def combine(i: int, j: int) -> None:  # my part, from every rank's send buffer
-            p, q = a + i, a + j
-            out = res[p:q]
-            operands = [sends[k][p:q] for k in range(n)]
-            if rank >= 2 and inplace:  # (the first combinations would overwrite it)
-                saved = lane.scratch(out.nbytes)[:out.nbytes].view(dtype)
-                np.copyto(saved, operands[rank])
-                operands[rank] = saved
-            ufunc(operands[0], operands[1], out=out)
-            for part in operands[2:]:
-                ufunc(out, part, out=out)
+            await paced(self._pace, ("copy", self._dtype.itemsize), dst.size,
+                        self._dtype.itemsize, work)
+
+    async def _combine(self, out: Any, operands: list[Any], op: ReduceOp) -> None:
+        """``out`` = ``operands`` combined under ``op`` in rank order, in paced pieces
+        (about 0.2 ms each, learnt per dtype, op and rank count: a float16 sum is 70x
+        slower than a float32 one). ``out`` may be one of the operands (in place)."""
+        n, dtype = len(operands), self._dtype
+        ufunc, avg = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op), op == ReduceOp.AVG
+        mine = next((k for k in range(2, n) if _address(operands[k]) == _address(out)), -1)
+
+        def work(i: int, j: int) -> None:
+            o = out[i:j]
+            parts = [x[i:j] for x in operands]
+            if mine >= 0:  # (combining the first two would overwrite it first)
+                saved = self.lane.scratch(o.nbytes)[:o.nbytes].view(dtype)
+                np.copyto(saved, parts[mine])
+                parts[mine] = saved
+            ufunc(parts[0], parts[1], out=o)
+            for part in parts[2:]:
+                ufunc(o, part, out=o)
             if avg:
-                finish_avg(out, n)
+                finish_avg(o, n)
 
-        # (pieces of about 0.2 ms, learnt per dtype, op and rank count: a float16 sum
-        # is 70x slower than a float32 one)
-        await paced(self._pace, ("zero-copy", dtype, self.op, n), b - a, dtype.itemsize,
-                    combine)
-        await self._phase(seq, ctx, base + 1, 1)
-        for k in lane.peers:  # phase 2: every peer's part, from its receive buffer
+        await paced(self._pace, ("zero-copy", dtype, op, n), out.size, dtype.itemsize, work)
+
+
+def _address(arr: Any) -> int:
+    return int(arr.__array_interface__["data"][0])
+
+
+class ZeroCopyAllReduce(_ZeroCopy):
+    """all_reduce, zero-copy (see :class:`_ZeroCopy`), in two phases:
+
+    1. rank ``r`` combines part ``r`` of the result from every rank's send buffer, in rank
+       order (the bits of the lane's other plans), into its own receive buffer;
+    2. once every rank finished phase 1, it copies part ``k`` from rank ``k``'s receive
+       buffer, for every peer ``k``; it returns once every rank finished phase 2.
+
+    In place (send is receive), a rank writes only part ``r`` in phase 1, which nobody
+    else reads then, and the other parts in phase 2, once every peer finished reading
+    them."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
+                 op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
+        super().__init__(comm, lane, desc, dtype, count, count, fallback)
+        self.op = op
+        self._parts = _split(0, count, lane.size)
+
+    async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
+                         ) -> None:
+        rank, res = self.lane.rank, recvs[self.lane.rank]
+        a, b = self._parts[rank]
+        await self._combine(res[a:b], [x[a:b] for x in sends], self.op)
+        await self._phase(seq, ctx, 1)
+        for k in self.lane.peers:
             c, d = self._parts[k]
-            src = recvs[k]
+            await self._copy(res[c:d], recvs[k][c:d])
+        await self._phase(seq, ctx, 2)
 
-            def copy(i: int, j: int, c: int = c, src: Any = src) -> None:
-                res[c + i:c + j] = src[c + i:c + j]
 
-            await paced(self._pace, ("copy", dtype.itemsize), d - c, dtype.itemsize, copy)
-        await self._phase(seq, ctx, base + 2, 2)
+class ZeroCopyReduceScatter(_ZeroCopy):
+    """reduce_scatter, zero-copy (see :class:`_ZeroCopy`): rank ``r`` combines block
+    ``r`` of every rank's send buffer, in rank order, into its receive buffer (which may
+    be its own block ``r``: nobody else reads that one), then waits for every rank to
+    finish reading."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
+                 op: ReduceOp, fallback: _LaneCall | StepPlan) -> None:
+        super().__init__(comm, lane, desc, dtype, count * lane.size, count, fallback)
+        self.op, self._count = op, count
+
+    async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
+                         ) -> None:
+        rank, c = self.lane.rank, self._count
+        await self._combine(recvs[rank], [x[rank * c:(rank + 1) * c] for x in sends],
+                            self.op)
+        await self._phase(seq, ctx, 1)
+
+
+class ZeroCopyAllGather(_ZeroCopy):
+    """all_gather, zero-copy (see :class:`_ZeroCopy`), on bytes: every rank copies every
+    rank's send buffer into its block of its own receive buffer (in place: its own block
+    is its send buffer, which it leaves), then waits for every rank to finish reading."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, nbytes: int,
+                 fallback: _LaneCall | StepPlan) -> None:
+        super().__init__(comm, lane, desc, np.uint8, nbytes, nbytes * lane.size, fallback)
+        self._block = nbytes
+
+    async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
+                         ) -> None:
+        lane, b = self.lane, self._block
+        res = recvs[lane.rank]
+        for k in [*lane.peers, lane.rank]:
+            await self._copy(res[k * b:(k + 1) * b], sends[k])
+        await self._phase(seq, ctx, 1)
+
+
+class ZeroCopyBroadcast(_ZeroCopy):
+    """broadcast, zero-copy (see :class:`_ZeroCopy`), on bytes: every rank but the root
+    copies the root's buffer into its own, then every rank waits for the others to
+    finish (the root, for every reader)."""
+
+    def __init__(self, comm: Any, lane: Lane, desc: Descriptor, nbytes: int, root: int,
+                 fallback: _LaneCall | StepPlan) -> None:
+        super().__init__(comm, lane, desc, np.uint8, nbytes, nbytes, fallback)
+        self._root = root
+
+    async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
+                         ) -> None:
+        if self.lane.rank != self._root:
+            await self._copy(recvs[self.lane.rank], sends[self._root])
+        await self._phase(seq, ctx, 1)
