@@ -8,7 +8,8 @@ all_reduce, per size, rounds alternating the variants' order, so a drift of the 
 Variants: ``mpi`` (MPI_Allreduce in place), ``acoll`` (a NumPy array), ``acoll-R`` (an
 array from ``acoll.empty_shared``, registered: the zero-copy path). Prints per size each
 variant's median time per op (slowest rank), its busbw, and the medians (min..max) of the
-per-round ratios acoll's busbw / MPI's.
+per-round ratios acoll's busbw / MPI's. ``--coll all_gather|reduce_scatter|broadcast``
+times those instead (out of place, root 0; SIZE is the larger buffer, as nccl-tests).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 from mpi4py import MPI
@@ -36,6 +38,8 @@ async def main() -> None:
     ap.add_argument("--mib-per-round", type=float, default=128.0,
                     help="bytes reduced per variant per round (sets the op count)")
     ap.add_argument("--variants", default="mpi,acoll,acoll-R")
+    ap.add_argument("--coll", default="all_reduce",
+                    choices=["all_reduce", "all_gather", "reduce_scatter", "broadcast"])
     args = ap.parse_args()
     world = MPI.COMM_WORLD
     rank, n = world.Get_rank(), world.Get_size()
@@ -43,15 +47,43 @@ async def main() -> None:
     variants = args.variants.split(",")
     async with await acoll.init_rank(n, uid, rank) as comm:
         if rank == 0:
-            print(f"# {n} ranks, {MPI.Get_library_version().splitlines()[0]}; "
-                  f"busbw = 2(n-1)/n x bytes / time", flush=True)
+            print(f"# {args.coll}, {n} ranks, "
+                  f"{MPI.Get_library_version().splitlines()[0].rstrip(chr(0))}; busbw as "
+                  "nccl-tests (all_reduce 2(n-1)/n, all_gather and reduce_scatter (n-1)/n, "
+                  "broadcast 1 x bytes / time)", flush=True)
+        coll = args.coll
         for size in args.sizes:
-            nbytes = parse_size(size)
+            nbytes = parse_size(size) // (4 * n) * 4 * n
             count = nbytes // 4
+            small = count if coll in ("all_reduce", "broadcast") else count // n
             plain = np.zeros(count, np.float32)
-            shared = acoll.empty_shared(count, np.float32)
+            plain_small = np.zeros(small, np.float32)
+            shared = acoll.empty_shared(count + small, np.float32)  # (both, one allocation)
             shared[:] = 0
+            shared_small = shared[count:]
+            shared = shared[:count]
             reg = await comm.register(shared)
+
+            def mpi_op() -> None:
+                if coll == "all_reduce":
+                    world.Allreduce(MPI.IN_PLACE, plain)
+                elif coll == "all_gather":
+                    world.Allgather(plain_small, plain)
+                elif coll == "reduce_scatter":
+                    world.Reduce_scatter_block(plain, plain_small)
+                else:
+                    world.Bcast(plain, root=0)
+
+            async def acoll_op(big: Any, little: Any) -> None:
+                if coll == "all_reduce":
+                    await comm.all_reduce(big)
+                elif coll == "all_gather":
+                    await comm.all_gather(little, big)
+                elif coll == "reduce_scatter":
+                    await comm.reduce_scatter(big, little)
+                else:
+                    await comm.broadcast(big, 0)
+
             iters = max(3, int(args.mib_per_round * (1 << 20) // nbytes))
             times: dict[str, list[float]] = {v: [] for v in variants}
             for rnd in range(args.rounds):
@@ -59,23 +91,26 @@ async def main() -> None:
                 for v in order:
                     world.Barrier()
                     if v == "mpi":
-                        world.Allreduce(MPI.IN_PLACE, plain)
+                        mpi_op()
                         world.Barrier()
                         t0 = time.perf_counter()
                         for _ in range(iters):
-                            world.Allreduce(MPI.IN_PLACE, plain)
+                            mpi_op()
                     else:
-                        x = shared if v == "acoll-R" else plain
-                        await comm.all_reduce(x)
+                        big, little = ((shared, shared_small) if v == "acoll-R"
+                                       else (plain, plain_small))
+                        await acoll_op(big, little)
                         await comm.barrier()
                         t0 = time.perf_counter()
                         for _ in range(iters):
-                            await comm.all_reduce(x)
+                            await acoll_op(big, little)
                     t = (time.perf_counter() - t0) / iters
                     times[v].append(world.allreduce(t, op=MPI.MAX))
             await comm.deregister(reg)
             if rank == 0:
-                bus = 2 * (n - 1) / n * nbytes
+                factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(
+                    coll, (n - 1) / n)
+                bus = factor * nbytes
                 line = [f"{nbytes >> 20:>4} MiB ({iters:>3} ops)"]
                 for v in variants:
                     med = _median(times[v])
