@@ -475,9 +475,9 @@ async def _registered(comm: acoll.Communicator, nbytes: int, skew: int = 0) -> _
 
 
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:
-    """Every collective on buffers in a registered allocation (all_reduce above
-    ZERO_COPY_MIN goes zero-copy), at offsets that are multiples of the itemsize only,
-    bit for bit against NumPy, in place and not."""
+    """Every collective on buffers in a registered allocation (all_reduce, all_gather,
+    reduce_scatter and broadcast of ZERO_COPY_MIN or more go zero-copy), at offsets that
+    are multiples of the itemsize only, bit for bit against NumPy, in place and not."""
     arena = await _registered(comm, 48 << 20, skew=8)
     counts = [(1 << 18) + 5, 150_001] if comm.size == 2 else [(1 << 18) + 5]
     dtypes = [np.dtype(t) for t in (np.float32, np.float64, np.int32, np.float16, np.uint8)]
@@ -519,15 +519,15 @@ async def reg_reuse_colls(comm: acoll.Communicator) -> dict[str, Any]:
     bad = 0
     for i in range(60):
         kind, root = i % 3, (i // 3) % n
-        if kind == 0:
-            mine = send[:c]
+        if kind == 0:  # (in place every other time: send is this rank's block of recv)
+            mine = recv[r * c:(r + 1) * c] if i % 2 else send[:c]
             mine[:] = r + i
             await comm.all_gather(mine, recv)
             bad += int(np.count_nonzero(recv != np.repeat(np.arange(n) + i, c)))
             mine[:] = -1
-        elif kind == 1:
+        elif kind == 1:  # (in place every other time: recv is this rank's block of send)
             send[:] = np.repeat(np.arange(n) * 10 + r + i, c)
-            out = recv[r * c:(r + 1) * c] if i % 2 else recv[:c]
+            out = send[r * c:(r + 1) * c] if i % 2 else recv[:c]
             await comm.reduce_scatter(send, out)
             bad += int(np.count_nonzero(out != sum(r * 10 + q + i for q in range(n))))
             send[:] = -1
@@ -635,6 +635,28 @@ async def reg_mismatch_small(comm: acoll.Communicator) -> dict[str, Any]:
         arena = await _registered(comm, 8 << 20)
         await comm.all_reduce(arena.take(np.ones(1 << 18 if comm.rank == 0 else 4,
                                                  np.float32)))
+
+    return await _outcome(call())
+
+
+async def reg_mismatch_root(comm: acoll.Communicator) -> dict[str, Any]:
+    """Registered broadcasts whose roots differ (rank 0 says 0, the others 1)."""
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        await comm.broadcast(arena.take(np.ones(1 << 18, np.float32)),
+                             0 if comm.rank == 0 else 1)
+
+    return await _outcome(call())
+
+
+async def reg_mismatch_gather(comm: acoll.Communicator) -> dict[str, Any]:
+    """Registered all_gathers whose sizes straddle ZERO_COPY_MIN (rank 0's receive buffer
+    is over it, the others' under it)."""
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        block = (1 << 18) // comm.size if comm.rank == 0 else 16 << 10
+        recv = arena.take(np.zeros(block * comm.size, np.float32))
+        await comm.all_gather(arena.take(np.ones(block, np.float32)), recv)
 
     return await _outcome(call())
 

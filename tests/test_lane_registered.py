@@ -198,15 +198,16 @@ def test_zero_copy_ops_mix_with_other_lane_ops_in_groups_and_tasks() -> None:
 
 
 @pytest.mark.parametrize("scenario", ["reg_mismatch_count", "reg_mismatch_kind",
-                                      "reg_mismatch_small"])
+                                      "reg_mismatch_small", "reg_mismatch_root",
+                                      "reg_mismatch_gather"])
 def test_disagreements_on_registered_buffers_are_named_on_every_rank(scenario: str) -> None:
     results = _run(scenario, 3, cpus=4)
     for res in results:
         assert res is not None
         assert res["error"] == "InvalidUsage", res
         assert res["after"] < 10, res  # not the 60 s deadline
-    if scenario != "reg_mismatch_kind":
-        assert all("count" in r["message"] for r in results if r), results
+    word = {"reg_mismatch_kind": "", "reg_mismatch_root": "root"}.get(scenario, "count")
+    assert all(word in r["message"] for r in results if r), results
 
 
 def test_a_peer_killed_during_zero_copy_ops_fails_the_survivors_at_once() -> None:

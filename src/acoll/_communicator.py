@@ -968,9 +968,9 @@ class Communicator:
         if lane is not None and lane.registered and b.nbytes >= ZERO_COPY_MIN:
             self.check_usable()
             raw = _bytes_of(b)
-            await self._lane_run(ZeroCopyBroadcast(self, lane, desc, b.nbytes, root, (
-                LanePlan(self, lane, desc, b, b, ReduceOp.SUM, root)
-                if self._lane_fits(b.nbytes) else StepPlan(
+            fits = self._lane_fits(b.nbytes)
+            await self._lane_run(ZeroCopyBroadcast(self, lane, desc, b.nbytes, root, lambda: (
+                LanePlan(self, lane, desc, b, b, ReduceOp.SUM, root) if fits else StepPlan(
                     self, lane, desc, np.dtype(np.uint8),
                     broadcast_steps(lane, b.nbytes, lane.step, root)))), raw, raw)
             return buf
@@ -1044,8 +1044,9 @@ class Communicator:
         lane = self._lane
         if lane is not None and lane.registered and r.nbytes >= ZERO_COPY_MIN:
             self.check_usable()
-            await self._lane_run(ZeroCopyAllGather(self, lane, desc, s.nbytes, (
-                LanePlan(self, lane, desc, s, r) if self._lane_fits(s.nbytes) else StepPlan(
+            fits = self._lane_fits(s.nbytes)
+            await self._lane_run(ZeroCopyAllGather(self, lane, desc, s.nbytes, lambda: (
+                LanePlan(self, lane, desc, s, r) if fits else StepPlan(
                     self, lane, desc, np.dtype(np.uint8),
                     all_gather_steps(lane, s.nbytes, lane.step)))), _bytes_of(s), _bytes_of(r))
             return out
@@ -1083,17 +1084,17 @@ class Communicator:
         lane = self._lane
         if lane is not None and lane.registered and s.nbytes >= ZERO_COPY_MIN:
             self.check_usable()
-            await self._lane_run(ZeroCopyReduceScatter(self, lane, desc, r.dtype, r.count, rop, (
-                LanePlan(self, lane, desc, s, r, rop) if self._lane_fits(r.nbytes) else StepPlan(
+            fits = self._lane_fits(r.nbytes)
+            await self._lane_run(ZeroCopyReduceScatter(self, lane, desc, r.dtype, r.count, rop,
+                lambda: LanePlan(self, lane, desc, s, r, rop) if fits else StepPlan(
                     self, lane, desc, r.dtype, reduce_scatter_steps(
-                        lane, r.count, lane.step // r.itemsize), rop))), s.array, r.array)
+                        lane, r.count, lane.step // r.itemsize), rop)), s.array, r.array)
             return out
         if self._lane_fits(r.nbytes):
             await self._lane_call(desc, s, r, rop)
             return out
-        if self._lane is not None:
+        if lane is not None:
             self.check_usable()
-            lane = self._lane
             await self._lane_run(StepPlan(self, lane, desc, r.dtype, reduce_scatter_steps(
                 lane, r.count, lane.step // r.itemsize), rop), s.array, r.array)
             return out
@@ -1202,12 +1203,14 @@ class Communicator:
 
         Host buffers, ranks in processes of one host (the shared-memory lane): ``buf``
         must lie in memory from :func:`acoll.empty_shared` on every rank; the allocation
-        holding it is mapped (read-only) by every peer, and an all_reduce of at least
-        512 KiB (``lane.ZERO_COPY_MIN``) whose buffers all lie in registered allocations
-        (any offset, on every rank) reads the peers' buffers in place: no copy through
-        shared mailboxes. If some rank's buffer is not in such memory, or cannot be
-        mapped, or the ranks cannot map each other's memory at all (no boards), no rank
-        registers it (the handle's ``index`` is -1, and an INFO log line says why).
+        holding it is mapped (read-only) by every peer, and an all_reduce, broadcast,
+        all_gather or reduce_scatter of at least 512 KiB (``lane.ZERO_COPY_MIN``; the
+        receive buffer of an all_gather, the send buffer of a reduce_scatter) whose send
+        and receive buffers all lie in registered allocations (any offset, on every rank)
+        reads the peers' buffers in place: no copy through shared mailboxes. If some
+        rank's buffer is not in such memory, or cannot be mapped, or the ranks cannot map
+        each other's memory at all (no boards), no rank registers it (the handle's
+        ``index`` is -1, and an INFO log line says why).
         Deregister on every rank alike, in the same order.
 
         Elsewhere (ranks in one process, no intra-host path) this is a no-op that still

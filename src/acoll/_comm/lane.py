@@ -1196,11 +1196,13 @@ def _nothing(slot: int) -> None:
     pass
 
 
-#: the phase word's low bits in a zero-copy op: 1 and 2 after the two phases, this one
-#: for a rank that left the op by an exception (see :class:`_ZeroCopy`)
+#: the phase word's low bits in a zero-copy op: 1 (and 2, all_reduce's second) after its
+#: phases, this one for a rank that left the op by an exception (see :class:`_ZeroCopy`)
 _ABANDONED = 3
-#: all_reduces from this size (bytes) may go zero-copy (smaller ones go through the
-#: mailboxes as they are: three waits for every peer cost more than their copies)
+#: all_reduces, broadcasts, all_gathers (their receive buffer) and reduce_scatters (their
+#: send buffer) from this size (bytes) may go zero-copy (smaller ones go through the
+#: mailboxes as they are: waiting for every peer's record and phases costs more than the
+#: copies saved)
 ZERO_COPY_MIN = 512 << 10
 
 
@@ -1228,9 +1230,12 @@ class _ZeroCopy(_LaneCall):
     of returning a result."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any,
-                 send_count: int, recv_count: int, fallback: _LaneCall | StepPlan) -> None:
+                 send_count: int, recv_count: int,
+                 fallback: Callable[[], _LaneCall | StepPlan]) -> None:
         self.comm, self.lane, self.desc = comm, lane, desc
         self.heads, self.reads = [], []
+        #: makes the plan that runs when some rank's buffers are not registered (made
+        #: only then: a step plan's views and steps cost more than a zero-copy call)
         self.fallback = fallback
         self._dtype = np.dtype(dtype)
         self._send_bytes = send_count * self._dtype.itemsize
@@ -1264,7 +1269,8 @@ class _ZeroCopy(_LaneCall):
             boards = lane.boards
             assert boards is not None
             sent = lane.locate(mine)
-            got = sent if mine is res or _address(mine) == _address(res) else lane.locate(res)
+            same = mine is res or (_address(mine) == _address(res) and mine.nbytes == res.nbytes)
+            got = sent if same else lane.locate(res)
             board = boards[lane.rank]
             lane.abandon_at = ((seq + 1) << 2) + _ABANDONED
             board.post_call(seq, (*self._words, *sent, *got))
@@ -1285,7 +1291,7 @@ class _ZeroCopy(_LaneCall):
                 lane.abandon_at = 0
             if records is None:
                 held = False  # (the fallback gives the turn back)
-                await self.fallback.run(seq, ctx, mine, res, turned=True)
+                await self.fallback().run(seq, ctx, mine, res, turned=True)
         finally:
             if held:
                 turns.remove(seq)
@@ -1467,7 +1473,7 @@ class ZeroCopyAllReduce(_ZeroCopy):
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
                  op: ReduceOp, fallback: AllReducePlan | StepPlan) -> None:
-        super().__init__(comm, lane, desc, dtype, count, count, fallback)
+        super().__init__(comm, lane, desc, dtype, count, count, lambda: fallback)
         self.op = op
         self._parts = _split(0, count, lane.size)
 
@@ -1490,7 +1496,7 @@ class ZeroCopyReduceScatter(_ZeroCopy):
     finish reading."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, dtype: Any, count: int,
-                 op: ReduceOp, fallback: _LaneCall | StepPlan) -> None:
+                 op: ReduceOp, fallback: Callable[[], _LaneCall | StepPlan]) -> None:
         super().__init__(comm, lane, desc, dtype, count * lane.size, count, fallback)
         self.op, self._count = op, count
 
@@ -1504,19 +1510,21 @@ class ZeroCopyReduceScatter(_ZeroCopy):
 
 class ZeroCopyAllGather(_ZeroCopy):
     """all_gather, zero-copy (see :class:`_ZeroCopy`), on bytes: every rank copies every
-    rank's send buffer into its block of its own receive buffer (in place: its own block
-    is its send buffer, which it leaves), then waits for every rank to finish reading."""
+    rank's send buffer into its block of its own receive buffer, starting with the next
+    rank's (so that ranks do not all read one peer at once; in place, its own block is its
+    send buffer, which it leaves), then waits for every rank to finish reading."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, nbytes: int,
-                 fallback: _LaneCall | StepPlan) -> None:
+                 fallback: Callable[[], _LaneCall | StepPlan]) -> None:
         super().__init__(comm, lane, desc, np.uint8, nbytes, nbytes * lane.size, fallback)
         self._block = nbytes
 
     async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
                          ) -> None:
         lane, b = self.lane, self._block
-        res = recvs[lane.rank]
-        for k in [*lane.peers, lane.rank]:
+        rank, n = lane.rank, lane.size
+        res = recvs[rank]
+        for k in [(rank + i) % n for i in range(1, n + 1)]:  # (peers in turn, then mine)
             await self._copy(res[k * b:(k + 1) * b], sends[k])
         await self._phase(seq, ctx, 1)
 
@@ -1527,7 +1535,7 @@ class ZeroCopyBroadcast(_ZeroCopy):
     finish (the root, for every reader)."""
 
     def __init__(self, comm: Any, lane: Lane, desc: Descriptor, nbytes: int, root: int,
-                 fallback: _LaneCall | StepPlan) -> None:
+                 fallback: Callable[[], _LaneCall | StepPlan]) -> None:
         super().__init__(comm, lane, desc, np.uint8, nbytes, nbytes, fallback)
         self._root = root
 

@@ -219,7 +219,7 @@ class Board(_Slots):
     a reader loads the stamp first, copies, then acknowledges in its own line. ``me`` is
     the rank using this view (the owner, or a reader).
 
-    The call line serves calls on registered buffers (the lane's zero-copy all_reduce):
+    The call line serves calls on registered buffers (the lane's zero-copy collectives):
     the owner writes what it calls op ``seq`` with (:data:`CallRecord`), then the stamp
     ``seq + 1``; then, as it goes, the op's *phase* (a number that only grows). Readers
     load the stamp first. A record stays until the owner's next such call, which it makes
