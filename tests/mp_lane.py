@@ -474,6 +474,35 @@ async def _registered(comm: acoll.Communicator, nbytes: int, skew: int = 0) -> _
     return arena
 
 
+class _LoopLag:
+    """A 1 ms ticker for the block's duration: each tick's lag, and the part of it this
+    thread spent running (``busy``: a stall of the loop's own code, not of the machine)."""
+
+    def __init__(self) -> None:
+        self.lags: list[float] = []
+        self.busy: list[float] = []
+        self._stop = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        while not self._stop:
+            t, c = loop.time(), time.thread_time()
+            await asyncio.sleep(0.001)
+            lag = loop.time() - t - 0.001
+            self.lags.append(lag)
+            self.busy.append(min(lag, time.thread_time() - c))
+
+    async def __aenter__(self) -> _LoopLag:
+        self._task = asyncio.create_task(self._tick())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._stop = True
+        assert self._task is not None
+        await self._task
+
+
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:
     """Every collective on buffers in a registered allocation (all_reduce, all_gather,
     reduce_scatter and broadcast of ZERO_COPY_MIN or more go zero-copy), at offsets that
@@ -794,25 +823,11 @@ async def reg_lag_f16(comm: acoll.Communicator) -> dict[str, Any]:
     arena = await _registered(comm, 18 << 20)
     x = arena.take(np.zeros(8 << 20, np.float16))
     await comm.all_reduce(x)
-    lags: list[float] = []
-    busy: list[float] = []
-    stop = False
-
-    async def ticker() -> None:
-        loop = asyncio.get_running_loop()
-        while not stop:
-            t, c = loop.time(), time.thread_time()
-            await asyncio.sleep(0.001)
-            lag = loop.time() - t - 0.001
-            lags.append(lag)
-            busy.append(min(lag, time.thread_time() - c))
-
-    tick = asyncio.create_task(ticker())
-    for _ in range(2):
-        await comm.all_reduce(x)
-    stop = True
-    await tick
-    return {"ticks": len(lags), "worst_busy_lag": max(busy), "zero_copy": RUNS["zero_copy"]}
+    async with _LoopLag() as lag:
+        for _ in range(2):
+            await comm.all_reduce(x)
+    return {"ticks": len(lag.lags), "worst_busy_lag": max(lag.busy),
+            "zero_copy": RUNS["zero_copy"]}
 
 
 async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
@@ -820,33 +835,18 @@ async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
     arena = await _registered(comm, 66 << 20)
     x = arena.take(np.zeros(16 << 20, np.float32))
     await comm.all_reduce(x)
-    lags: list[float] = []
-    busy: list[float] = []
-    stop = False
-
-    async def ticker() -> None:
-        loop = asyncio.get_running_loop()
-        while not stop:
-            t, c = loop.time(), time.thread_time()
-            await asyncio.sleep(0.001)
-            lag = loop.time() - t - 0.001
-            lags.append(lag)
-            busy.append(min(lag, time.thread_time() - c))
-
-    tick = asyncio.create_task(ticker())
     ops = 0
-    t0 = time.perf_counter()
-    while True:  # at least 3 ops and 0.25 s, as rank 0 counts them
-        more = np.array([ops < 3 or time.perf_counter() - t0 < 0.25], np.int32)
-        await comm.broadcast(more)
-        if not more[0]:
-            break
-        await comm.all_reduce(x)
-        ops += 1
-    stop = True
-    await tick
-    return {"ticks": len(lags), "worst_lag": max(lags), "worst_busy_lag": max(busy),
-            "ops": ops, "zero_copy": RUNS["zero_copy"]}
+    async with _LoopLag() as lag:
+        t0 = time.perf_counter()
+        while True:  # at least 3 ops and 0.25 s, as rank 0 counts them
+            more = np.array([ops < 3 or time.perf_counter() - t0 < 0.25], np.int32)
+            await comm.broadcast(more)
+            if not more[0]:
+                break
+            await comm.all_reduce(x)
+            ops += 1
+    return {"ticks": len(lag.lags), "worst_lag": max(lag.lags),
+            "worst_busy_lag": max(lag.busy), "ops": ops, "zero_copy": RUNS["zero_copy"]}
 
 
 async def main() -> None:
