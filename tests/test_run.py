@@ -370,7 +370,9 @@ def test_consequential_failure_waits_only_briefly_for_a_live_peer(pid_dir: Path)
     assert res.returncode == 1
     assert "rank 0 (pid" in res.stderr
     assert "after losing rank 1; stopping the other 1 rank" in res.stderr
-    assert acoll_run._BLAME_WAIT_S <= elapsed < acoll_run._BLAME_WAIT_S + 12
+    # (the named rank is alive: the wait is _BLAME_WAIT_NAMED_S; the rest is two interpreters
+    # starting, 2 s alone on the 2-core VM and up to 4.7 s under load: far from rank 1's 60 s)
+    assert acoll_run._BLAME_WAIT_NAMED_S <= elapsed < acoll_run._BLAME_WAIT_NAMED_S + 10
     assert _wait_gone([int(f.read_text()) for f in pid_dir.glob("*.pid")]) == []
 
 
