@@ -718,6 +718,15 @@ class Communicator:
         ex.skip()
         await ex.run_now(desc.coll.name.lower(), ex.seq - 1, p2p.run())
 
+    def _zero_copy_lane(self, nbytes: int) -> Lane | None:
+        """The lane, checked usable, when a call on ``nbytes`` may read registered buffers
+        in place (:class:`~acoll._comm.lane.ZeroCopyAllReduce` and its kin); else None."""
+        lane = self._lane
+        if lane is None or not lane.registered or nbytes < ZERO_COPY_MIN:
+            return None
+        self.check_usable()
+        return lane
+
     def _lane_fits(self, nbytes: int) -> bool:
         """Whether a call moving ``nbytes`` to each peer runs through the lane."""
         lane = self._lane
@@ -964,9 +973,8 @@ class Communicator:
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
         if await self._small_or_empty(desc, b.count) or self.size == 1:
             return buf
-        lane = self._lane
-        if lane is not None and lane.registered and b.nbytes >= ZERO_COPY_MIN:
-            self.check_usable()
+        lane = self._zero_copy_lane(b.nbytes)
+        if lane is not None:
             raw = _bytes_of(b)
             fits = self._lane_fits(b.nbytes)
             await self._lane_run(ZeroCopyBroadcast(self, lane, desc, b.nbytes, root, lambda: (
@@ -1041,9 +1049,8 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        lane = self._lane
-        if lane is not None and lane.registered and r.nbytes >= ZERO_COPY_MIN:
-            self.check_usable()
+        lane = self._zero_copy_lane(r.nbytes)
+        if lane is not None:
             fits = self._lane_fits(s.nbytes)
             await self._lane_run(ZeroCopyAllGather(self, lane, desc, s.nbytes, lambda: (
                 LanePlan(self, lane, desc, s, r) if fits else StepPlan(
@@ -1081,18 +1088,18 @@ class Communicator:
         if self.size == 1:
             await self._local_copy(r, s, order)
             return out
-        lane = self._lane
-        if lane is not None and lane.registered and s.nbytes >= ZERO_COPY_MIN:
-            self.check_usable()
+        zc = self._zero_copy_lane(s.nbytes)
+        if zc is not None:
             fits = self._lane_fits(r.nbytes)
-            await self._lane_run(ZeroCopyReduceScatter(self, lane, desc, r.dtype, r.count, rop,
-                lambda: LanePlan(self, lane, desc, s, r, rop) if fits else StepPlan(
-                    self, lane, desc, r.dtype, reduce_scatter_steps(
-                        lane, r.count, lane.step // r.itemsize), rop)), s.array, r.array)
+            await self._lane_run(ZeroCopyReduceScatter(self, zc, desc, r.dtype, r.count, rop,
+                lambda: LanePlan(self, zc, desc, s, r, rop) if fits else StepPlan(
+                    self, zc, desc, r.dtype, reduce_scatter_steps(
+                        zc, r.count, zc.step // r.itemsize), rop)), s.array, r.array)
             return out
         if self._lane_fits(r.nbytes):
             await self._lane_call(desc, s, r, rop)
             return out
+        lane = self._lane
         if lane is not None:
             self.check_usable()
             await self._lane_run(StepPlan(self, lane, desc, r.dtype, reduce_scatter_steps(
