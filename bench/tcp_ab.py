@@ -16,7 +16,9 @@ same processes and rounds is what makes their ratios comparable. Variants:
 - ``chunk=SIZE``: acoll with ``ACOLL_CHUNK_SIZE=SIZE`` (likewise).
 - ``offload=SIZE``: acoll with the send thread taking a socket's queue from SIZE bytes
   queued (``_OFFLOAD_MIN``, 512 KiB).
-- ``algo=NAME``: acoll with ``ACOLL_ALGO=all_reduce:NAME`` (e.g. ``direct``).
+- ``algo=NAME``: acoll with ``ACOLL_ALGO=all_reduce:NAME`` (e.g. ``direct``, ``hd``).
+- ``hdchunks=K``: acoll with ``ACOLL_HD_CHUNKS=K``.
+- ``A+B``: both settings (e.g. ``algo=hd+hdchunks=4``).
 - ``recvoff``: acoll with its receive threads idle (``_RECV_OFFLOAD_MIN`` out of reach:
   the loop thread reads every payload, as before receive threads).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
@@ -77,25 +79,34 @@ async def main() -> None:
             t = torch.from_numpy(np.ones(nbytes // 4, np.float32))
         default_chunks, default_chunk = comm.ring_chunks, comm.chunk_bytes
         default_algo = comm._algo
+        default_hd = comm.hd_chunks
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             k = rnd % len(variants)
             for v in variants[k:] + variants[:k]:
                 comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
+                comm.hd_chunks = default_hd
                 comm._algo = default_algo
-                if v.startswith("algo="):
-                    comm._algo = "all_reduce:" + v.split("=")[1]
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
                 tcp._OFFLOAD_MIN = offload_min
-                tcp._RECV_OFFLOAD_MIN = 1 << 62 if v == "recvoff" else recv_min
-                if v.startswith("chunk="):
-                    comm.chunk_bytes = parse_size(v.split("=")[1])
-                if v.startswith("offload="):
-                    tcp._OFFLOAD_MIN = parse_size(v.split("=")[1])
-                if v.startswith("chunks="):
-                    comm.ring_chunks = int(v.split("=")[1])
-                elif v == "headrule":
-                    tcp._queued_at_least = _head_rule  # type: ignore[assignment]
+                tcp._RECV_OFFLOAD_MIN = recv_min
+                for part in v.split("+"):
+                    if part.startswith("algo="):
+                        comm._algo = "all_reduce:" + part.split("=")[1]
+                    elif part == "recvoff":
+                        tcp._RECV_OFFLOAD_MIN = 1 << 62
+                    elif part.startswith("chunk="):
+                        comm.chunk_bytes = parse_size(part.split("=")[1])
+                    elif part.startswith("offload="):
+                        tcp._OFFLOAD_MIN = parse_size(part.split("=")[1])
+                    elif part.startswith("chunks="):
+                        comm.ring_chunks = int(part.split("=")[1])
+                    elif part.startswith("hdchunks="):
+                        comm.hd_chunks = int(part.split("=")[1])
+                    elif part == "headrule":
+                        tcp._queued_at_least = _head_rule  # type: ignore[assignment]
+                    elif part != "gloo":
+                        raise SystemExit(f"unknown variant {part!r}")
                 await comm.barrier()
                 if v == "gloo":
                     assert dist is not None
@@ -111,6 +122,7 @@ async def main() -> None:
                 times[v].append((time.perf_counter() - t0) / args.iters)
         comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
         comm._algo = default_algo
+        comm.hd_chunks = default_hd
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
         tcp._OFFLOAD_MIN = offload_min
         tcp._RECV_OFFLOAD_MIN = recv_min

@@ -45,7 +45,7 @@ async def test_full_matrix_one_loop(nranks: int) -> None:
     assert results[0] > 0
 
 
-@pytest.mark.parametrize("algo", ["ring", "rd", "direct"])
+@pytest.mark.parametrize("algo", ["ring", "rd", "direct", "hd"])
 @pytest.mark.parametrize("nranks", [2, 3, 5, 6, 8])
 async def test_allreduce_each_algorithm_any_size(algo: str, nranks: int,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
@@ -69,15 +69,19 @@ async def test_allreduce_each_algorithm_any_size(algo: str, nranks: int,
     await run_ranks(nranks, fn)
 
 
-@pytest.mark.parametrize("nranks", [2, 3, 4, 7])
-async def test_direct_allreduce_in_place_and_uneven(nranks: int,
+@pytest.mark.parametrize(("algo", "nranks"), [("direct", 2), ("direct", 3), ("direct", 4),
+                                               ("direct", 7), ("hd", 2), ("hd", 4), ("hd", 7),
+                                               ("hd", 8)])
+async def test_direct_allreduce_in_place_and_uneven(algo: str, nranks: int,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """The direct all-reduce in place (each rank combines its own segment first, so it
-    never reads what it already overwrote), segments and chunks of uneven sizes, every op
-    and dtype; every rank gets the same bits."""
-    monkeypatch.setenv("ACOLL_ALGO", "all_reduce:direct")
+    """The direct and halving-doubling all-reduces in place (each rank combines a block
+    only once its own input there has been read or sent, so it never reads what it
+    already overwrote), blocks and chunks of uneven sizes (halving-doubling: folded ranks
+    with 7), every op and dtype; every rank gets the same bits."""
+    monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
     monkeypatch.setenv("ACOLL_RING_CHUNKS", "3")
+    monkeypatch.setenv("ACOLL_HD_CHUNKS", "3")
 
     async def fn(comm: acoll.Communicator) -> list[bytes]:
         outs = []
@@ -89,7 +93,7 @@ async def test_direct_allreduce_in_place_and_uneven(nranks: int,
                     ins = [make_input(q, count, dt, op) for q in range(nranks)]
                     buf = ins[comm.rank].copy()
                     await comm.all_reduce(buf, op=op)
-                    assert_same(buf, reference(ins, op), f"direct n={nranks} {dt} {op}")
+                    assert_same(buf, reference(ins, op), f"{algo} n={nranks} {dt} {op}")
                     outs.append(buf.tobytes())
         return outs
 
@@ -290,3 +294,46 @@ def test_full_matrix_across_processes(shm: bool) -> None:
         if "checks passed" in line:  # "rank R via T0,T1,T2: N checks passed"
             names = line.split(" via ")[1].split(":")[0].split(",")
             assert sorted(names) == ["None", expect, expect], line
+
+
+@pytest.mark.parametrize("nranks", [2, 4, 6, 8, 16])
+def test_halving_doubling_plan_orders_agree(nranks: int) -> None:
+    """Every halving-doubling partner sends in the order its peer waits: in each
+    reduce-scatter round what rank a sends to b is, block for block, what b waits for from
+    a, and b waits first for the blocks it forwards next; in the all-gather, what a rank
+    spreads (its own block, then each round's in arrival order) is what each later
+    partner waits for. The blocks kept end as the rank's own; every block arrives once."""
+    from types import SimpleNamespace
+
+    from acoll._coll.algorithms import HalvingDoublingAllReduce
+    from acoll._dtypes import DTYPE_BY_CODE
+    from acoll._memory.host import HostSpace
+
+    mem = HostSpace()
+    f32 = next(d for d in DTYPE_BY_CODE.values() if d.name == "float32")
+    plans = []
+    for r in range(nranks):
+        ctx = SimpleNamespace(n=nranks, rank=r, chunk_bytes=64, hd_chunks=2,
+                              ring_chunk_max=1 << 20,
+                              scratch=lambda count, dtype, slot=0: mem.empty(count, dtype))
+        buf = mem.empty(1000, f32)
+        plans.append(HalvingDoublingAllReduce(ctx, buf, buf, acoll.SUM))  # type: ignore[arg-type]
+    p = plans[0].p
+    byv = {pl.real.index(r): pl for r, pl in enumerate(plans) if pl.role != "even"}
+    assert sorted(byv) == list(range(p))
+    for v, pl in byv.items():
+        got: list[int] = []
+        for i, (u, give, keep) in enumerate(pl.rs):
+            peer = byv[u]
+            assert peer.rs[i][0] == v
+            assert peer.rs[i][2] == give  # the partner waits in the order this rank sends
+            got += keep
+            if i + 1 < len(pl.rs):  # what is forwarded next comes first, in order
+                assert keep[:len(pl.rs[i + 1][1])] == pl.rs[i + 1][1]
+        spread = [v]
+        for j, (u, blks) in enumerate(pl.ag):
+            assert byv[u].ag[j][1] == spread[:len(blks)] == spread  # held before round j
+            spread += blks
+        assert sorted(spread) == list(range(p))
+    rounds = plans[0].rounds
+    assert rounds == p.bit_length() - 1

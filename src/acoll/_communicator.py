@@ -343,6 +343,7 @@ class Communicator:
         self.chunk_bytes = algos.CHUNK.resolve()
         self.ring_chunks = algos.RING_CHUNKS.resolve()
         self.ring_chunk_max = algos.RING_CHUNK_MAX.resolve()
+        self.hd_chunks = algos.HD_CHUNKS.resolve()
         self.small = algos.SMALL.resolve()
         self._algo = algos.ALGO.resolve()
         # Busy-poll budget per wait, per peer: only for peers in other processes, and only

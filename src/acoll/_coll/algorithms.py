@@ -25,6 +25,7 @@ many chunks check it per chunk.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 
 from .. import _topology as topo
 from .._config import Setting, get_logger, parse_size
@@ -38,7 +39,8 @@ log = get_logger("COLL")
 CHUNK = Setting("CHUNK_SIZE", parse_size, 512 << 10,
                 "Pipeline chunk size in bytes for ring and chain algorithms.", "COLL")
 ALGO = Setting("ALGO", str, "",
-               "Force an algorithm: ring, rd (recursive doubling), tree, chain, direct.",
+               "Force an algorithm: ring, rd (recursive doubling), hd (halving-doubling), "
+               "tree, chain, direct.",
                "COLL")
 SMALL = Setting("SMALL_MSG", parse_size, 64 << 10,
                 "Messages up to this many bytes use the latency-optimised algorithm.",
@@ -52,6 +54,10 @@ RING_CHUNK_MAX = Setting("RING_CHUNK_MAX", parse_size, 4 << 20,
                          "CHUNK_SIZE). A chunk that arrives before its receive is posted is "
                          "kept only up to a transport's MAX_EARLY: keep those above it.",
                          "COLL")
+HD_CHUNKS = Setting("HD_CHUNKS", int, 2,
+                    "The halving-doubling all-reduce cuts each of its blocks into at most "
+                    "this many chunks (at least CHUNK_SIZE, at most RING_CHUNK_MAX; 0: "
+                    "always CHUNK_SIZE).", "COLL")
 
 
 def _chunk_items(ctx: OpContext, itemsize: int) -> int:
@@ -103,13 +109,18 @@ class _Sends:
         """Post a send per buffer (steps ``first_step, ...``), yielding when due (and,
         under a stage, once each buffer's input is there: ``ranges`` gives each buffer's
         (start, count) in the op's input)."""
+        await self.post_each(peer, bufs, range(first_step, first_step + len(bufs)), ranges)
+
+    async def post_each(self, peer: int, bufs: list[Buffer], steps: Sequence[int],
+                        ranges: list[tuple[int, int]] | None = None) -> None:
+        """:meth:`post_paced` with each buffer's step given."""
         ctx = self.ctx
         stage = ctx.stage
         for i, buf in enumerate(bufs):
             if stage is not None:
                 assert ranges is not None
                 await stage.ready(*ranges[i])
-            self.post(peer, buf, first_step + i)
+            self.post(peer, buf, steps[i])
             if ctx.due():
                 await ctx.pause()
 
@@ -282,6 +293,206 @@ class DirectAllReduce:
             for fut in ag[i]:
                 await ctx.wait_recv(fut, p)
         await sends.wait()
+
+
+class HalvingDoublingAllReduce:
+    """Bandwidth-optimal all-reduce in ``2 log2(p)`` exchanges (Rabenseifner's scheme): a
+    reduce-scatter by recursive halving, then an all-gather by recursive doubling.
+
+    ``p`` is the largest power of two <= ``n``; the buffer is cut into ``p`` blocks. In
+    reduce-scatter round ``i`` (partner at distance ``p / 2, p / 4, ..., 1`` in virtual
+    ranks) a rank sends the half of its current blocks that the partner keeps and combines
+    the other half with what the partner sends; it ends holding the total of block ``v``,
+    its virtual rank. The all-gather then sends every final block to the partners of all
+    later rounds as soon as it is final. The ring's bytes (``2 (p - 1) / p`` of the buffer
+    each way), but ``2 log2(p)`` dependent hops instead of ``2 (n - 1)``, and blocks cut
+    into at most ``ACOLL_HD_CHUNKS`` chunks: fewer, larger messages than the ring's.
+
+    Pipelining across rounds: a partner sends (and a rank waits for) first the blocks the
+    rank forwards in its next round, in the order its next partner waits for them, so a
+    round's sends start while the round before is still arriving.
+
+    For ``n`` not a power of two the first ``2 (n - p)`` ranks pair up as in
+    :class:`RecursiveDoublingAllReduce`: the even one sends its input to its odd
+    neighbour, which folds it in, and gets each chunk of the result as soon as it is final.
+    Every rank gets the same bits: each block is combined by one owner, then copied.
+    """
+
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
+        n, r = ctx.n, ctx.rank
+        assert n >= 2
+        self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
+        p = 1 << (n.bit_length() - 1)
+        rem = n - p
+        self.role = topo.RecursiveDoubling.of(r, n).role
+        self.p = p
+        v = r // 2 if self.role == "odd" else r - rem  # (unused for "even")
+        self.real = [u * 2 + 1 if u < rem else u + rem for u in range(p)]
+        self.rounds = rounds = p.bit_length() - 1
+        self.masks = [p >> (i + 1) for i in range(rounds)]  # reduce-scatter: p/2 ... 1
+        chunk = ring_chunk_items(ctx.chunk_bytes, ctx.hd_chunks, ctx.ring_chunk_max,
+                                 src.itemsize, -(-src.count // p))
+        self.chunks = [chunk_ranges(*blk, chunk) for blk in split_even(src.count, p)]
+        self.k = max(1, *map(len, self.chunks))
+        # steps: reduce-scatter (0, round, block, chunk), all-gather (1, ...), then the
+        # fold's two directions (block, chunk)
+        self.fold_base = 2 * rounds * p * self.k
+        self.fold = [(b, c) for b in range(p) for c in range(len(self.chunks[b]))]
+        self.fold_tmp: Buffer | None = None
+        if self.role == "even":
+            return
+        # Reduce-scatter, per round: partner, the blocks sent (in the order the partner
+        # waits for them) and the blocks received (in the order this rank waits).
+        self.rs: list[tuple[int, list[int], list[int]]] = []
+        lo, hi = 0, p
+        for i, m in enumerate(self.masks):
+            mid = (lo + hi) // 2
+            keep, give = ((mid, hi), (lo, mid)) if v & m else ((lo, mid), (mid, hi))
+            self.rs.append((v ^ m, self._order(*give, v ^ m, i), self._order(*keep, v, i)))
+            lo, hi = keep
+        assert (lo, hi) == (v, v + 1)
+        # All-gather round j: the partner v ^ 2**j sends the blocks it holds then, in the
+        # order it got them (its own first).
+        self.ag = [(v ^ (1 << j), self._held(v ^ (1 << j), j)) for j in range(rounds)]
+        scratch = ctx.scratch(sum(cl for _, _, blks in self.rs for b in blks
+                                  for _, cl in self.chunks[b]), src.dtype)
+        self.rs_tmp: list[list[list[Buffer]]] = []  # per round, per block, per chunk
+        off = 0
+        for _, _, blks in self.rs:
+            per_block = []
+            for b in blks:
+                pieces = []
+                for _, cl in self.chunks[b]:
+                    pieces.append(scratch[off:off + cl])
+                    off += cl
+                per_block.append(pieces)
+            self.rs_tmp.append(per_block)
+        if self.role == "odd":
+            self.fold_tmp = ctx.scratch(src.count, src.dtype, slot=1)
+
+    def _order(self, lo: int, hi: int, who: int, i: int) -> list[int]:
+        """Blocks ``lo .. hi - 1``, which virtual rank ``who`` keeps in reduce-scatter
+        round ``i``, in the order it wants them: first the half it sends in round
+        ``i + 1`` (in that partner's order), then the rest."""
+        if i + 1 >= self.rounds:
+            return list(range(lo, hi))
+        m = self.masks[i + 1]
+        mid = (lo + hi) // 2
+        give, keep = ((lo, mid), (mid, hi)) if who & m else ((mid, hi), (lo, mid))
+        return self._order(*give, who ^ m, i + 1) + list(range(*keep))
+
+    def _held(self, who: int, j: int) -> list[int]:
+        """The blocks virtual rank ``who`` holds before all-gather round ``j``, in the
+        order it got them: its own, then what each earlier round brought."""
+        out = [who]
+        for jj in range(j):
+            out += self._held(who ^ (1 << jj), jj)
+        return out
+
+    def _step(self, phase: int, rnd: int, block: int, c: int) -> int:
+        return ((phase * self.rounds + rnd) * self.p + block) * self.k + c
+
+    def _fold_step(self, out: bool, block: int, c: int) -> int:
+        return self.fold_base + (self.p if out else 0) * self.k + block * self.k + c
+
+    def _fold_pieces(self, buf: Buffer) -> tuple[list[Buffer], list[tuple[int, int]]]:
+        ranges = [self.chunks[b][c] for b, c in self.fold]
+        return _pieces(buf, ranges), ranges
+
+    async def run(self) -> None:
+        if self.role == "even":
+            await self._run_even()
+        else:
+            await self._run()
+
+    async def _run_even(self) -> None:
+        ctx, r, stage = self.ctx, self.ctx.rank, self.ctx.stage
+        await ctx.connect(r + 1)
+        outs, ranges = self._fold_pieces(self.dst)
+        futs = await ctx.post_recvs_paced(r + 1, outs,
+                                          [self._fold_step(True, b, c) for b, c in self.fold])
+        sends = _Sends(ctx)
+        await sends.post_each(r + 1, self._fold_pieces(self.src)[0],
+                              [self._fold_step(False, b, c) for b, c in self.fold], ranges)
+        for (cs, cl), fut in zip(ranges, futs, strict=True):
+            await ctx.wait_recv(fut, r + 1)
+            if stage is not None:
+                stage.final(cs, cl)
+        await sends.wait()
+
+    async def _run(self) -> None:
+        ctx, src, dst, op, chunks = self.ctx, self.src, self.dst, self.op, self.chunks
+        real, step, r = self.real, self._step, ctx.rank
+        stage = ctx.stage  # (a device op on a host copy: see OpContext.stage)
+        await ctx.connect(*(real[u] for u, _, _ in self.rs),
+                          *([r - 1] if self.role == "odd" else []))
+        # Every receive is posted before its data can come (payloads land in place).
+        rs_futs = [[await ctx.post_recvs_paced(real[u], pieces,
+                                               [step(0, i, b, c) for c in range(len(pieces))])
+                    for b, pieces in zip(blks, self.rs_tmp[i], strict=True)]
+                   for i, (u, _, blks) in enumerate(self.rs)]
+        ag_futs = [[await ctx.post_recvs_paced(real[u], _pieces(dst, chunks[b]),
+                                               [step(1, j, b, c)
+                                                for c in range(len(chunks[b]))])
+                    for b in blks]
+                   for j, (u, blks) in enumerate(self.ag)]
+        sends = _Sends(ctx)
+        source = src  # what round 0 reads: the input, or (odd ranks) the folded sum
+        if self.role == "odd":
+            assert self.fold_tmp is not None
+            tmps, ranges = self._fold_pieces(self.fold_tmp)
+            futs = await ctx.post_recvs_paced(r - 1, tmps, [self._fold_step(False, b, c)
+                                                            for b, c in self.fold])
+            for (cs, cl), tmp, fut in zip(ranges, tmps, futs, strict=True):
+                await ctx.wait_recv(fut, r - 1)
+                if stage is not None:
+                    await stage.ready(cs, cl)
+                await ctx.reduce(dst[cs:cs + cl], src[cs:cs + cl], tmp, op)
+            source = dst
+        u0, give0, _ = self.rs[0]
+        for b in give0:
+            await sends.post_each(real[u0], _pieces(source, chunks[b]),
+                                  [step(0, 0, b, c) for c in range(len(chunks[b]))],
+                                  chunks[b])
+        last = self.rounds - 1
+        for i, (u, _, blks) in enumerate(self.rs):
+            first = source if i == 0 else dst
+            nxt, forward = (real[self.rs[i + 1][0]], set(self.rs[i + 1][1])) if i < last \
+                else (-1, set())
+            for b, futs, tmps in zip(blks, rs_futs[i], self.rs_tmp[i], strict=True):
+                for c, ((cs, cl), fut) in enumerate(zip(chunks[b], futs, strict=True)):
+                    await ctx.wait_recv(fut, real[u])
+                    if i == 0 and stage is not None:
+                        await stage.ready(cs, cl)
+                    out = dst[cs:cs + cl]
+                    await ctx.reduce(out, first[cs:cs + cl], tmps[c], op)
+                    if b in forward:
+                        sends.post(nxt, out, step(0, i + 1, b, c))
+                    elif i == last:  # this rank's own block: final
+                        if op == ReduceOp.AVG:
+                            await ctx.avg(out)
+                        self._spread(sends, b, c, out, -1)
+                        if stage is not None:
+                            stage.final(cs, cl)
+        for j, (u, blks) in enumerate(self.ag):
+            for b, futs in zip(blks, ag_futs[j], strict=True):
+                for c, ((cs, cl), fut) in enumerate(zip(chunks[b], futs, strict=True)):
+                    await ctx.wait_recv(fut, real[u])
+                    self._spread(sends, b, c, dst[cs:cs + cl], j)
+                    if stage is not None:
+                        stage.final(cs, cl)
+                    elif ctx.due():
+                        await ctx.pause()
+        await sends.wait()
+
+    def _spread(self, sends: _Sends, b: int, c: int, piece: Buffer, after: int) -> None:
+        """Send a final chunk to the all-gather partners of the rounds after ``after``
+        and, from an odd rank, to its folded even neighbour."""
+        real, step = self.real, self._step
+        for j in range(after + 1, self.rounds):
+            sends.post(real[self.ag[j][0]], piece, step(1, j, b, c))
+        if self.role == "odd":
+            sends.post(self.ctx.rank - 1, piece, self._fold_step(True, b, c))
 
 
 # --------------------------------------------------------------------------- broadcast
@@ -573,17 +784,18 @@ class TreeBarrier:
 #: ACOLL_ALGO or ACOLL_SMALL_MSG) are told so instead of waiting on unmatched messages.
 ALGO_CODES: dict[type, int] = {
     RingAllReduce: 1, RecursiveDoublingAllReduce: 2, TreeBroadcast: 3, ChainBroadcast: 4,
-    TreeReduce: 3, ChainReduce: 4, DirectAllReduce: 5,
+    TreeReduce: 3, ChainReduce: 4, DirectAllReduce: 5, HalvingDoublingAllReduce: 6,
 }
 _CHOICES: dict[str, dict[str, type]] = {
     "all_reduce": {"ring": RingAllReduce, "rd": RecursiveDoublingAllReduce,
-                   "direct": DirectAllReduce},
+                   "direct": DirectAllReduce, "hd": HalvingDoublingAllReduce},
     "broadcast": {"tree": TreeBroadcast, "chain": ChainBroadcast},
     "reduce": {"tree": TreeReduce, "chain": ChainReduce},
 }
 _ALIASES = {"recursive_doubling": "rd", "recursivedoubling": "rd", "ring": "ring",
             "tree": "tree", "chain": "chain", "rd": "rd", "pipeline": "chain",
-            "direct": "direct"}
+            "direct": "direct", "hd": "hd", "halving_doubling": "hd",
+            "rabenseifner": "hd"}
 
 
 def choose(coll: str, nbytes: int, nranks: int, forced: str, small_max: int) -> type:

@@ -161,6 +161,7 @@ class OpHost(Protocol):
         chunk_bytes: pipeline chunk size (the smallest, for rings).
         ring_chunks: most chunks a ring cuts a segment into (0: no limit).
         ring_chunk_max: largest chunk (bytes) ``ring_chunks`` may grow a ring's chunks to.
+        hd_chunks: most chunks the halving-doubling all-reduce cuts a block into.
         small: ops up to this many bytes are latency-bound (busy-poll, small algorithms).
         spin_ns: per peer, how long a wait may busy-poll before sleeping (0: never).
         mem: the memory space of the communicator's buffers.
@@ -172,6 +173,7 @@ class OpHost(Protocol):
     chunk_bytes: int
     ring_chunks: int
     ring_chunk_max: int
+    hd_chunks: int
     small: int
     spin_ns: list[int]
     mem: MemorySpace
@@ -196,9 +198,9 @@ class OpContext:
     communicator's :class:`~acoll._memory.MemorySpace`), paced by the step bound.
     """
 
-    __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "heard",
-                 "host", "in_group", "mem", "n", "rank", "ring_chunk_max", "ring_chunks", "seq",
-                 "spin", "stage", "tag_base", "waiting_on", "yield_at")
+    __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "hd_chunks",
+                 "heard", "host", "in_group", "mem", "n", "rank", "ring_chunk_max",
+                 "ring_chunks", "seq", "spin", "stage", "tag_base", "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -209,6 +211,7 @@ class OpContext:
         self.chunk_bytes = host.chunk_bytes
         self.ring_chunks = host.ring_chunks
         self.ring_chunk_max = host.ring_chunk_max
+        self.hd_chunks = host.hd_chunks
         self.seq = seq
         self.desc = desc
         self.check = host.check
