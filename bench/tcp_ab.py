@@ -18,6 +18,8 @@ same processes and rounds is what makes their ratios comparable. Variants:
   queued (``_OFFLOAD_MIN``, 512 KiB).
 - ``algo=NAME``: acoll with ``ACOLL_ALGO=all_reduce:NAME`` (e.g. ``direct``, ``hd``).
 - ``hdchunks=K``: acoll with ``ACOLL_HD_CHUNKS=K``.
+- ``switch=S``: acoll with ``sys.setswitchinterval(S)`` (how long a thread that wants the
+  GIL waits before the holder is asked to drop it; 0.005 by default).
 - ``A+B``: both settings (e.g. ``algo=hd+hdchunks=4``).
 - ``recvoff``: acoll with its receive threads idle (``_RECV_OFFLOAD_MIN`` out of reach:
   the loop thread reads every payload, as before receive threads).
@@ -37,6 +39,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import sys
 import time
 from collections import deque
 from typing import Any
@@ -80,6 +83,7 @@ async def main() -> None:
         default_chunks, default_chunk = comm.ring_chunks, comm.chunk_bytes
         default_algo = comm._algo
         default_hd = comm.hd_chunks
+        default_switch = sys.getswitchinterval()
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             k = rnd % len(variants)
@@ -90,6 +94,7 @@ async def main() -> None:
                 tcp._queued_at_least = queued_rule  # type: ignore[assignment]
                 tcp._OFFLOAD_MIN = offload_min
                 tcp._RECV_OFFLOAD_MIN = recv_min
+                sys.setswitchinterval(default_switch)
                 for part in v.split("+"):
                     if part.startswith("algo="):
                         comm._algo = "all_reduce:" + part.split("=")[1]
@@ -103,6 +108,8 @@ async def main() -> None:
                         comm.ring_chunks = int(part.split("=")[1])
                     elif part.startswith("hdchunks="):
                         comm.hd_chunks = int(part.split("=")[1])
+                    elif part.startswith("switch="):
+                        sys.setswitchinterval(float(part.split("=")[1]))
                     elif part == "headrule":
                         tcp._queued_at_least = _head_rule  # type: ignore[assignment]
                     elif part != "gloo":
@@ -123,6 +130,7 @@ async def main() -> None:
         comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
         comm._algo = default_algo
         comm.hd_chunks = default_hd
+        sys.setswitchinterval(default_switch)
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
         tcp._OFFLOAD_MIN = offload_min
         tcp._RECV_OFFLOAD_MIN = recv_min
