@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -313,7 +314,7 @@ def test_halving_doubling_plan_orders_agree(nranks: int) -> None:
     f32 = next(d for d in DTYPE_BY_CODE.values() if d.name == "float32")
     plans = []
     for r in range(nranks):
-        ctx = SimpleNamespace(n=nranks, rank=r, chunk_bytes=64, hd_chunks=2,
+        ctx = SimpleNamespace(n=nranks, rank=r, chunk_bytes=64, hd_chunks=2, stage=None,
                               ring_chunk_max=1 << 20,
                               scratch=lambda count, dtype, slot=0: mem.empty(count, dtype))
         buf = mem.empty(1000, f32)
@@ -337,3 +338,73 @@ def test_halving_doubling_plan_orders_agree(nranks: int) -> None:
         assert sorted(spread) == list(range(p))
     rounds = plans[0].rounds
     assert rounds == p.bit_length() - 1
+
+
+@pytest.mark.parametrize(("nranks", "stalled"), [(6, 1), (6, 5), (8, 3)])
+async def test_halving_doubling_timeout_names_the_stalled_rank(
+        nranks: int, stalled: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that never calls: every other rank's error names it, not a partner of a
+    later round that is only waiting for its own earlier rounds (every rank says hello to
+    its partners, and its folded neighbour, before it waits for anything)."""
+    monkeypatch.setenv("ACOLL_ALGO", "all_reduce:hd")
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        if comm.rank == stalled:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 20)
+            return
+        try:
+            await comm.all_reduce(np.ones(1 << 16, np.float32))
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == nranks - 1:
+            done.set()
+
+    await run_ranks(nranks, fn, timeout=1.5)
+    assert sorted(errors) == [r for r in range(nranks) if r != stalled]
+    for r, exc in errors.items():
+        assert exc.rank == stalled, f"rank {r}: {exc!r}"
+        assert f"waiting for rank {stalled}," in str(exc), f"rank {r}: {exc}"
+
+
+async def test_halving_doubling_chunk_settings_that_differ_fail_at_once() -> None:
+    """Ranks whose chunk settings differ (here ACOLL_HD_CHUNKS) send their first chunks
+    under the same steps, so the sizes disagree and every rank is told at once instead of
+    waiting for messages that never come."""
+    loop = asyncio.get_running_loop()
+
+    async def fn(comm: acoll.Communicator) -> tuple[str, float]:
+        comm._algo = "all_reduce:hd"
+        comm.hd_chunks = 1 if comm.rank % 2 else 4
+        comm.chunk_bytes = 4096
+        t0 = loop.time()
+        with pytest.raises(acoll.InvalidUsage) as info:
+            await comm.all_reduce(np.ones(1 << 16, np.float32))
+        return str(info.value), loop.time() - t0
+
+    results = await run_ranks(4, fn, timeout=30)
+    for message, took in results:
+        assert took < 10, (message, took)
+        assert "bytes where rank" in message or "mismatch" in message, message
+
+
+def test_halving_doubling_refuses_more_steps_than_a_call_has() -> None:
+    """Tiny chunks on many ranks would need message steps past the tag's 32 bits: the
+    call is refused by name instead of running into the sequence number's bits."""
+    from types import SimpleNamespace
+
+    from acoll._coll.algorithms import HalvingDoublingAllReduce
+
+    def plan(count: int) -> None:
+        ctx = SimpleNamespace(n=128, rank=0, chunk_bytes=4, hd_chunks=0, stage=None,
+                              ring_chunk_max=1 << 20,
+                              scratch=lambda count, dtype, slot=0: None)
+        buf = SimpleNamespace(count=count, itemsize=4, dtype=None)
+        HalvingDoublingAllReduce(ctx, buf, buf, acoll.SUM)  # type: ignore[arg-type]
+
+    with pytest.raises(acoll.InvalidUsage, match="ACOLL_CHUNK_SIZE"):
+        plan(1 << 28)  # 2**21 one-item chunks per block, 2048 steps each
+    with pytest.raises(TypeError):  # (well inside: planning goes on, to the fake scratch)
+        plan(1 << 20)

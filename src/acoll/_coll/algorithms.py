@@ -34,6 +34,9 @@ from .._memory import Buffer
 from ..errors import InvalidUsage
 from .base import OpContext, chunk_ranges, split_even
 
+#: step numbers one call may use (the tag's low 32 bits; the agreement uses the top ones)
+_STEPS = (1 << 32) - 64
+
 log = get_logger("COLL")
 
 CHUNK = Setting("CHUNK_SIZE", parse_size, 512 << 10,
@@ -316,11 +319,18 @@ class HalvingDoublingAllReduce:
     :class:`RecursiveDoublingAllReduce`: the even one sends its input to its odd
     neighbour, which folds it in, and gets each chunk of the result as soon as it is final.
     Every rank gets the same bits: each block is combined by one owner, then copied.
+
+    Steps: an empty hello to every partner first (a partner of a later round sends no data
+    before its earlier rounds end, and a timeout must not name a rank that started the op
+    as silent), then chunk ``c`` of every message before chunk ``c + 1`` of any: the first
+    chunks' steps do not depend on the chunk size, so ranks whose chunk settings differ
+    fail at once on a size mismatch instead of waiting for messages that never come.
     """
 
     def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
         n, r = ctx.n, ctx.rank
         assert n >= 2
+        assert ctx.stage is None  # (via_host.pipelines() pipelines the ring's copies only)
         self.ctx, self.src, self.dst, self.op = ctx, src, dst, op
         p = 1 << (n.bit_length() - 1)
         rem = n - p
@@ -330,13 +340,18 @@ class HalvingDoublingAllReduce:
         self.real = [u * 2 + 1 if u < rem else u + rem for u in range(p)]
         self.rounds = rounds = p.bit_length() - 1
         self.masks = [p >> (i + 1) for i in range(rounds)]  # reduce-scatter: p/2 ... 1
+        block = -(-src.count // p)  # (the largest block)
         chunk = ring_chunk_items(ctx.chunk_bytes, ctx.hd_chunks, ctx.ring_chunk_max,
-                                 src.itemsize, -(-src.count // p))
+                                 src.itemsize, block)
+        k = max(1, -(-block // chunk))  # chunks of the largest block
+        # steps: hellos 0 .. rounds, then per chunk index a span of every message:
+        # reduce-scatter (round, block), all-gather (round, block), the fold both ways
+        self.span = 2 * rounds * p + 2 * p
+        if rounds + 1 + k * self.span >= _STEPS:
+            raise InvalidUsage(f"all_reduce: {src.count} items in chunks of {chunk} need "
+                               f"more message steps than a call has with {n} ranks "
+                               "(raise ACOLL_CHUNK_SIZE or ACOLL_HD_CHUNKS)")
         self.chunks = [chunk_ranges(*blk, chunk) for blk in split_even(src.count, p)]
-        self.k = max(1, *map(len, self.chunks))
-        # steps: reduce-scatter (0, round, block, chunk), all-gather (1, ...), then the
-        # fold's two directions (block, chunk)
-        self.fold_base = 2 * rounds * p * self.k
         self.fold = [(b, c) for b in range(p) for c in range(len(self.chunks[b]))]
         self.fold_tmp: Buffer | None = None
         if self.role == "even":
@@ -390,10 +405,10 @@ class HalvingDoublingAllReduce:
         return out
 
     def _step(self, phase: int, rnd: int, block: int, c: int) -> int:
-        return ((phase * self.rounds + rnd) * self.p + block) * self.k + c
+        return self.rounds + 1 + c * self.span + (phase * self.rounds + rnd) * self.p + block
 
     def _fold_step(self, out: bool, block: int, c: int) -> int:
-        return self.fold_base + (self.p if out else 0) * self.k + block * self.k + c
+        return self._step(2, 0, block + (self.p if out else 0), c)
 
     def _fold_pieces(self, buf: Buffer) -> tuple[list[Buffer], list[tuple[int, int]]]:
         ranges = [self.chunks[b][c] for b, c in self.fold]
@@ -406,27 +421,38 @@ class HalvingDoublingAllReduce:
             await self._run()
 
     async def _run_even(self) -> None:
-        ctx, r, stage = self.ctx, self.ctx.rank, self.ctx.stage
+        ctx, r = self.ctx, self.ctx.rank
         await ctx.connect(r + 1)
+        hello = ctx.post_recv(r + 1, ctx.empty(), self.rounds)
         outs, ranges = self._fold_pieces(self.dst)
         futs = await ctx.post_recvs_paced(r + 1, outs,
                                           [self._fold_step(True, b, c) for b, c in self.fold])
         sends = _Sends(ctx)
         await sends.post_each(r + 1, self._fold_pieces(self.src)[0],
                               [self._fold_step(False, b, c) for b, c in self.fold], ranges)
-        for (cs, cl), fut in zip(ranges, futs, strict=True):
+        await ctx.wait_recv(hello, r + 1)
+        for fut in futs:
             await ctx.wait_recv(fut, r + 1)
-            if stage is not None:
-                stage.final(cs, cl)
         await sends.wait()
 
     async def _run(self) -> None:
         ctx, src, dst, op, chunks = self.ctx, self.src, self.dst, self.op, self.chunks
         real, step, r = self.real, self._step, ctx.rank
-        stage = ctx.stage  # (a device op on a host copy: see OpContext.stage)
-        await ctx.connect(*(real[u] for u, _, _ in self.rs),
-                          *([r - 1] if self.role == "odd" else []))
-        # Every receive is posted before its data can come (payloads land in place).
+        partners = [real[u] for u, _, _ in self.rs]
+        # Hellos first, each as soon as its connection is there (a stalled partner's may
+        # never be); then every receive, before its data can come (payloads land in place).
+        sends = _Sends(ctx)
+        hellos: list[tuple[asyncio.Future[bytes], int]] = []
+
+        def hello(q: int) -> None:
+            if q in partners:
+                i = partners.index(q)
+                sends.post(q, ctx.empty(), i)
+                hellos.append((ctx.post_recv(q, ctx.empty(), i), q))
+            else:  # (the folded even neighbour, which hears nothing else for long)
+                sends.post(q, ctx.empty(), self.rounds)
+
+        await ctx.connect_each([*([r - 1] if self.role == "odd" else []), *partners], hello)
         rs_futs = [[await ctx.post_recvs_paced(real[u], pieces,
                                                [step(0, i, b, c) for c in range(len(pieces))])
                     for b, pieces in zip(blks, self.rs_tmp[i], strict=True)]
@@ -436,7 +462,6 @@ class HalvingDoublingAllReduce:
                                                 for c in range(len(chunks[b]))])
                     for b in blks]
                    for j, (u, blks) in enumerate(self.ag)]
-        sends = _Sends(ctx)
         source = src  # what round 0 reads: the input, or (odd ranks) the folded sum
         if self.role == "odd":
             assert self.fold_tmp is not None
@@ -445,15 +470,12 @@ class HalvingDoublingAllReduce:
                                                             for b, c in self.fold])
             for (cs, cl), tmp, fut in zip(ranges, tmps, futs, strict=True):
                 await ctx.wait_recv(fut, r - 1)
-                if stage is not None:
-                    await stage.ready(cs, cl)
                 await ctx.reduce(dst[cs:cs + cl], src[cs:cs + cl], tmp, op)
             source = dst
         u0, give0, _ = self.rs[0]
         for b in give0:
             await sends.post_each(real[u0], _pieces(source, chunks[b]),
-                                  [step(0, 0, b, c) for c in range(len(chunks[b]))],
-                                  chunks[b])
+                                  [step(0, 0, b, c) for c in range(len(chunks[b]))])
         last = self.rounds - 1
         for i, (u, _, blks) in enumerate(self.rs):
             first = source if i == 0 else dst
@@ -462,8 +484,6 @@ class HalvingDoublingAllReduce:
             for b, futs, tmps in zip(blks, rs_futs[i], self.rs_tmp[i], strict=True):
                 for c, ((cs, cl), fut) in enumerate(zip(chunks[b], futs, strict=True)):
                     await ctx.wait_recv(fut, real[u])
-                    if i == 0 and stage is not None:
-                        await stage.ready(cs, cl)
                     out = dst[cs:cs + cl]
                     await ctx.reduce(out, first[cs:cs + cl], tmps[c], op)
                     if b in forward:
@@ -472,17 +492,15 @@ class HalvingDoublingAllReduce:
                         if op == ReduceOp.AVG:
                             await ctx.avg(out)
                         self._spread(sends, b, c, out, -1)
-                        if stage is not None:
-                            stage.final(cs, cl)
         for j, (u, blks) in enumerate(self.ag):
             for b, futs in zip(blks, ag_futs[j], strict=True):
                 for c, ((cs, cl), fut) in enumerate(zip(chunks[b], futs, strict=True)):
                     await ctx.wait_recv(fut, real[u])
                     self._spread(sends, b, c, dst[cs:cs + cl], j)
-                    if stage is not None:
-                        stage.final(cs, cl)
-                    elif ctx.due():
+                    if ctx.due():
                         await ctx.pause()
+        for fut, q in hellos:
+            await ctx.wait_recv(fut, q)
         await sends.wait()
 
     def _spread(self, sends: _Sends, b: int, c: int, piece: Buffer, after: int) -> None:

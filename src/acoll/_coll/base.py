@@ -7,7 +7,7 @@ import enum
 import functools
 import struct
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from .._dtypes import DTYPE_BY_CODE, DTYPE_NAMES, ReduceOp
@@ -44,7 +44,7 @@ class Coll(enum.IntEnum):
 ANY_SEQ = 0xFFFFFFFF
 
 #: Names of the algorithm codes carried in descriptors (0: the collective has one).
-ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain", 5: "direct"}
+ALGO_NAMES = {0: "default", 1: "ring", 2: "rd", 3: "tree", 4: "chain", 5: "direct", 6: "hd"}
 
 
 _DESC = struct.Struct("<BBBBIQ")
@@ -250,9 +250,42 @@ class OpContext:
             await self.pause()
 
     async def connect(self, *peers: int) -> None:
+        """Make (or reuse) the connections to ``peers``, in order. A connection still
+        being made is what the op waits for (a timeout names that peer)."""
         for peer in peers:
             if peer != self.rank and peer not in self.conns:
+                self.waiting_on = peer
                 self.conns[peer] = await self.host.connection(peer)
+                self.waiting_on = None
+
+    async def connect_each(self, peers: Sequence[int], ready: Callable[[int], None]) -> None:
+        """Make the connections to ``peers`` at once, calling ``ready(peer)`` as each one
+        is there, in whatever order they come (a rank dials the peers above it and waits
+        for the others to dial: one peer that has not started the op delays nothing for
+        the rest). A timeout meanwhile names the first of ``peers`` still missing."""
+        waits: dict[asyncio.Future[Connection], int] = {}
+        for peer in peers:
+            if peer == self.rank:
+                continue
+            if peer in self.conns:
+                ready(peer)
+                continue
+            task: asyncio.Future[Connection] = asyncio.ensure_future(
+                self.host.connection(peer))
+            # (left running if this op ends first: the connection is the communicator's;
+            # a failure is the communicator's too, reported through its own path)
+            task.add_done_callback(_consume)
+            waits[task] = peer
+        try:
+            while waits:
+                self.waiting_on = next(iter(waits.values()))
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for fut in [t for t in waits if t in done]:  # (in the order of peers)
+                    peer = waits.pop(fut)
+                    self.conns[peer] = fut.result()
+                    ready(peer)
+        finally:
+            self.waiting_on = None
 
     def post_send(self, peer: int, buf: Buffer, step: int) -> asyncio.Future[None]:
         return self.conns[peer].isend(buf, self.tag_base | step, self.desc.packed)
@@ -383,6 +416,11 @@ class OpContext:
 
 
 AlgoFn = Callable[[OpContext], Awaitable[None]]
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()
 
 
 def remote(peer: int, message: str) -> RemoteError:
