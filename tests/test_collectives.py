@@ -408,3 +408,20 @@ def test_halving_doubling_refuses_more_steps_than_a_call_has() -> None:
         plan(1 << 28)  # 2**21 one-item chunks per block, 2048 steps each
     with pytest.raises(TypeError):  # (well inside: planning goes on, to the fake scratch)
         plan(1 << 20)
+
+
+def test_algo_setting_bare_names_apply_where_they_exist() -> None:
+    """``ACOLL_ALGO=hd`` forces the all-reduce and leaves broadcast and reduce to the
+    tuner; a bare name no collective has, or a collective given one it lacks, is refused
+    by name."""
+    from acoll._coll import algorithms as al
+
+    assert al.choose("all_reduce", 1 << 20, 4, "hd", 64 << 10) is al.HalvingDoublingAllReduce
+    assert al.choose("broadcast", 1 << 20, 4, "hd", 64 << 10) is al.ChainBroadcast
+    assert al.choose("reduce", 8, 4, "rabenseifner", 64 << 10) is al.TreeReduce
+    assert al.choose("broadcast", 8, 4, "chain", 64 << 10) is al.ChainBroadcast
+    assert al.choose("all_reduce", 8, 4, "ring,broadcast:tree", 64 << 10) is al.RingAllReduce
+    with pytest.raises(acoll.InvalidUsage, match="no collective has an algorithm 'bogus'"):
+        al.choose("broadcast", 8, 4, "bogus", 64 << 10)
+    with pytest.raises(acoll.InvalidUsage, match="broadcast has no algorithm 'hd'"):
+        al.choose("broadcast", 8, 4, "broadcast:hd", 64 << 10)

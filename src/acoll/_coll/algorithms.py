@@ -819,8 +819,9 @@ _ALIASES = {"recursive_doubling": "rd", "recursivedoubling": "rd", "ring": "ring
 def choose(coll: str, nbytes: int, nranks: int, forced: str, small_max: int) -> type:
     """Pick the algorithm class for ``coll`` (NCCL-tuner style: by size, overridable).
 
-    ``ACOLL_ALGO`` may name one algorithm (applied where it exists) or per-collective
-    choices such as ``all_reduce:ring,broadcast:tree``.
+    ``ACOLL_ALGO`` may name one algorithm (applied to the collectives that have it; a
+    name no collective has is refused) or per-collective choices such as
+    ``all_reduce:ring,broadcast:tree`` (refused where that collective lacks it).
     """
     options = _CHOICES[coll]
     forced = forced.strip().lower()
@@ -828,7 +829,12 @@ def choose(coll: str, nbytes: int, nranks: int, forced: str, small_max: int) -> 
         for part in forced.split(","):
             name, sep, algo = part.partition(":")
             if not sep:
-                name, algo = coll, name
+                name, algo = coll, _ALIASES.get(name.strip(), name.strip())
+                if algo not in options:
+                    if not any(algo in o for o in _CHOICES.values()):
+                        raise InvalidUsage(f"ACOLL_ALGO: no collective has an algorithm "
+                                           f"{algo!r}")
+                    continue  # (another collective's: this one keeps its tuner)
             algo = _ALIASES.get(algo.strip(), algo.strip())
             if name.strip() == coll:
                 if algo not in options:
