@@ -428,8 +428,8 @@ class HalvingDoublingAllReduce:
         futs = await ctx.post_recvs_paced(r + 1, outs,
                                           [self._fold_step(True, b, c) for b, c in self.fold])
         sends = _Sends(ctx)
-        await sends.post_each(r + 1, self._fold_pieces(self.src)[0],
-                              [self._fold_step(False, b, c) for b, c in self.fold], ranges)
+        await sends.post_each(r + 1, _pieces(self.src, ranges),
+                              [self._fold_step(False, b, c) for b, c in self.fold])
         await ctx.wait_recv(hello, r + 1)
         for fut in futs:
             await ctx.wait_recv(fut, r + 1)
@@ -829,13 +829,13 @@ def choose(coll: str, nbytes: int, nranks: int, forced: str, small_max: int) -> 
         for part in forced.split(","):
             name, sep, algo = part.partition(":")
             if not sep:
-                name, algo = coll, _ALIASES.get(name.strip(), name.strip())
-                if algo not in options:
-                    if not any(algo in o for o in _CHOICES.values()):
-                        raise InvalidUsage(f"ACOLL_ALGO: no collective has an algorithm "
-                                           f"{algo!r}")
-                    continue  # (another collective's: this one keeps its tuner)
+                name, algo = coll, name
             algo = _ALIASES.get(algo.strip(), algo.strip())
+            if not sep and algo not in options:
+                if not any(algo in o for o in _CHOICES.values()):
+                    raise InvalidUsage(f"ACOLL_ALGO: no collective has an algorithm "
+                                       f"{algo!r}")
+                continue  # (another collective's: this one keeps its tuner)
             if name.strip() == coll:
                 if algo not in options:
                     raise InvalidUsage(f"ACOLL_ALGO: {coll} has no algorithm {algo!r}; "
