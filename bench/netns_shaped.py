@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import itertools
 import json
 import os
 import platform
@@ -99,6 +100,32 @@ def cleanup_stale() -> list[str]:
             sh("ip", "netns", "del", name, check=False)
             gone.append(name)
     return gone
+
+
+#: TCP counters a run reports (``Tcp:`` and ``TcpExt:`` lines): segments sent, and the
+#: signs of loss (retransmits, timeouts, tail-loss probes) and of a receiver falling behind.
+#: (TCPDSACKRecv: retransmits the receiver already had, spurious, as reordering causes;
+#: TCPSACKReorder: reordering seen; TCPOFOQueue: segments that arrived out of order.)
+TCP_COUNTERS = ("OutSegs", "RetransSegs", "TCPTimeouts", "TCPLossProbes", "TCPFastRetrans",
+                "TCPDSACKRecv", "TCPSACKReorder", "TCPOFOQueue", "TCPRcvQDrop",
+                "TCPBacklogDrop")
+
+
+def parse_counters(text: str) -> dict[str, int]:
+    """``{name: value}`` from ``/proc/net/snmp``-style text (a line of names, then a line
+    of values, both starting with the same ``Group:``)."""
+    out: dict[str, int] = {}
+    lines = text.splitlines()
+    for names, values in itertools.pairwise(lines):
+        head, _, rest = names.partition(":")
+        vhead, _, vrest = values.partition(":")
+        if not head or head != vhead or not rest.split() or rest.split()[0].lstrip(
+                "-").isdigit():
+            continue
+        for name, value in zip(rest.split(), vrest.split(), strict=False):
+            with contextlib.suppress(ValueError):
+                out[name] = int(value)
+    return out
 
 
 @dataclass
@@ -194,6 +221,28 @@ class Topology:
                         total[k] += int(m.group(k + 1))
         return total[0], total[1], total[2]
 
+    def tcp_counters(self) -> dict[str, int]:
+        """TCP's counters of :data:`TCP_COUNTERS`, summed over the hosts' namespaces (from
+        their ``/proc/net/snmp`` and ``/proc/net/netstat``)."""
+        total = dict.fromkeys(TCP_COUNTERS, 0)
+        for i in range(self.hosts):
+            text = sh("ip", "netns", "exec", self.host(i), "cat", "/proc/net/snmp",
+                      "/proc/net/netstat", check=False)
+            for name, value in parse_counters(text).items():
+                if name in total:
+                    total[name] += value
+        return total
+
+    @staticmethod
+    def softnet_drops() -> int:
+        """Packets the machine's CPUs dropped from their input backlogs (all namespaces:
+        ``/proc/net/softnet_stat``'s second column), e.g. a veth's receive side."""
+        try:
+            rows = Path("/proc/net/softnet_stat").read_text().split("\n")
+        except OSError:
+            return -1
+        return sum(int(r.split()[1], 16) for r in rows if len(r.split()) > 1)
+
 
 @contextlib.contextmanager
 def topology(topo: Topology) -> Iterator[Topology]:
@@ -275,6 +324,7 @@ class Run:
     cpu_sys_s: float
     busy: float  # fraction of all CPUs busy (anything on the machine), over the run
     tbf: tuple[int, int, int]  # bytes sent, drops, overlimits of every tbf during the run
+    tcp: dict[str, int] = field(default_factory=dict)  # TCP_COUNTERS' growth over the run
 
     @property
     def ok(self) -> bool:
@@ -293,7 +343,7 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
     group = Group()
     with tempfile.TemporaryDirectory(prefix="acoll-netns-") as tmp:
         result_file = Path(tmp, "rank0.json")
-        q0 = topo.tbf_counters()
+        q0, k0, d0 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
         t0, r0, c0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN), \
             _cpu_busy()
         try:
@@ -328,10 +378,11 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
                          if o.strip())
         if codes is None:
             table += f"\n--- stopped: still running after {timeout:g} s"
-    q1 = topo.tbf_counters()
+    q1, k1, d1 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
     return Run(lib, result, table, codes, wall, r1.ru_utime - r0.ru_utime,
                r1.ru_stime - r0.ru_stime, (c1[0] - c0[0]) / max(c1[1] - c0[1], 1.0),
-               (q1[0] - q0[0], q1[1] - q0[1], q1[2] - q0[2]))
+               (q1[0] - q0[0], q1[1] - q0[1], q1[2] - q0[2]),
+               {**{k: k1[k] - k0[k] for k in k1}, "softnet drops": d1 - d0})
 
 
 # --------------------------------------------------------------------------- report
@@ -398,6 +449,8 @@ def summary(runs: Sequence[Run], line_gbs: float, target_from: int = 16 << 20,
                      f"{r.cpu_user_s:.1f}, sys {r.cpu_sys_s:.1f}) = {cpu / r.wall_s:.2f} "
                      f"cores; all CPUs {100 * r.busy:.0f}% busy; tbf: {r.tbf[0] / 1e6:.0f} "
                      f"MB through, {r.tbf[1]} packets dropped, {r.tbf[2]} overlimits")
+        if r.tcp:
+            lines.append(f"#   {name} TCP: " + ", ".join(f"{k} {v}" for k, v in r.tcp.items()))
     return "\n".join(lines)
 
 

@@ -184,6 +184,16 @@ def test_rate_parsing() -> None:
         ns_shaped.rate_bits("fast")
 
 
+def test_tcp_counters_parsing() -> None:
+    text = ("Ip: Forwarding DefaultTTL\nIp: 1 64\n"
+            "Tcp: RtoAlgorithm OutSegs RetransSegs\nTcp: 1 1136608 3\n"
+            "TcpExt: TCPTimeouts TCPLossProbes\nTcpExt: 0 5\n"
+            "MPTcpExt: MPCapableSYNRX\n")  # (a names line without its values)
+    got = ns_shaped.parse_counters(text)
+    assert got == {"Forwarding": 1, "DefaultTTL": 64, "RtoAlgorithm": 1, "OutSegs": 1136608,
+                   "RetransSegs": 3, "TCPTimeouts": 0, "TCPLossProbes": 5}
+
+
 def _run(lib: str, busbw: dict[int, float]) -> Any:
     recs = [{"size": s, "inplace": ip, "busbw": bw if ip else bw / 2}
             for s, bw in busbw.items() for ip in (False, True)]

@@ -74,13 +74,14 @@ async def test_disabled_means_no_domain(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("nranks", "direct"), [(2, "0"), (3, "0"), (4, "0"), (4, "1")])
+@pytest.mark.parametrize(("nranks", "direct"), [(2, "0"), (3, "0"), (4, "0"), (4, "1"),
+                                               (8, "0"), (8, "1")])
 async def test_matrix_copy_mode_in_steps(nranks: int, direct: str,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     """Copy mode (as across processes) with a 1 MiB workspace: the 2.4 MB cases take
     several steps; reduce_scatter/all_to_all split the workspace between ranks. With 4
-    ranks (2 per GPU on a 2-GPU host: what the lent hosts allow of issue 13) also in
-    direct mode."""
+    and 8 ranks (2 or 4 per GPU on a 2-GPU host, all on one GPU on a 1-GPU host: what
+    the lent hosts allow of issue 13) also in direct mode."""
     monkeypatch.setenv("ACOLL_P2P_DIRECT", direct)
     monkeypatch.setenv("ACOLL_P2P_BUFFER", "1M")
     comms = await _form(_devices(nranks))
@@ -581,13 +582,15 @@ async def test_a_prepared_call_the_other_rank_never_makes_times_out() -> None:
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("where", ["devices", "one gpu"])
+@pytest.mark.parametrize("where", ["devices", "one gpu", "8 ranks"])
 async def test_one_task_drives_every_rank_through_a_group(where: str) -> None:
     """The seed program's pattern on GPUs: one task calls every rank inside
     ``acoll.group()``, every collective exact, in place and not, one-shot and two-shot;
-    ranks sharing one GPU too. Repeated calls run prepared where they can (launched at
-    the call, awaited at the exit, no task per rank)."""
-    comms = await _form(_devices(2) if where == "devices" else [0, 0])
+    ranks sharing one GPU too, and 8 ranks on the GPUs there are (issue 13's pattern,
+    as far as the lent hosts allow). Repeated calls run prepared where they can
+    (launched at the call, awaited at the exit, no task per rank)."""
+    devices = {"devices": _devices(2), "one gpu": [0, 0], "8 ranks": _devices(8)}[where]
+    comms = await _form(devices)
     n = len(comms)
     rounds = 6
     try:
@@ -597,7 +600,7 @@ async def test_one_task_drives_every_rank_through_a_group(where: str) -> None:
                 bufs[c.rank] = {"small": cp.empty(1000, cp.float32),
                                 "big": cp.empty(600_001, cp.float32),
                                 "out": cp.empty(600_001, cp.float32),
-                                "gathered": cp.empty(2000, cp.float32),
+                                "gathered": cp.empty(1000 * n, cp.float32),
                                 "part": cp.empty(1000, cp.float32)}
                 cp.cuda.get_current_stream().synchronize()
         for k in range(rounds):
