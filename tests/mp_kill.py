@@ -1,7 +1,8 @@
-"""A rank that dies (``os._exit``, or stops itself with SIGSTOP) while the others run
-all_reduces; the others report how their collectives failed, naming the blamed rank.
+"""A rank that dies (``os._exit``), stops itself with SIGSTOP, or stops calling (its
+event loop still running) while the others run all_reduces; the others report how their
+collectives failed, naming the blamed rank.
 
-Usage: mp_kill.py RANK NRANKS [VICTIM] [kill|stop]
+Usage: mp_kill.py RANK NRANKS [VICTIM] [kill|stop|skip]
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ async def main(rank: int, n: int, victim: int, how: str) -> int:
         if rank == victim and i == 3:
             if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif how == "skip":
+                await asyncio.sleep(60)  # (the test kills it once the others reported)
             else:
                 os._exit(9)
         try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import subprocess
@@ -107,8 +108,9 @@ def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
     assert elapsed < 30
 
 
-def _run_victim_job(n: int, victim: int, how: str, timeout: str) -> list[str]:
+def _run_victim_job(n: int, victim: int, how: str, timeout: str, **extra: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env.update(extra)
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_COMM_SECRET"] = os.urandom(32).hex()
     env["ACOLL_TIMEOUT"] = timeout
@@ -142,6 +144,69 @@ def test_stopped_rank_is_the_one_the_timeout_names() -> None:
         assert "(rank=3)" in out, outs
 
 
+@pytest.mark.parametrize(("algo", "shm"), [("all_reduce:rd", "1"), ("all_reduce:ring", "0")],
+                         ids=["rd-tcp", "ring-shm"])
+def test_rank_that_stops_calling_is_named_across_processes(algo: str, shm: str) -> None:
+    """A rank whose loop runs but which makes no more calls: the survivors' probes reach
+    it (over TCP or shared memory), it answers that it has not made the call, and every
+    survivor names it, not a partner of a later round waiting for it."""
+    outs = _run_victim_job(6, 3, "skip", "3", ACOLL_ALGO=algo, ACOLL_SHM_DISABLE=shm)
+    for out in outs:
+        assert "TimeoutError" in out, outs
+        assert "(rank=3)" in out, outs
+        assert "rank 3, which has not made this call" in out, outs
+
+
+_STALL_CALLS = {
+    "all_reduce:ring": lambda c, x, n: c.all_reduce(x),
+    "all_reduce:rd": lambda c, x, n: c.all_reduce(x),
+    "all_reduce:direct": lambda c, x, n: c.all_reduce(x),
+    "all_reduce:hd": lambda c, x, n: c.all_reduce(x),
+    "broadcast:tree": lambda c, x, n: c.broadcast(x, root=0),
+    "broadcast:chain": lambda c, x, n: c.broadcast(x, root=0),
+    "reduce:tree": lambda c, x, n: c.reduce(x, root=0),
+    "reduce:chain": lambda c, x, n: c.reduce(x, root=0),
+    "all_gather": lambda c, x, n: c.all_gather(x[:len(x) // n].copy(), x),
+    "reduce_scatter": lambda c, x, n: c.reduce_scatter(x, x[:len(x) // n].copy()),
+    "all_to_all": lambda c, x, n: c.all_to_all(x, x.copy()),
+    "barrier": lambda c, x, n: c.barrier(),
+}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("nranks", "stalled", "call"), [
+    *((8, 5, call) for call in _STALL_CALLS),
+    (8, 2, "all_reduce:rd"), (6, 3, "all_reduce:rd"), (6, 3, "broadcast:tree"),
+    (6, 0, "reduce:chain"), (6, 3, "barrier"),
+])
+async def test_a_rank_that_never_calls_is_the_one_every_timeout_names(
+        nranks: int, stalled: int, call: str) -> None:
+    """Every collective and algorithm: the other ranks time out naming the rank that did
+    not make the call, never a peer that waited for it (in a later round of a tree or
+    recursive doubling, further down a chain, or in the rooted ops' agreement)."""
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        if ":" in call:
+            comm._algo = call
+        if comm.rank == stalled:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 20)
+            return
+        try:
+            await _STALL_CALLS[call](comm, np.ones(1000 * nranks, np.float32), nranks)
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == nranks - 1:
+            done.set()
+
+    await run_ranks(nranks, fn, timeout=1.0)
+    assert sorted(errors) == [r for r in range(nranks) if r != stalled]
+    for r, exc in errors.items():
+        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
+        assert exc.rank == stalled, f"rank {r}: {exc!r}"
+        assert f"waiting for rank {stalled}," in str(exc), f"rank {r}: {exc}"
 
 
 @pytest.mark.parametrize(("field", "coll"), [

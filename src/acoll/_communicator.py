@@ -74,6 +74,7 @@ from ._comm.lane import (
 )
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
+from ._comm.probe import PeerState, answer, ask, is_probe
 from ._comm.via_host import (
     CallerCopies,
     DirectCall,
@@ -380,7 +381,7 @@ class Communicator:
         # (dtype, count, op); they hold views of the mailboxes, never a user's array
         self._lane_plans: dict[tuple[Any, int, Any], _LanePlans] = {}
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
-                                self._checker.on_arrival, self.fail, self.mem.staging())
+                                self._on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
 
     # ------------------------------------------------------------------ formation
@@ -473,6 +474,26 @@ class Communicator:
             err = RemoteError(f"rank {peer} is gone: {exc}", peer)
         self.fail(err)
         return err
+
+    def _on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
+        """A message came before its receive: a peer's probe is answered here (its op
+        timed out waiting for us, see acoll._comm.probe); the rest goes to the checks."""
+        if is_probe(tag):
+            conn = self._links.conns.get(peer)
+            if conn is not None and self._error is None and not self._closed:
+                answer(conn, tag, self._exec.probe_state((tag >> 32) & SEQ_MASK))
+            return
+        self._checker.on_arrival(peer, tag, meta)
+
+    def connected(self, peer: int) -> bool:
+        return peer in self._links.conns
+
+    def probe_peer(self, peer: int, seq: int, wait: float
+                   ) -> Awaitable[PeerState | None] | None:
+        conn = self._links.conns.get(peer)
+        if conn is None or conn.failed is not None:
+            return None
+        return ask(conn, seq, wait)
 
     def _on_conn_lost(self, peer: int, lost: ConnectionLost) -> None:
         if self._closed or self._error is not None:

@@ -34,7 +34,8 @@ from .._memory import Buffer
 from ..errors import InvalidUsage
 from .base import OpContext, chunk_ranges, split_even
 
-#: step numbers one call may use (the tag's low 32 bits; the agreement uses the top ones)
+#: step numbers one call may use (the tag's low 32 bits; the agreement and the timeout
+#: probes, acoll._comm.probe, use the top ones)
 _STEPS = (1 << 32) - 64
 
 log = get_logger("COLL")

@@ -198,9 +198,10 @@ class OpContext:
     communicator's :class:`~acoll._memory.MemorySpace`), paced by the step bound.
     """
 
-    __slots__ = ("check", "chunk_bytes", "conns", "deadline", "desc", "grace_used", "hd_chunks",
-                 "heard", "host", "in_group", "mem", "n", "rank", "ring_chunk_max",
-                 "ring_chunks", "seq", "spin", "stage", "tag_base", "waiting_on", "yield_at")
+    __slots__ = ("agree_on", "check", "chunk_bytes", "conns", "deadline", "desc", "grace_used",
+                 "hd_chunks", "heard", "host", "in_group", "mem", "n", "probed", "rank",
+                 "ring_chunk_max", "ring_chunks", "seq", "spin", "stage", "tag_base",
+                 "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -219,8 +220,12 @@ class OpContext:
         self.tag_base = tag_base
         self.conns: dict[int, Connection] = {}
         self.waiting_on: int | None = None  # the peer the op waits for now
+        self.agree_on: int | None = None  # the peer its agreement exchange waits for now
         self.heard: set[int] = set()  # peers from which a message of this op arrived
         self.grace_used = False
+        #: what the peers asked when it timed out said (acoll._comm.probe): peer -> the
+        #: rank that peer waits for (-1: not known); empty until then
+        self.probed: dict[int, int] = {}
         self.deadline = float("inf")  # loop time at which the executor fails it
         #: copies pipelined with the algorithm (a device op run on a host copy: see
         #: acoll._comm.via_host.RingStaging); algorithms that support it call

@@ -43,8 +43,11 @@ async def start_agreement(ctx: OpContext) -> asyncio.Task[None]:
                 send = ctx.post_send(to, host_buffer(bytes(state)), CHECK_STEP - i)
                 try:
                     ctx.progress(recvs[i], frm)
+                    ctx.agree_on = frm
                     await recvs[i]
+                    ctx.agree_on = to
                     await send
+                    ctx.agree_on = None
                 except ConnectionLost as exc:
                     raise ctx.host.peer_error(frm, exc) from None
                 got = inbox[i]

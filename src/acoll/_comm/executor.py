@@ -8,8 +8,10 @@ must match across ranks. Inside a group (``async with acoll.group():`` or ``comm
 block exits, like ``ncclGroupStart/End``.
 
 Each op has a deadline (the communicator's timeout). When it passes, the communicator
-fails with :class:`~acoll.TimeoutError` naming the rank(s) the op waited for. A cancelled
-op fails the communicator too: its sequence number was already promised to the peers.
+fails with :class:`~acoll.TimeoutError` naming the rank(s) the op waited for; a peer that
+sent nothing in the op is asked first whether it made the call (:mod:`.probe`), so that
+a rank waiting behind a stalled rank's other peers does not blame them. A cancelled op
+fails the communicator too: its sequence number was already promised to the peers.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from .agreement import start_agreement
 from .groups import Group
 from .groups import current as current_group
 from .ordering import SEQ_MASK, OrderChecker
+from .probe import PeerState
 
 __all__ = ["Algorithm", "ExecHost", "Executor", "MakeAlgorithm"]
 
@@ -54,6 +57,14 @@ class ExecHost(OpHost, Protocol):
 
     def check_usable(self) -> None:
         """Raise the communicator's error, or ClosedError once closed."""
+
+    def connected(self, peer: int) -> bool:
+        """Whether a connection to ``peer`` is made."""
+
+    def probe_peer(self, peer: int, seq: int, wait: float
+                   ) -> Awaitable[PeerState | None] | None:
+        """Ask ``peer`` about collective ``seq`` (:func:`.probe.ask`); ``None`` when there
+        is no connection to ask over."""
 
 
 class _Failing(Protocol):
@@ -86,6 +97,7 @@ class Executor:
         self._group: list[GroupOp] | None = None
         self._owner: Group | None = None  # the group whose block queues calls
         self.running: set[OpContext] = set()
+        self._probes: set[asyncio.Task[None]] = set()  # peers being asked (see _timed_out)
         self.queued = 0  # calls waiting for the lock (woken ones included)
         # One timer for every running op's deadline (re-armed for the next deadline when
         # it fires) instead of a timer per op: the per-op cost was a measurable part of a
@@ -257,33 +269,105 @@ class Executor:
             self._watchdog.cancel()
             self._watchdog = None
 
+    def probe_state(self, seq: int) -> PeerState:
+        """Where this rank stands in collective ``seq`` (the answer to a peer's probe)."""
+        for c in self.running:
+            if c.seq == seq:
+                return PeerState(True, _awaited(c), self.seq)
+        # (sequence numbers wrap at SEQ_MASK: one less than half a cycle ahead of our next
+        # number is a call still to come)
+        ahead = (seq - self.seq) & SEQ_MASK
+        return PeerState(ahead >= 1 << 30, None, self.seq)
+
+    def _grace(self) -> float:
+        return min(5.0, self.host.timeout / 10 + 0.2)
+
     def _timed_out(self, name: str, ctx: OpContext) -> None:
         """The op's deadline passed: fail, naming the rank(s) it was waiting for.
 
-        A rank waiting only on peers that did send something in this op is blocked behind
-        someone else: it waits a short grace first, so that the rank that heard nothing
-        from the stalled one reports first and its cause is the one every rank sees.
+        A peer that sent nothing in the op is asked first whether it made the call
+        (:mod:`.probe`; not for send/recv, whose peers are not numbered alike): one that
+        has not, or does not answer within half the grace below, is named at once. A rank
+        waiting only on peers that did send something, or that made the call, is blocked
+        behind someone else: it waits a short grace first, so that the rank that found the
+        stalled one reports first and its cause is the one every rank sees.
         """
         host = self.host
         if host.error is not None or ctx not in self.running:
             return
         ops = tuple(self.running)
-        peers = sorted({c.waiting_on for c in ops if c.waiting_on is not None})
+        waits = {(c, p) for c in ops if (p := _awaited(c)) is not None}
+        peers = sorted({p for _, p in waits})
         silent = [p for p in peers if not any(p in c.heard for c in ops)]
+        if silent and not ctx.grace_used and not ctx.probed:
+            asks: dict[int, Awaitable[PeerState | None]] = {}
+            for c, p in sorted(waits, key=lambda w: w[1]):
+                if p in silent and p not in asks and c.desc.coll != Coll.SEND_RECV:
+                    ask = host.probe_peer(p, c.seq, self._grace() / 2)
+                    if ask is not None:
+                        asks[p] = ask
+            if asks:
+                ctx.probed = {p: -1 for p in asks}
+                task = self._loop.create_task(self._judge(name, ctx, asks))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
+                return
         if peers and not silent and not ctx.grace_used:
             ctx.grace_used = True
-            self._loop.call_later(min(5.0, host.timeout / 10 + 0.2), self._timed_out,
-                                  name, ctx)
+            self._loop.call_later(self._grace(), self._timed_out, name, ctx)
             return
-        peers = silent or peers
-        waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
-                  f"{', '.join(map(str, peers))}, "
-                  + ("which sent nothing in this call (stalled, or not in this call)"
-                     if silent else "which had started this call")
-                  if peers else "")
+        blamed = silent or peers
+        if not blamed:
+            waited = ""
+        elif silent:
+            host_conns = {p for p in silent if host.connected(p)}
+            waited = "; it was waiting for " + "; ".join(
+                f"rank {p}, which had made this call but sent nothing in it" + (
+                    f" (it was waiting for rank {ctx.probed[p]})" if ctx.probed[p] >= 0
+                    else "")
+                if p in ctx.probed else
+                f"rank {p}, which sent nothing in this call" + (
+                    "" if p in host_conns else " and has not connected to this rank")
+                + " (stalled, or not in this call)"
+                for p in silent)
+        else:
+            waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
+                      f"{', '.join(map(str, peers))}, which had started this call")
+        self._fail_timeout(name, ctx, waited, blamed)
+
+    async def _judge(self, name: str, ctx: OpContext,
+                     asks: dict[int, Awaitable[PeerState | None]]) -> None:
+        """Fail naming the asked peers that have not made the call or did not answer, or,
+        when every one made it, wait the grace (see :meth:`_timed_out`)."""
+        states = dict(zip(asks, await asyncio.gather(*asks.values()), strict=True))
+        if self.host.error is not None or ctx not in self.running:
+            return
+        parts, blamed = [], []
+        for p, st in states.items():
+            if st is None:
+                blamed.append(p)
+                parts.append(f"rank {p}, which sent nothing in this call and did not answer "
+                             f"within {self._grace() / 2:g} s whether it made it (stalled, "
+                             "or its event loop is blocked)")
+            elif not st.called:
+                blamed.append(p)
+                parts.append(f"rank {p}, which has not made this call (it has made "
+                             f"{st.calls} call{'s' if st.calls != 1 else ''} on this "
+                             "communicator)")
+            else:
+                ctx.probed[p] = -1 if st.waiting_on is None else st.waiting_on
+        if blamed:
+            self._fail_timeout(name, ctx, "; it was waiting for " + "; ".join(parts), blamed)
+            return
+        ctx.grace_used = True
+        self._loop.call_later(self._grace(), self._timed_out, name, ctx)
+
+    def _fail_timeout(self, name: str, ctx: OpContext, waited: str, blamed: list[int]
+                      ) -> None:
+        host = self.host
         host.fail(AcollTimeoutError(f"{name} #{ctx.seq} did not complete within "
                                     f"{host.timeout:g} s on rank {host.rank}{waited}",
-                                    peers[0] if len(peers) == 1 else None))
+                                    blamed[0] if len(blamed) == 1 else None))
 
     def open_group(self, owner: Group) -> None:
         """Queue calls from now on, until :meth:`take_group` and :meth:`run_ops`, or
@@ -359,6 +443,11 @@ def _settle_callers(ops: list[GroupOp], results: list[BaseException | None]) -> 
                 done.set_exception(res)
             else:
                 done.set_result(None)
+
+
+def _awaited(ctx: OpContext) -> int | None:
+    """The peer ``ctx`` waits for now: its own wait's, else its agreement's."""
+    return ctx.waiting_on if ctx.waiting_on is not None else ctx.agree_on
 
 
 def _watch(ref: weakref.ref[Executor]) -> None:

@@ -1,0 +1,97 @@
+"""Asking a silent peer whether it made a call, when that call timed out here.
+
+An op that times out names the rank it was waiting for. Whether that rank is the cause
+depends on why it sent nothing: it may not have made the call (stalled elsewhere, or a
+bug in its program), or it may be inside the call, itself waiting for a third rank. Only
+that rank knows, so the waiting rank asks it, once per op and peer, over their data
+connection: a *probe* (an empty message under step :data:`PROBE_STEP` of the op's tag)
+answered by a *reply* (step :data:`REPLY_STEP`) whose 16-byte meta says::
+
+    i state (1: has not made the call, 2: has made it) | i rank it waits for (-1: none
+    known) | q the number of calls it has made on the communicator
+
+A rank whose peer has not made the call, or does not answer within the probe's wait,
+names that peer at once; a rank whose peer made the call waits a grace period for the
+cause to arrive from the rank that found it, so that every rank reports the same cause.
+Probes are answered from the connection's arrival callback, outside any op, and never
+reach the order checks. The steps lie in the range data steps never use (see
+``acoll._coll.algorithms._STEPS``), below the agreement's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from .._memory import host_buffer
+from .._transport.base import META_SIZE, Connection
+from .ordering import P2P_TAG
+
+__all__ = ["PROBE_STEP", "REPLY_STEP", "PeerState", "answer", "ask", "is_probe",
+           "pack_state", "unpack_state"]
+
+PROBE_STEP = 0xFFFFFFC0
+REPLY_STEP = 0xFFFFFFC1
+_STEP_MASK = 0xFFFFFFFF
+_NOT_CALLED, _CALLED = 1, 2
+_STATE = struct.Struct("<iiq")
+
+
+@dataclass(frozen=True)
+class PeerState:
+    """Where a probed rank stood in the probed call."""
+
+    called: bool  #: it has made the call (it may be running it, or queued behind another)
+    waiting_on: int | None  #: the rank it waits for in that call, where known
+    calls: int  #: calls it has made on the communicator
+
+
+def pack_state(state: PeerState) -> bytes:
+    """The reply's meta for ``state``."""
+    waiting = -1 if state.waiting_on is None else state.waiting_on
+    return _STATE.pack(_CALLED if state.called else _NOT_CALLED, waiting, state.calls)
+
+
+def unpack_state(meta: bytes) -> PeerState | None:
+    """The state a reply's meta carries; ``None`` for meta that is not a valid reply."""
+    if len(meta) != _STATE.size:
+        return None
+    code, waiting, calls = _STATE.unpack(meta)
+    if code not in (_NOT_CALLED, _CALLED) or waiting < -1 or calls < 0:
+        return None
+    return PeerState(code == _CALLED, None if waiting < 0 else waiting, calls)
+
+
+def is_probe(tag: int) -> bool:
+    """Whether a message's tag is a probe's (a collective's tag with step PROBE_STEP)."""
+    return not tag & P2P_TAG and tag & _STEP_MASK == PROBE_STEP
+
+
+async def ask(conn: Connection, seq: int, wait: float) -> PeerState | None:
+    """Probe the peer at the other end of ``conn`` about collective ``seq``: its state, or
+    ``None`` when no valid reply came within ``wait`` seconds (or the connection broke)."""
+    tag = seq << 32
+    reply = conn.irecv(host_buffer(bytearray(0)), tag | REPLY_STEP)
+    sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, bytes(META_SIZE))
+    sent.add_done_callback(_consume)
+    try:
+        meta = await asyncio.wait_for(asyncio.shield(reply), wait)
+    except (asyncio.TimeoutError, Exception):
+        reply.add_done_callback(_consume)
+        return None
+    return unpack_state(meta)
+
+
+def answer(conn: Connection, probe_tag: int, state: PeerState) -> None:
+    """Take the probe that arrived under ``probe_tag`` off ``conn`` and send the reply."""
+    conn.irecv(host_buffer(bytearray(0)), probe_tag).add_done_callback(_consume)
+    base = probe_tag & ~_STEP_MASK
+    conn.isend(host_buffer(bytearray(0)), base | REPLY_STEP,
+               pack_state(state)).add_done_callback(_consume)
+
+
+def _consume(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
