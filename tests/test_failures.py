@@ -149,12 +149,14 @@ def test_stopped_rank_is_the_one_the_timeout_names() -> None:
 def test_rank_that_stops_calling_is_named_across_processes(algo: str, shm: str) -> None:
     """A rank whose loop runs but which makes no more calls: the survivors' probes reach
     it (over TCP or shared memory), it answers that it has not made the call, and every
-    survivor names it, not a partner of a later round waiting for it."""
+    survivor names it, not a partner of a later round waiting for it. (Where every rank
+    has a core, the lane may carry the call instead: it names the rank its own way.)"""
     outs = _run_victim_job(6, 3, "skip", "3", ACOLL_ALGO=algo, ACOLL_SHM_DISABLE=shm)
     for out in outs:
         assert "TimeoutError" in out, outs
         assert "(rank=3)" in out, outs
-        assert "rank 3, which has not made this call" in out, outs
+        assert ("rank 3, which has not made this call" in out
+                or "rank 3, which did not reach this call" in out), outs
 
 
 _STALL_CALLS = {
