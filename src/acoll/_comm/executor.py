@@ -268,6 +268,8 @@ class Executor:
         if self._watchdog is not None:
             self._watchdog.cancel()
             self._watchdog = None
+        for task in list(self._probes):  # (nothing is left to judge)
+            task.cancel()
 
     def probe_state(self, seq: int) -> PeerState:
         """Where this rank stands in collective ``seq`` (the answer to a peer's probe)."""

@@ -74,12 +74,12 @@ async def ask(conn: Connection, seq: int, wait: float) -> PeerState | None:
     ``None`` when no valid reply came within ``wait`` seconds (or the connection broke)."""
     tag = seq << 32
     reply = conn.irecv(host_buffer(bytearray(0)), tag | REPLY_STEP)
+    reply.add_done_callback(_consume)  # (however this ends: abandoned, it must not log)
     sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, bytes(META_SIZE))
     sent.add_done_callback(_consume)
     try:
         meta = await asyncio.wait_for(asyncio.shield(reply), wait)
     except (asyncio.TimeoutError, Exception):
-        reply.add_done_callback(_consume)
         return None
     return unpack_state(meta)
 
