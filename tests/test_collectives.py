@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import subprocess
 import sys
@@ -338,35 +337,6 @@ def test_halving_doubling_plan_orders_agree(nranks: int) -> None:
         assert sorted(spread) == list(range(p))
     rounds = plans[0].rounds
     assert rounds == p.bit_length() - 1
-
-
-@pytest.mark.parametrize(("nranks", "stalled"), [(6, 1), (6, 5), (8, 3)])
-async def test_halving_doubling_timeout_names_the_stalled_rank(
-        nranks: int, stalled: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank that never calls: every other rank's error names it, not a partner of a
-    later round that is only waiting for its own earlier rounds (every rank says hello to
-    its partners, and its folded neighbour, before it waits for anything)."""
-    monkeypatch.setenv("ACOLL_ALGO", "all_reduce:hd")
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
-
-    async def fn(comm: acoll.Communicator) -> None:
-        if comm.rank == stalled:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 20)
-            return
-        try:
-            await comm.all_reduce(np.ones(1 << 16, np.float32))
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == nranks - 1:
-            done.set()
-
-    await run_ranks(nranks, fn, timeout=1.5)
-    assert sorted(errors) == [r for r in range(nranks) if r != stalled]
-    for r, exc in errors.items():
-        assert exc.rank == stalled, f"rank {r}: {exc!r}"
-        assert f"waiting for rank {stalled}," in str(exc), f"rank {r}: {exc}"
 
 
 async def test_halving_doubling_chunk_settings_that_differ_fail_at_once() -> None:

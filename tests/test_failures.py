@@ -180,12 +180,14 @@ _STALL_CALLS = {
     *((8, 5, call) for call in _STALL_CALLS),
     (8, 2, "all_reduce:rd"), (6, 3, "all_reduce:rd"), (6, 3, "broadcast:tree"),
     (6, 0, "reduce:chain"), (6, 3, "barrier"),
+    (6, 1, "all_reduce:hd"), (6, 5, "all_reduce:hd"), (8, 3, "all_reduce:hd"),  # (folded)
 ])
 async def test_a_rank_that_never_calls_is_the_one_every_timeout_names(
         nranks: int, stalled: int, call: str) -> None:
     """Every collective and algorithm: the other ranks time out naming the rank that did
-    not make the call, never a peer that waited for it (in a later round of a tree or
-    recursive doubling, further down a chain, or in the rooted ops' agreement)."""
+    not make the call, never a peer that waited for it (in a later round of a tree,
+    recursive doubling or halving-doubling, further down a chain, or in the rooted ops'
+    agreement)."""
     errors: dict[int, BaseException] = {}
     done = asyncio.Event()
 

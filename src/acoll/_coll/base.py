@@ -279,7 +279,7 @@ class OpContext:
                 self.host.connection(peer))
             # (left running if this op ends first: the connection is the communicator's;
             # a failure is the communicator's too, reported through its own path)
-            task.add_done_callback(_consume)
+            task.add_done_callback(consume)
             waits[task] = peer
         try:
             while waits:
@@ -423,7 +423,9 @@ class OpContext:
 AlgoFn = Callable[[OpContext], Awaitable[None]]
 
 
-def _consume(task: asyncio.Future[Any]) -> None:
+def consume(task: asyncio.Future[Any]) -> None:
+    """A done callback that marks a future's exception retrieved (an abandoned future
+    that failed must not log)."""
     if not task.cancelled():
         task.exception()
 

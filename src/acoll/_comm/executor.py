@@ -322,20 +322,21 @@ class Executor:
         if not blamed:
             waited = ""
         elif silent:
-            host_conns = {p for p in silent if host.connected(p)}
             waited = "; it was waiting for " + "; ".join(
-                f"rank {p}, which had made this call but sent nothing in it" + (
-                    f" (it was waiting for rank {ctx.probed[p]})" if ctx.probed[p] >= 0
-                    else "")
-                if p in ctx.probed else
-                f"rank {p}, which sent nothing in this call" + (
-                    "" if p in host_conns else " and has not connected to this rank")
-                + " (stalled, or not in this call)"
-                for p in silent)
+                self._silent(ctx, p) for p in silent)
         else:
             waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
                       f"{', '.join(map(str, peers))}, which had started this call")
         self._fail_timeout(name, ctx, waited, blamed)
+
+    def _silent(self, ctx: OpContext, peer: int) -> str:
+        """What the report says of ``peer``, which sent nothing in ``ctx``."""
+        if peer in ctx.probed:  # (asked: it answered that it made the call)
+            behind = ctx.probed[peer]
+            return (f"rank {peer}, which had made this call but sent nothing in it"
+                    + (f" (it was waiting for rank {behind})" if behind >= 0 else ""))
+        how = "" if self.host.connected(peer) else " and has not connected to this rank"
+        return f"rank {peer}, which sent nothing in this call{how} (stalled, or not in this call)"
 
     async def _judge(self, name: str, ctx: OpContext,
                      asks: dict[int, Awaitable[PeerState | None]]) -> None:

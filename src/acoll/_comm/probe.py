@@ -23,8 +23,8 @@ from __future__ import annotations
 import asyncio
 import struct
 from dataclasses import dataclass
-from typing import Any
 
+from .._coll.base import consume
 from .._memory import host_buffer
 from .._transport.base import META_SIZE, Connection
 from .ordering import P2P_TAG
@@ -74,24 +74,19 @@ async def ask(conn: Connection, seq: int, wait: float) -> PeerState | None:
     ``None`` when no valid reply came within ``wait`` seconds (or the connection broke)."""
     tag = seq << 32
     reply = conn.irecv(host_buffer(bytearray(0)), tag | REPLY_STEP)
-    reply.add_done_callback(_consume)  # (however this ends: abandoned, it must not log)
+    reply.add_done_callback(consume)  # (however this ends: abandoned, it must not log)
     sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, bytes(META_SIZE))
-    sent.add_done_callback(_consume)
+    sent.add_done_callback(consume)
     try:
         meta = await asyncio.wait_for(asyncio.shield(reply), wait)
-    except (asyncio.TimeoutError, Exception):
+    except Exception:  # (timed out, or the connection broke)
         return None
     return unpack_state(meta)
 
 
 def answer(conn: Connection, probe_tag: int, state: PeerState) -> None:
     """Take the probe that arrived under ``probe_tag`` off ``conn`` and send the reply."""
-    conn.irecv(host_buffer(bytearray(0)), probe_tag).add_done_callback(_consume)
+    conn.irecv(host_buffer(bytearray(0)), probe_tag).add_done_callback(consume)
     base = probe_tag & ~_STEP_MASK
     conn.isend(host_buffer(bytearray(0)), base | REPLY_STEP,
-               pack_state(state)).add_done_callback(_consume)
-
-
-def _consume(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
+               pack_state(state)).add_done_callback(consume)
