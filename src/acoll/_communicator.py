@@ -72,6 +72,7 @@ from ._comm.lane import (
     one_shot_steps_max,
     reduce_scatter_steps,
 )
+from ._comm.native_ring import NATIVE, NativeRing, NativeRingAllReduce, native_record
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._comm.probe import PeerState, answer, ask, is_probe
@@ -98,10 +99,13 @@ from ._memory import (
     StreamOrder,
     shared,
 )
+from ._native import NativeLib
+from ._native import load_async as load_native
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from ._transport.select import select_transports
+from ._transport.tcp import TcpTransport
 from ._uid import UniqueId
 
 if TYPE_CHECKING:
@@ -360,6 +364,7 @@ class Communicator:
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._prepared: PreparedCalls | None = None  # its prepared calls (_p2p/fast.py)
+        self._native: NativeRing | None = None  # large TCP all_reduces in C (_form)
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
         self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
         self._host_mem = HostSpace()  # for device ops run on host copies (and scratch)
@@ -407,10 +412,17 @@ class Communicator:
         host_hash = _host_hash() & 0x7FFFFFFFFFFFFFFF
         loop_id = id(asyncio.get_running_loop())
         p2p = _p2p_wanted(mem)
+        try:
+            native = await _native_lib(endpoints, mem)
+        except BaseException:
+            _release(endpoints)
+            raise
+        native_rec = native_record(native)
 
         def make_info(boot_addr: Address) -> bytes:
             return msgpack.packb({"host_hash": host_hash, "pid": os.getpid(), "proc": _PROC,
                                   "loop": loop_id, "boot": list(boot_addr), "p2p": p2p,
+                                  "native": native_rec,
                                   "handles": {t.name: lis.handle for t, lis in endpoints}})
 
         try:
@@ -422,6 +434,16 @@ class Communicator:
             infos, addrs = _parse_infos(raw)
             boot.set_peer_addrs(addrs)
             comm = cls(boot, endpoints, infos, timeout, CHECK.resolve(check), mem)
+            if native is not None:
+                min_bytes = NativeRing.usable(
+                    [msgpack.unpackb(r).get("native") for r in raw],
+                    [t for t, _ in endpoints], infos)
+                if min_bytes is not None:
+                    comm._native = NativeRing(native, comm._links, comm.rank, comm.size,
+                                              min_bytes, timeout)
+                log.info("rank %d: native ring %s", comm.rank,
+                         "on" if comm._native is not None else
+                         "off (not every rank has it, or a ring edge is not over TCP)")
         except BaseException:
             _release(endpoints)
             boot.abort()
@@ -525,6 +547,8 @@ class Communicator:
         self._p2p_seq.fail(error)
         if self._p2p is not None:
             self._p2p.abort(error)
+        if self._native is not None:
+            self._native.abort()
         wire = error_to_wire(error, self.rank)
         notice = msgpack.packb({"kind": wire.kind, "message": wire.message,
                                 "rank": wire.rank})
@@ -551,6 +575,8 @@ class Communicator:
         if self._p2p is not None:
             self._p2p.abort(self._error)
             self._p2p.close()
+        if self._native is not None:
+            self._native.abort()
         self._links.abort_all()
         self._links.stop(self._error)
         self._links.close_transports()
@@ -599,6 +625,8 @@ class Communicator:
                 await self.mem.settle(asyncio.get_running_loop().time() + self.timeout)
             self._p2p.close()
         self._closed = True
+        if self._native is not None:
+            self._native.abort()  # (no call runs: the closing barrier came after them)
         self._links.stop(None)
         # A failed communicator queued its failure notice when it failed: give it a
         # moment to leave, but never wait for a peer that stopped reading.
@@ -889,6 +917,11 @@ class Communicator:
             await self._execute(desc, None, self._via_host(
                 lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order,
                 self._via_pipe and pipelines(cls, s.nbytes)))
+        elif (self._native is not None and make is None and order is None
+              and cls is algos.RingAllReduce and self._native.takes(s, rop)):
+            native = self._native
+            await self._execute(desc, None,
+                                lambda ctx: NativeRingAllReduce(ctx, s, r, rop, native))
         else:
             await self._execute(desc, make,
                                 self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
@@ -1356,6 +1389,21 @@ class Registration:
 
     def __repr__(self) -> str:
         return f"<acoll.Registration #{self.index}>"
+
+
+async def _native_lib(endpoints: list[tuple[Transport, Listener]],
+                      mem: MemorySpace | None) -> NativeLib | None:
+    """The native ring's library for a host communicator with a TCP transport (built
+    off the loop's thread on first use), unless ``ACOLL_NATIVE=0``."""
+    wanted = NATIVE.resolve()
+    if wanted == 0 or (mem is not None and mem.kind != MemoryKind.HOST) or not any(
+            isinstance(t, TcpTransport) for t, _ in endpoints):
+        return None
+    lib = await load_native()
+    if lib is None and wanted > 0:
+        log.warning("ACOLL_NATIVE=1 but the native ring could not be built (ACOLL_DEBUG="
+                    "INFO says why): the Python ring runs instead")
+    return lib
 
 
 def _p2p_wanted(mem: MemorySpace | None) -> bool:

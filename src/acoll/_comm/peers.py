@@ -31,6 +31,7 @@ from .._deadline import deadline_after
 from .._memory import Staging
 from .._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from .._transport.staged import staged
+from .._transport.tcp import RawLink, TcpTransport
 from .._transport.window import windowed
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
@@ -104,6 +105,9 @@ class PeerLinks:
         self._handles = [info.handles for info in infos]
         self.conns: dict[int, Connection] = {}
         self._connecting: dict[int, asyncio.Future[Connection]] = {}
+        # raw links (the native ring's): dialed by the sender, one per direction
+        self._raw_in: dict[int, asyncio.Future[RawLink]] = {}
+        self._raw: list[RawLink] = []
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
@@ -150,8 +154,12 @@ class PeerLinks:
             try:
                 info = msgpack.unpackb(hello)
                 peer, to = info["rank"], info["to"]
+                raw = bool(info.get("raw", False))
             except Exception:
-                peer, to = -1, -1
+                peer, to, raw = -1, -1, False
+            if raw or isinstance(conn, RawLink):
+                self._raw_arrived(transport, peer, to, raw, conn)
+                continue
             if to != self.rank or not isinstance(peer, int) or not (
                     0 <= peer < self.size) or peer == self.rank or peer in self.conns or (
                     self.choice[peer] is not transport):
@@ -204,6 +212,58 @@ class PeerLinks:
             return
         self._register(peer, conn)
 
+    # ------------------------------------------------------------------ raw links
+    def stopped(self) -> bool:
+        return self._stopped
+
+    def raw_capable(self, peer: int) -> bool:
+        """Whether a raw link to ``peer`` can be made (the pair talks over TCP)."""
+        return isinstance(self.choice[peer], TcpTransport)
+
+    async def raw_to(self, peer: int) -> RawLink:
+        """Dial a raw link to ``peer`` (this rank sends on it; see :class:`RawLink`)."""
+        transport = self.choice[peer]
+        if self._stopped:
+            raise ClosedError("the communicator is closed")
+        assert isinstance(transport, TcpTransport)
+        hello = msgpack.packb({"rank": self.rank, "to": peer, "raw": True})
+        try:
+            link = await transport.connect_raw(self._handles[peer][transport.name], hello,
+                                               deadline_after(self.timeout))
+        except AcollError as exc:
+            if isinstance(exc, AcollTimeoutError):
+                raise
+            raise RemoteError(f"rank {self.rank} cannot open a native ring link to rank "
+                              f"{peer}: {exc}", peer) from exc
+        self._raw.append(link)
+        if self.stopped():  # (stopped while it was being made: abort_all already ran)
+            link.abort()
+            raise ClosedError("the communicator is closed")
+        return link
+
+    async def raw_from(self, peer: int) -> RawLink:
+        """The raw link ``peer`` dials to this rank (waits for it)."""
+        fut = self._raw_in.get(peer)
+        if fut is None:
+            fut = self._raw_in[peer] = self._loop.create_future()
+        return await asyncio.shield(fut)
+
+    def _raw_arrived(self, transport: Transport, peer: int, to: int, raw: bool,
+                     conn: Connection) -> None:
+        fut = self._raw_in.get(peer) if isinstance(peer, int) else None
+        if (not raw or not isinstance(conn, RawLink) or to != self.rank
+                or not isinstance(peer, int) or not 0 <= peer < self.size
+                or peer == self.rank or self.choice[peer] is not transport
+                or self._stopped or (fut is not None and fut.done())):
+            log.warning("rank %d: refused a raw %s link (hello from rank %s)", self.rank,
+                        transport.name, peer)
+            conn.abort()
+            return
+        if fut is None:
+            fut = self._raw_in[peer] = self._loop.create_future()
+        self._raw.append(conn)
+        fut.set_result(conn)
+
     # ------------------------------------------------------------------ ending
     def stop(self, error: AcollError | None) -> None:
         """Stop accepting; fail waiters for connections not made yet with ``error``."""
@@ -213,6 +273,10 @@ class PeerLinks:
                 fut.set_exception(error or ClosedError("the communicator is closed"))
                 fut.exception()
         self._connecting.clear()
+        for raw in self._raw_in.values():
+            if not raw.done():
+                raw.set_exception(error or ClosedError("the communicator is closed"))
+                raw.exception()
         for _, listener in self._endpoints:
             listener.close()
 
@@ -224,6 +288,8 @@ class PeerLinks:
     def abort_all(self) -> None:
         for conn in self.conns.values():
             conn.abort()
+        for link in self._raw:
+            link.abort()
 
     async def close_all(self, linger: float) -> None:
         """Orderly close of every connection, waiting at most ``linger`` seconds."""

@@ -103,7 +103,7 @@ from .base import META_SIZE, Connection, ConnectionLost, QueuedListener, Transpo
 from .copyout import PacedCopies
 from .matching import Matcher, Message
 
-__all__ = ["TcpConnection", "TcpListener", "TcpTransport"]
+__all__ = ["RawLink", "TcpConnection", "TcpListener", "TcpTransport"]
 
 log = get_logger("NET")
 
@@ -154,6 +154,7 @@ _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
 _ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 _SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's sockets are split
+_RAW_FLAG = 0x4000  # in the handshake's socket count: one socket for the native ring (RawLink)
 _MAX_SOCKS = 16  # sockets per connection, twice this when split
 _MAX_PART = 1 << 30  # payload bytes per frame at most (the header's length field is 32 bits)
 _OFFLOAD_MIN = 512 << 10  # bytes queued on a socket from which a send thread sends them
@@ -1105,9 +1106,11 @@ class TcpListener(QueuedListener):
             if magic != _HS_MAGIC or version != _HS_VERSION:
                 raise ProtocolError("not an acoll data connection")
             split = nsocks & _SPLIT_FLAG
-            count = nsocks & ~_SPLIT_FLAG
+            raw = nsocks & _RAW_FLAG
+            count = nsocks & ~(_SPLIT_FLAG | _RAW_FLAG)
             if (not (0 <= index < count <= (2 * _MAX_SOCKS if split else _MAX_SOCKS))
-                    or hello_len > _MAX_HELLO or (split and count % 2)):
+                    or hello_len > _MAX_HELLO or (split and count % 2)
+                    or (raw and (split or count != 1))):
                 raise ProtocolError("bad handshake fields")
             rest = await asyncio.wait_for(
                 _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
@@ -1148,11 +1151,14 @@ class TcpListener(QueuedListener):
             sock.close()
             return
         group[index] = sock
-        count = nsocks & ~_SPLIT_FLAG
+        count = nsocks & ~(_SPLIT_FLAG | _RAW_FLAG)
         if len(group) == count:
             del self._partial[conn_id]
             timer.cancel()
             socks = [group[i] for i in range(count)]
+            if nsocks & _RAW_FLAG:
+                self._offer(hello, RawLink(socks[0], f"{addr[0]}:{addr[1]}"))
+                return
             conn = TcpConnection(socks, f"{addr[0]}:{addr[1]}", self._stripe,
                                  threads=self._threads, recv_threads=self._recv_threads,
                                  send_half=1 if nsocks & _SPLIT_FLAG else None)
@@ -1180,6 +1186,72 @@ class TcpListener(QueuedListener):
             self._expire(conn_id)
         self._sock.close()
         self._close_queue()
+
+
+class RawLink(Connection):
+    """One authenticated TCP socket that carries no acoll frames: a link of the native
+    ring (:mod:`acoll._comm.native_ring`), read or written only by its owner's worker
+    thread, never watched by the event loop. :meth:`isend` and :meth:`irecv` fail.
+
+    While the owner marks it ``busy`` (a native call has its descriptor), :meth:`abort`
+    only shuts the socket down (the call sees the end of the stream at once); the socket
+    is closed when the owner calls :meth:`idle` afterwards, so its descriptor number is
+    never reused under a running call.
+    """
+
+    def __init__(self, sock: socket.socket, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self.busy = False
+        self._failed: ConnectionLost | None = None
+        self._closed = False
+
+    @property
+    def failed(self) -> ConnectionLost | None:
+        return self._failed
+
+    def fileno(self) -> int:
+        return -1 if self._closed else self.sock.fileno()
+
+    def isend(self, buf: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
+              ) -> asyncio.Future[None]:
+        return self._refuse()
+
+    def irecv(self, buf: Buffer, tag: int) -> asyncio.Future[bytes]:
+        return self._refuse()
+
+    def _refuse(self) -> asyncio.Future[Any]:
+        fut: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        fut.set_exception(ProtocolError("a raw link carries no messages"))
+        fut.exception()
+        return fut
+
+    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
+        pass  # (its owner learns of failures from the native calls themselves)
+
+    def close(self, notice: bytes = b"", *, drop_queued: bool = False) -> None:
+        self.abort()
+
+    def abort(self) -> None:
+        if self._failed is None:
+            self._failed = ConnectionLost("the connection was aborted locally")
+        if self._closed:
+            return
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
+        if not self.busy:
+            self._closed = True
+            self.sock.close()
+
+    def idle(self) -> None:
+        """The owner's call is back: close now if :meth:`abort` came meanwhile."""
+        self.busy = False
+        if self._failed is not None and not self._closed:
+            self._closed = True
+            self.sock.close()
+
+    async def wait_closed(self) -> None:
+        return
 
 
 class _Evicted(Exception):
@@ -1253,6 +1325,19 @@ class TcpTransport(Transport):
                            self.threads, self.recv_threads)
 
     async def connect(self, handle: bytes, hello: bytes, deadline: float) -> TcpConnection:
+        socks, peer = await self._open(handle, hello, deadline, self.total, self.wire_count)
+        return TcpConnection(socks, peer, self.stripe, threads=self.threads,
+                             recv_threads=self.recv_threads,
+                             send_half=0 if self.split else None)
+
+    async def connect_raw(self, handle: bytes, hello: bytes, deadline: float) -> RawLink:
+        """One authenticated socket to the listener of ``handle`` that carries no frames
+        (:class:`RawLink`: the native ring's); the listener offers it as a RawLink too."""
+        socks, peer = await self._open(handle, hello, deadline, 1, 1 | _RAW_FLAG)
+        return RawLink(socks[0], peer)
+
+    async def _open(self, handle: bytes, hello: bytes, deadline: float, total: int,
+                    wire_count: int) -> tuple[list[socket.socket], str]:
         try:
             host, port, scope = msgpack.unpackb(handle)
         except Exception as exc:
@@ -1264,7 +1349,7 @@ class TcpTransport(Transport):
         conn_id = int.from_bytes(os.urandom(8), "little")
         socks: list[socket.socket] = []
         try:
-            for index in range(self.total):
+            for index in range(total):
                 for attempt in range(_EVICTED_RETRIES):
                     sock = socket.socket(family, socket.SOCK_STREAM)
                     socks.append(sock)
@@ -1272,7 +1357,8 @@ class TcpTransport(Transport):
                     await wait_until(loop.sock_connect(sock, addr), deadline,
                                      f"connecting to {host}:{port}")
                     try:
-                        await wait_until(self._authenticate(loop, sock, index, conn_id, hello),
+                        await wait_until(self._authenticate(loop, sock, index, conn_id, hello,
+                                                            wire_count),
                                          deadline, f"handshake with {host}:{port}")
                         break
                     except _Evicted:
@@ -1290,12 +1376,10 @@ class TcpTransport(Transport):
             if isinstance(exc, OSError) and not isinstance(exc, AcollError):
                 raise TransportError(f"cannot connect to {host}:{port}: {exc}") from exc
             raise
-        return TcpConnection(socks, f"{host}:{port}", self.stripe, threads=self.threads,
-                             recv_threads=self.recv_threads,
-                             send_half=0 if self.split else None)
+        return socks, f"{host}:{port}"
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
-                            index: int, conn_id: int, hello: bytes) -> None:
+                            index: int, conn_id: int, hello: bytes, wire_count: int) -> None:
         """Connector side of the exchange (module doc); raises ProtocolError on a bad peer."""
         try:
             magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock, _CHAL.size))
@@ -1304,8 +1388,8 @@ class TcpTransport(Transport):
         if magic != _HS_MAGIC or version != _HS_VERSION:
             raise ProtocolError("the listener is not an acoll data listener")
         nonce_c = _auth.new_nonce()
-        claims = _claims(index, self.wire_count, conn_id, hello)
-        head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, self.wire_count, conn_id, nonce_c,
+        claims = _claims(index, wire_count, conn_id, hello)
+        head = _HS.pack(_HS_MAGIC, _HS_VERSION, index, wire_count, conn_id, nonce_c,
                         len(hello))
         await loop.sock_sendall(sock, head + hello + _auth.prove(
             self.key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c, claims))

@@ -1,0 +1,320 @@
+"""The native ring: large host-buffer all-reduces over TCP, run by C code off the loop.
+
+Where the ring's data path is Python, every chunk costs work on the loop thread and GIL
+hand-offs between it and the socket threads; with 4 to 8 ranks a host that many processes
+share loses to Gloo's C++ ring there. So when
+
+- every rank has the native ring (:mod:`acoll._native` built, ``ACOLL_NATIVE`` not 0) with
+  the same version and the same ``ACOLL_NATIVE_MIN`` (from the formation records: every
+  rank decides alike), and every edge of the ring (rank i to rank i + 1) goes over the
+  socket transport;
+- and a call is an all_reduce the tuner (or ``ACOLL_ALGO``) gives to the ring, on host
+  memory, of a dtype and op the C code has (8/32/64-bit integers, float32, float64; SUM,
+  PROD, MAX, MIN, AVG), of at least ``ACOLL_NATIVE_MIN`` bytes, made outside a group,
+
+the whole op is one call into ``ring.c`` on a worker thread, with the GIL released: it
+sends, receives and reduces over two *raw links* (authenticated TCP sockets that carry
+nothing else: one dialed to the next rank, one accepted from the previous, made at the
+first such call) while the loop only waits for its end. Same algorithm, same chunks, same
+order of reduction as the Python ring (:class:`~acoll._coll.algorithms.RingAllReduce`),
+so the same bits; the descriptor says ``ring`` either way.
+
+Every call's stream starts with a 32-byte header (magic, version, the op's sequence
+number, chunk size and descriptor) that the receiving rank compares with its own before it
+reads any data: ranks that disagree fail with :class:`InvalidUsage` naming the difference.
+Failures: the communicator's timeout, probes and failure flooding work as for any op (the
+op waits on its previous rank); when the communicator fails, the running call is aborted
+(its sockets shut down: the C code returns within a poll slice); a peer whose link ends
+is blamed after a short wait for the communicator's own report of why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import queue
+import struct
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .._coll.algorithms import RingAllReduce, ring_chunk_items
+from .._coll.base import OpContext
+from .._config import Setting, get_logger, parse_size
+from .._dtypes import DTYPES, ReduceOp
+from .._memory import Buffer, MemoryKind
+from .._native import NR, NativeLib, State
+from .._transport.base import PeerInfo, Transport
+from .._transport.tcp import RawLink, TcpTransport
+from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
+from ..errors import TimeoutError as AcollTimeoutError
+from .peers import PeerLinks, choose_transport
+
+__all__ = ["NATIVE", "NATIVE_MIN", "NativeRing", "NativeRingAllReduce", "native_record"]
+
+log = get_logger("COLL")
+
+NATIVE = Setting("NATIVE", int, -1,
+                 "The native ring for large host all_reduces over TCP (C code on a worker "
+                 "thread, GIL released): -1 where it builds, 0 never, 1 where it builds "
+                 "and a warning where it does not.", "COLL")
+NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 1 << 20,
+                     "Smallest all_reduce (bytes) the native ring takes; must be the same "
+                     "on every rank (else the native ring stays off).", "COLL")
+
+#: dtype wire codes ring.c reduces (16-bit floats stay on the Python ring)
+_NATIVE_DTYPES = frozenset({0, 1, 2, 3, 4, 5, 8, 9})
+_OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3,
+        ReduceOp.AVG: 4}
+_HEADER = struct.Struct("<4sHHII")  # magic, version, 0, seq, chunk items; then the descriptor
+_MAGIC = b"ACNR"
+#: after a raw link ended, how long to wait for the communicator to learn why (a peer's
+#: failure notice travels over the ordinary connections) before blaming the link's peer
+_BLAME_WAIT = 1.0
+
+
+def native_record(lib: NativeLib | None) -> list[int] | None:
+    """This rank's entry in its formation record (``None``: no native ring)."""
+    if lib is None:
+        return None
+    return [lib.version, NATIVE_MIN.resolve()]
+
+
+def _header(seq: int, chunk: int, desc: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, 1, 0, seq & 0xFFFFFFFF, chunk) + desc
+
+
+class _Worker:
+    """One daemon thread that runs blocking calls and reports to the loop."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], Any]) -> asyncio.Future[Any]:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Any] = loop.create_future()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="acoll-native",
+                                            daemon=True)
+            self._thread.start()
+        self._jobs.put((fn, loop, fut))
+        return fut
+
+    def stop(self) -> None:
+        if self._thread is not None:
+            self._jobs.put(None)
+            self._thread = None
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, loop, fut = job
+            try:
+                result, exc = fn(), None
+            except BaseException as err:  # (reported to the waiting op)
+                result, exc = None, err
+            with contextlib.suppress(RuntimeError):  # (the loop closed meanwhile)
+                loop.call_soon_threadsafe(_settle, fut, result, exc)
+
+
+def _settle(fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)
+
+
+class NativeRing:
+    """A communicator's native ring: its two raw links, worker thread and running call."""
+
+    def __init__(self, lib: NativeLib, links: PeerLinks, rank: int, size: int,
+                 min_bytes: int, timeout: float) -> None:
+        self.lib = lib
+        self.timeout = timeout
+        self.min_bytes = min_bytes
+        self._links = links
+        self.rank, self.size = rank, size
+        self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
+        self._send: RawLink | None = None
+        self._recv: RawLink | None = None
+        self._making: asyncio.Future[tuple[RawLink, RawLink]] | None = None
+        self._worker = _Worker()
+        self._state: State | None = None  # the running call's
+        self._dead = False
+
+    @staticmethod
+    def usable(records: list[Any], transports: Sequence[Transport], infos: Sequence[PeerInfo]
+               ) -> int | None:
+        """The common ``ACOLL_NATIVE_MIN`` when every rank's record offers the same native
+        ring and every edge of the ring (i to i + 1) goes over TCP, as
+        :func:`~.peers.choose_transport` picks from the records (so every rank finds the
+        same); else ``None``."""
+        size = len(records)
+        if size < 2 or any(not isinstance(r, list) or len(r) != 2 for r in records):
+            return None
+        if len({(int(v), int(m)) for v, m in records}) != 1:
+            return None
+        try:
+            if any(not isinstance(choose_transport(transports, infos[i],
+                                                   infos[(i + 1) % size]), TcpTransport)
+                   for i in range(size)):
+                return None
+        except InvalidUsage:
+            return None
+        return int(records[0][1])
+
+    def takes(self, buf: Buffer, op: ReduceOp) -> bool:
+        """Whether an all_reduce of ``buf`` under ``op`` runs here (same on every rank)."""
+        return (buf.kind == MemoryKind.HOST and buf.nbytes >= self.min_bytes
+                and DTYPES.get(buf.dtype) in _NATIVE_DTYPES and op in _OPS)
+
+    async def links(self) -> tuple[RawLink, RawLink]:
+        if self._send is not None and self._recv is not None:
+            return self._send, self._recv
+        if self._making is None:
+            self._making = asyncio.ensure_future(self._make())
+        return await asyncio.shield(self._making)
+
+    async def _make(self) -> tuple[RawLink, RawLink]:
+        send, recv = await asyncio.gather(self._links.raw_to(self.nxt),
+                                          self._links.raw_from(self.prv))
+        if self._dead:
+            send.abort()
+            recv.abort()
+            raise ClosedError("the communicator is closed")
+        self._send, self._recv = send, recv
+        return send, recv
+
+    def abort(self) -> None:
+        """Stop the running call and end the links (the communicator failed or closed)."""
+        self._dead = True
+        if self._state is not None:
+            self._state.abort = 1
+        for link in (self._send, self._recv):
+            if link is not None:
+                link.abort()
+        if self._making is not None and not self._making.done():
+            self._making.cancel()
+        self._worker.stop()
+
+    async def run(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp,
+                  chunk: int) -> tuple[int, int, bytes]:
+        send, recv = await self.links()
+        if self._dead:
+            raise ClosedError("the communicator is closed")
+        state = self._state = State()
+        header = _header(ctx.seq, chunk, ctx.desc.packed)
+        # (a hard stop for the C code in case nothing else ends it: the executor fails
+        # the op at its own deadline, which aborts the call)
+        backstop = time.monotonic_ns() + int((2 * self.timeout + 30) * 1e9)
+        args = (send.fileno(), recv.fileno(), src.ptr, dst.ptr, src.count,
+                DTYPES[src.dtype], _OPS[op], self.rank, self.size, chunk, backstop, state,
+                header)
+        lib, keep = self.lib, (src, dst)  # (the arrays stay alive while the C code runs)
+        send.busy = recv.busy = True
+        fut = self._worker.submit(lambda: (lib.all_reduce(*args), keep)[0])
+
+        def returned(_: asyncio.Future[Any]) -> None:
+            # (only now: a cancelled op's call may still be running until it sees abort)
+            if self._state is state:
+                self._state = None
+            send.idle()
+            recv.idle()
+
+        fut.add_done_callback(returned)
+        try:
+            result: tuple[int, int, bytes] = await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            state.abort = 1
+            raise
+        return result
+
+
+class NativeRingAllReduce:
+    """An all_reduce run by the native ring (see the module docstring); inside a group
+    (ops run concurrently there, and the raw links carry one op at a time) it runs the
+    Python ring, as every rank does for the same call."""
+
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp,
+                 ring: NativeRing) -> None:
+        self.ctx, self.src, self.dst, self.op, self.ring = ctx, src, dst, op, ring
+
+    async def run(self) -> None:
+        ctx, ring = self.ctx, self.ring
+        if ctx.in_group:
+            await RingAllReduce(ctx, self.src, self.dst, self.op).run()
+            return
+        n = ctx.n
+        chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, ctx.ring_chunk_max,
+                                 self.src.itemsize, -(-self.src.count // n))
+        ctx.waiting_on = ring.prv  # (a ring waits on its previous rank: probes ask it)
+        code, side, peer = await ring.run(ctx, self.src, self.dst, self.op, chunk)
+        if code == NR.OK:
+            ctx.heard.add(ring.prv)
+            ctx.waiting_on = None
+            return
+        raise await self._error(code, side, peer, chunk)
+
+    async def _error(self, code: int, side: int, peer: bytes, chunk: int) -> AcollError:
+        ctx, ring = self.ctx, self.ring
+        host = ctx.host
+        if code == NR.MISMATCH:
+            err = self._mismatch(peer, chunk)
+            host.fail(err)
+            return host_error(ctx) or err
+        if code == NR.ABORTED:
+            return host_error(ctx) or ClosedError("the communicator is closed")
+        if code == NR.DEADLINE:
+            err2: AcollError = AcollTimeoutError(
+                f"all_reduce: rank {ctx.rank} waited past its deadline on the native ring "
+                f"(rank {ring.prv} before it, rank {ring.nxt} after it)")
+            host.fail(err2)
+            return host_error(ctx) or err2
+        if code in (NR.BAD_ARGS, NR.NO_MEMORY):
+            err3: AcollError = AcollError(f"the native ring refused the call (code {code})")
+            host.fail(err3)
+            return host_error(ctx) or err3
+        # A link ended: the peer died, failed or aborted. Its reason (or the loss of its
+        # ordinary connection) usually reaches the communicator within moments.
+        peer_rank = ring.prv if side == 1 else ring.nxt
+        end = asyncio.get_running_loop().time() + _BLAME_WAIT
+        while host_error(ctx) is None and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.01)
+        found = host_error(ctx)
+        if found is not None:
+            return found
+        what = "closed" if code == NR.PEER_CLOSED else "failed"
+        err4 = RemoteError(f"rank {peer_rank} is gone: its native ring link {what} "
+                           f"(process died, aborted, or the network failed)", peer_rank)
+        host.fail(err4)
+        return host_error(ctx) or err4
+
+    def _mismatch(self, peer: bytes, chunk: int) -> InvalidUsage:
+        from .._coll.base import Descriptor
+
+        ctx, prv = self.ctx, self.ring.prv
+        magic, version, _, seq, theirs_chunk = _HEADER.unpack(peer[:_HEADER.size])
+        if magic != _MAGIC or version != 1:
+            return InvalidUsage(f"all_reduce: rank {prv} sent a native ring stream this "
+                                "rank cannot read (different acoll versions?)")
+        other = Descriptor.unpack(peer[16:])
+        if other.packed != ctx.desc.packed:
+            return InvalidUsage(ctx.desc.describe_difference(other, ctx.rank, prv))
+        if seq != ctx.seq & 0xFFFFFFFF:
+            return InvalidUsage(f"all_reduce mismatch between rank {ctx.rank} and rank "
+                                f"{prv}: collective #{ctx.seq & 0xFFFFFFFF} vs #{seq}")
+        return InvalidUsage(f"all_reduce mismatch between rank {ctx.rank} and rank {prv}: "
+                            f"ring chunks of {chunk} vs {theirs_chunk} items (do "
+                            "ACOLL_CHUNK_SIZE, ACOLL_RING_CHUNKS or ACOLL_RING_CHUNK_MAX "
+                            "differ between the ranks?)")
+
+
+def host_error(ctx: OpContext) -> AcollError | None:
+    """The communicator's error, if it failed (``None`` while it works)."""
+    return getattr(ctx.host, "error", None)

@@ -1,0 +1,180 @@
+"""The native ring (``ring.c``): compiled on first use, cached, called through ctypes.
+
+The C file holds the data path of a ring all-reduce over two TCP sockets (its header
+comment states the contract). It is built with the system's C compiler
+(``ACOLL_NATIVE_CC``, default ``cc``) into a cache folder (``ACOLL_NATIVE_CACHE``, default
+``$XDG_CACHE_HOME/acoll`` or ``~/.cache/acoll``) under a name that hashes the source, the
+compiler's identity and the flags, so that a changed file or compiler builds again and
+concurrent first uses (several ranks starting at once) each write a private file and move
+it into place. A ctypes call runs without the GIL, which is the point: the loop thread and
+the other ranks' Python threads run while the C code moves and reduces the data.
+
+Nothing here may run on an event loop's thread when it can take long: :func:`load` is
+the blocking entry (a compile takes about a second); :func:`load_async` runs it on a worker
+thread. Where no compiler works, :func:`load` returns ``None`` and says why at INFO; the
+Python ring then does the work, with the same results.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import hashlib
+import os
+import shlex
+import subprocess
+import tempfile
+import threading
+from importlib import resources
+from pathlib import Path
+
+from .._config import Setting, get_logger
+
+__all__ = ["NR", "NativeLib", "State", "load", "load_async"]
+
+log = get_logger("NET")
+
+CC = Setting("NATIVE_CC", str, "cc", "C compiler that builds acoll's native ring (once, "
+             "cached; ACOLL_NATIVE=0 or no working compiler: the Python ring).", "NET")
+CACHE = Setting("NATIVE_CACHE", str, "",
+                "Folder for the compiled native ring (empty: $XDG_CACHE_HOME/acoll or "
+                "~/.cache/acoll).", "NET")
+
+_FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
+HEADER_SIZE = 32
+
+
+class NR:
+    """Return codes of ``acoll_nr_allreduce`` (``ring.c``)."""
+
+    OK = 0
+    PEER_CLOSED = 1
+    SEND_FAILED = 2
+    RECV_FAILED = 3
+    ABORTED = 4
+    DEADLINE = 5
+    MISMATCH = 6
+    BAD_ARGS = 7
+    NO_MEMORY = 8
+
+
+class State(ctypes.Structure):
+    """``nr_state``: progress counters, the errno of a failed socket call, the abort word."""
+
+    _fields_ = [("sent", ctypes.c_int64), ("received", ctypes.c_int64),
+                ("err", ctypes.c_int32), ("abort", ctypes.c_int32)]
+
+
+class NativeLib:
+    """The loaded library: :meth:`all_reduce` blocks its (worker) thread, GIL released."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        lib = ctypes.CDLL(str(path))
+        fn = lib.acoll_nr_allreduce
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
+                       ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(State),
+                       ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+        self._fn = fn
+        lib.acoll_nr_version.restype = ctypes.c_int
+        self.version = int(lib.acoll_nr_version())
+        self._lib = lib
+
+    def all_reduce(self, send_fd: int, recv_fd: int, src: int, dst: int, count: int,
+                   dtype: int, op: int, rank: int, nranks: int, chunk_items: int,
+                   deadline_ns: int, state: State, header: bytes
+                   ) -> tuple[int, int, bytes]:
+        """Run one ring all-reduce (see ``ring.c``); returns (code, side, peer header).
+
+        ``side``: 1 the receiving side failed first, 2 the sending side, 0 no failure.
+        """
+        peer = ctypes.create_string_buffer(HEADER_SIZE)
+        which = ctypes.c_int(0)
+        code = self._fn(send_fd, recv_fd, src, dst, count, dtype, op, rank, nranks,
+                        chunk_items, deadline_ns, ctypes.byref(state), header, peer,
+                        ctypes.byref(which))
+        return int(code), int(which.value), peer.raw
+
+
+_lock = threading.Lock()
+_loaded: dict[tuple[str, str], NativeLib | None] = {}
+
+
+def _cache_dir() -> Path:
+    given = CACHE.resolve()
+    if given:
+        return Path(given)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "acoll"
+
+
+def source() -> bytes:
+    """The C source, as packaged."""
+    return resources.files(__package__).joinpath("ring.c").read_bytes()
+
+
+def _compiler_id(cc: list[str]) -> str:
+    out = subprocess.run([*cc, "--version"], capture_output=True, timeout=30, check=True)
+    return out.stdout.decode(errors="replace").splitlines()[0] if out.stdout else cc[0]
+
+
+def build(cc: str | None = None, cache: Path | None = None) -> Path:
+    """Compile ``ring.c`` into the cache (if not there yet) and return the library's path.
+
+    Raises:
+        OSError, subprocess.SubprocessError: no compiler, or it failed (its output is in
+            the message).
+    """
+    argv = shlex.split(cc if cc is not None else CC.resolve())
+    if not argv:
+        raise OSError("ACOLL_NATIVE_CC is empty")
+    src = source()
+    ident = _compiler_id(argv)
+    digest = hashlib.sha256(src + ident.encode() + " ".join(_FLAGS).encode()
+                            + os.uname().machine.encode()).hexdigest()[:20]
+    folder = cache if cache is not None else _cache_dir()
+    target = folder / f"acoll-ring-{digest}.so"
+    if target.exists():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
+        c_file = Path(tmp) / "ring.c"
+        c_file.write_bytes(src)
+        out = Path(tmp) / "ring.so"
+        done = subprocess.run([*argv, *_FLAGS, "-o", str(out), str(c_file)],
+                              capture_output=True, timeout=120)
+        if done.returncode != 0:
+            raise OSError(f"{' '.join(argv)} failed ({done.returncode}): "
+                          f"{done.stderr.decode(errors='replace').strip()[-2000:]}")
+        os.replace(out, target)  # (atomic: a concurrent build's file is as good)
+    log.info("native ring built: %s (%s)", target, ident)
+    return target
+
+
+def load(cc: str | None = None) -> NativeLib | None:
+    """The native ring, built if needed; ``None`` (the reason logged) where it cannot be.
+
+    Blocking (a first build takes about a second): call it off the event loop's thread.
+    """
+    key = (cc if cc is not None else CC.resolve(), str(_cache_dir()))
+    with _lock:
+        if key in _loaded:
+            return _loaded[key]
+        lib: NativeLib | None
+        try:
+            lib = NativeLib(build(key[0]))
+        except (OSError, subprocess.SubprocessError, AttributeError) as exc:
+            log.info("native ring unavailable (the Python ring runs instead): %s", exc)
+            lib = None
+        _loaded[key] = lib
+        return lib
+
+
+async def load_async(cc: str | None = None) -> NativeLib | None:
+    """:func:`load` on a worker thread (the event loop keeps running)."""
+    key = (cc if cc is not None else CC.resolve(), str(_cache_dir()))
+    if key in _loaded:  # (read without the lock: a finished entry never changes)
+        return _loaded[key]
+    return await asyncio.to_thread(load, cc)

@@ -1,0 +1,420 @@
+/* acoll's native ring: the whole data path of a ring all-reduce over two TCP sockets,
+ * run by one call from a Python worker thread (ctypes drops the GIL for the call).
+ *
+ * Contract (see acoll/_native/__init__.py, which compiles and loads this file):
+ * - send_fd carries bytes to the next rank only; recv_fd brings bytes from the previous
+ *   rank only. Both are connected stream sockets that nothing else reads or writes during
+ *   the call; they may be non-blocking (every wait is a poll() of at most SLICE_MS).
+ * - The stream of one call: a 32-byte header (the caller's, identical on every rank of a
+ *   matching call), then the ring's chunks in a fixed order that every rank derives from
+ *   (count, itemsize, nranks, chunk_items). No per-chunk framing: a rank that disagrees
+ *   on any of those sends a different header, which the receiver refuses before it reads
+ *   any data (ACOLL_NR_MISMATCH, the peer's header copied out).
+ * - The result (src reduced over all ranks, in ring order, the same order as acoll's
+ *   Python ring) ends in dst; src is only read (src == dst is in place).
+ * - Two threads: the caller's receives and reduces; a thread started per call sends,
+ *   each chunk once the caller has produced it.
+ * - It returns when done, on an error of either socket, when *abort becomes non-zero, or
+ *   at deadline_ns (CLOCK_MONOTONIC; 0: none). Progress counters and the error's errno go
+ *   to *state.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+
+#define ACOLL_NR_VERSION 1
+#define HEADER_SIZE 32
+#define SLICE_MS 50
+
+enum {
+    NR_OK = 0,
+    NR_PEER_CLOSED = 1, /* the previous rank closed its end (EOF) */
+    NR_SEND_FAILED = 2, /* errno in state->err */
+    NR_RECV_FAILED = 3, /* errno in state->err */
+    NR_ABORTED = 4,
+    NR_DEADLINE = 5,
+    NR_MISMATCH = 6, /* the previous rank's header differs: in peer_header */
+    NR_BAD_ARGS = 7,
+    NR_NO_MEMORY = 8,
+};
+
+enum { DT_I8 = 0, DT_U8 = 1, DT_I32 = 2, DT_U32 = 3, DT_I64 = 4, DT_U64 = 5,
+       DT_F32 = 8, DT_F64 = 9 };
+enum { OP_SUM = 0, OP_PROD = 1, OP_MAX = 2, OP_MIN = 3, OP_AVG = 4 };
+
+typedef struct {
+    int64_t sent;       /* bytes written to send_fd (header included) */
+    int64_t received;   /* bytes read from recv_fd (header included) */
+    int32_t err;        /* errno of a failed socket call */
+    volatile int32_t abort;  /* set non-zero (from any thread) to stop the call */
+} nr_state;
+
+static int64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+/* ------------------------------------------------------------------ reductions */
+/* out = a (op) b, matching NumPy's ufuncs bit for bit: integer arithmetic wraps (done
+ * unsigned), maximum/minimum propagate NaN and return b on ties (as np.maximum does). */
+#define ARITH(NAME, T, U)                                                               \
+    static void NAME(T *restrict out, const T *a, const T *b, int64_t n, int op) {      \
+        int64_t i;                                                                      \
+        switch (op) {                                                                   \
+        case OP_SUM: case OP_AVG:                                                       \
+            for (i = 0; i < n; i++) out[i] = (T)((U)a[i] + (U)b[i]);                    \
+            break;                                                                      \
+        case OP_PROD:                                                                   \
+            for (i = 0; i < n; i++) out[i] = (T)((U)a[i] * (U)b[i]);                    \
+            break;                                                                      \
+        case OP_MAX:                                                                    \
+            for (i = 0; i < n; i++) out[i] = a[i] > b[i] ? a[i] : b[i];                 \
+            break;                                                                      \
+        default:                                                                        \
+            for (i = 0; i < n; i++) out[i] = a[i] < b[i] ? a[i] : b[i];                 \
+        }                                                                               \
+    }
+ARITH(red_i8, int8_t, uint8_t)
+ARITH(red_u8, uint8_t, uint8_t)
+ARITH(red_i32, int32_t, uint32_t)
+ARITH(red_u32, uint32_t, uint32_t)
+ARITH(red_i64, int64_t, uint64_t)
+ARITH(red_u64, uint64_t, uint64_t)
+
+#define FLOATS(NAME, T)                                                                 \
+    static void NAME(T *restrict out, const T *a, const T *b, int64_t n, int op) {      \
+        int64_t i;                                                                      \
+        switch (op) {                                                                   \
+        case OP_SUM: case OP_AVG:                                                       \
+            for (i = 0; i < n; i++) out[i] = a[i] + b[i];                               \
+            break;                                                                      \
+        case OP_PROD:                                                                   \
+            for (i = 0; i < n; i++) out[i] = a[i] * b[i];                               \
+            break;                                                                      \
+        case OP_MAX:                                                                    \
+            for (i = 0; i < n; i++) {                                                   \
+                T x = a[i], y = b[i];                                                   \
+                out[i] = (x != x) ? x : (y != y) ? y : (x > y ? x : y);                 \
+            }                                                                           \
+            break;                                                                      \
+        default:                                                                        \
+            for (i = 0; i < n; i++) {                                                   \
+                T x = a[i], y = b[i];                                                   \
+                out[i] = (x != x) ? x : (y != y) ? y : (x < y ? x : y);                 \
+            }                                                                           \
+        }                                                                               \
+    }
+FLOATS(red_f32, float)
+FLOATS(red_f64, double)
+
+/* sum / nranks in place: float division in the dtype, integers truncated toward zero
+ * (C's division; NumPy's floor_divide for unsigned types is the same) */
+#define AVERAGE(NAME, T)                                                                \
+    static void NAME(T *p, int64_t n, int nranks) {                                     \
+        for (int64_t i = 0; i < n; i++) p[i] = (T)(p[i] / (T)nranks);                   \
+    }
+AVERAGE(avg_i8, int8_t)
+AVERAGE(avg_u8, uint8_t)
+AVERAGE(avg_i32, int32_t)
+AVERAGE(avg_u32, uint32_t)
+AVERAGE(avg_i64, int64_t)
+AVERAGE(avg_u64, uint64_t)
+AVERAGE(avg_f32, float)
+AVERAGE(avg_f64, double)
+
+static int itemsize_of(int dtype) {
+    switch (dtype) {
+    case DT_I8: case DT_U8: return 1;
+    case DT_I32: case DT_U32: case DT_F32: return 4;
+    case DT_I64: case DT_U64: case DT_F64: return 8;
+    default: return 0;
+    }
+}
+
+static void reduce_into(void *out, const void *a, const void *b, int64_t n, int dtype,
+                        int op) {
+    switch (dtype) {
+    case DT_I8: red_i8(out, a, b, n, op); break;
+    case DT_U8: red_u8(out, a, b, n, op); break;
+    case DT_I32: red_i32(out, a, b, n, op); break;
+    case DT_U32: red_u32(out, a, b, n, op); break;
+    case DT_I64: red_i64(out, a, b, n, op); break;
+    case DT_U64: red_u64(out, a, b, n, op); break;
+    case DT_F32: red_f32(out, a, b, n, op); break;
+    default: red_f64(out, a, b, n, op);
+    }
+}
+
+static void average(void *p, int64_t n, int dtype, int nranks) {
+    switch (dtype) {
+    case DT_I8: avg_i8(p, n, nranks); break;
+    case DT_U8: avg_u8(p, n, nranks); break;
+    case DT_I32: avg_i32(p, n, nranks); break;
+    case DT_U32: avg_u32(p, n, nranks); break;
+    case DT_I64: avg_i64(p, n, nranks); break;
+    case DT_U64: avg_u64(p, n, nranks); break;
+    case DT_F32: avg_f32(p, n, nranks); break;
+    default: avg_f64(p, n, nranks);
+    }
+}
+
+/* ------------------------------------------------------------------ the schedule */
+/* Step t of 2(n-1): reduce-scatter steps 0..n-2, then all-gather steps. The segment a
+ * rank sends at step t is the one it received at step t-1 (t >= 1). */
+typedef struct {
+    int n, rank;
+    int64_t count, base, extra, chunk;
+} plan;
+
+static int64_t seg_start(const plan *p, int s) {
+    return (int64_t)s * p->base + (s < p->extra ? s : p->extra);
+}
+static int64_t seg_len(const plan *p, int s) { return p->base + (s < p->extra ? 1 : 0); }
+static int mod(int a, int n) { return ((a % n) + n) % n; }
+static int send_seg(const plan *p, int t) {
+    return t < p->n - 1 ? mod(p->rank - t, p->n) : mod(p->rank + 1 - (t - (p->n - 1)), p->n);
+}
+static int recv_seg(const plan *p, int t) {
+    return t < p->n - 1 ? mod(p->rank - t - 1, p->n) : mod(p->rank - (t - (p->n - 1)), p->n);
+}
+static int64_t chunks_of(const plan *p, int s) {
+    int64_t len = seg_len(p, s);
+    return (len + p->chunk - 1) / p->chunk;
+}
+
+/* ------------------------------------------------------------------ socket I/O */
+typedef struct {
+    nr_state *st;
+    int64_t deadline;
+    int *stop; /* the other side's failure (an NR_ code), read atomically */
+} waiter;
+
+/* 0: the fd is ready; else an NR_ code */
+static int wait_fd(const waiter *w, int fd, short events) {
+    for (;;) {
+        if (w->st->abort) return NR_ABORTED;
+        int stop = __atomic_load_n(w->stop, __ATOMIC_ACQUIRE);
+        if (stop) return stop;
+        int ms = SLICE_MS;
+        if (w->deadline) {
+            int64_t left = w->deadline - now_ns();
+            if (left <= 0) return NR_DEADLINE;
+            if (left / 1000000 < ms) ms = (int)(left / 1000000) + 1;
+        }
+        struct pollfd pfd = {fd, events, 0};
+        int r = poll(&pfd, 1, ms);
+        if (r > 0) return 0; /* (errors and hang-ups show in the call that follows) */
+        if (r < 0 && errno != EINTR) return events == POLLIN ? NR_RECV_FAILED : NR_SEND_FAILED;
+    }
+}
+
+static int send_all(const waiter *w, int fd, const char *p, int64_t len) {
+    while (len > 0) {
+        ssize_t k = send(fd, p, (size_t)(len > (1 << 30) ? (1 << 30) : len),
+                         MSG_NOSIGNAL | MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            len -= k;
+            __atomic_fetch_add(&w->st->sent, (int64_t)k, __ATOMIC_RELAXED);
+            continue;
+        }
+        if (k < 0 && errno == EINTR) continue;
+        if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) {
+            int r = wait_fd(w, fd, POLLOUT);
+            if (r) return r;
+            continue;
+        }
+        w->st->err = k < 0 ? errno : EPIPE;
+        return NR_SEND_FAILED;
+    }
+    return 0;
+}
+
+static int recv_all(const waiter *w, int fd, char *p, int64_t len) {
+    while (len > 0) {
+        ssize_t k = recv(fd, p, (size_t)(len > (1 << 30) ? (1 << 30) : len), MSG_DONTWAIT);
+        if (k > 0) {
+            p += k;
+            len -= k;
+            __atomic_fetch_add(&w->st->received, (int64_t)k, __ATOMIC_RELAXED);
+            continue;
+        }
+        if (k == 0) return NR_PEER_CLOSED;
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+            int r = wait_fd(w, fd, POLLIN);
+            if (r) return r;
+            continue;
+        }
+        w->st->err = errno;
+        return NR_RECV_FAILED;
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ the call */
+typedef struct {
+    plan p;
+    waiter w;
+    int fd, itemsize;
+    const char *src;
+    char *dst;
+    const unsigned char *header;
+    /* receives completed so far (linear over steps and chunks), guarded by mu */
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int64_t done;
+    int failed;    /* an NR_ code once either side stopped (written under mu) */
+    int failed_by; /* 1: the receiving side, 2: the sending side */
+} sender;
+
+static void set_failed(sender *s, int code, int side) {
+    pthread_mutex_lock(&s->mu);
+    if (!s->failed) {
+        __atomic_store_n(&s->failed, code, __ATOMIC_RELEASE);
+        s->failed_by = side;
+    }
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+}
+
+static int64_t *step_offsets(const plan *p) {
+    /* linear index of chunk 0 of each step (2(n-1) + 1 entries) */
+    int steps = 2 * (p->n - 1);
+    int64_t *off = malloc(sizeof(int64_t) * (size_t)(steps + 1));
+    if (!off) return NULL;
+    off[0] = 0;
+    for (int t = 0; t < steps; t++) off[t + 1] = off[t] + chunks_of(p, recv_seg(p, t));
+    return off;
+}
+
+static void *send_main(void *arg) {
+    sender *s = arg;
+    const plan *p = &s->p;
+    int steps = 2 * (p->n - 1);
+    int r = send_all(&s->w, s->fd, (const char *)s->header, HEADER_SIZE);
+    int64_t *off = r ? NULL : step_offsets(p);
+    if (!r && !off) r = NR_NO_MEMORY;
+    for (int t = 0; !r && t < steps; t++) {
+        int seg = send_seg(p, t);
+        int64_t start = seg_start(p, seg), len = seg_len(p, seg);
+        const char *from = t == 0 ? s->src : s->dst;
+        for (int64_t c = 0; !r && c * p->chunk < len; c++) {
+            if (t > 0) { /* the chunk the caller received (and reduced) at step t-1 */
+                int64_t need = off[t - 1] + c + 1;
+                pthread_mutex_lock(&s->mu);
+                while (s->done < need && !s->failed) {
+                    struct timespec ts;
+                    clock_gettime(CLOCK_REALTIME, &ts);
+                    ts.tv_nsec += SLICE_MS * 1000000L;
+                    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+                    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+                    if (s->w.st->abort) break;
+                }
+                int stop = s->failed ? s->failed : (s->w.st->abort ? NR_ABORTED : 0);
+                pthread_mutex_unlock(&s->mu);
+                if (stop) { r = stop; break; }
+            }
+            int64_t cl = len - c * p->chunk < p->chunk ? len - c * p->chunk : p->chunk;
+            r = send_all(&s->w, s->fd, from + (start + c * p->chunk) * s->itemsize,
+                         cl * s->itemsize);
+        }
+    }
+    free(off);
+    if (r) set_failed(s, r, 2);
+    return NULL;
+}
+
+/* Returns an NR_ code. header: this rank's 32 bytes; peer_header: the previous rank's,
+ * copied out (valid when the result is NR_OK or NR_MISMATCH). *which is set to 1 when the
+ * error came from the receiving side, 2 from the sending side. */
+int acoll_nr_allreduce(int send_fd, int recv_fd, const void *src, void *dst, int64_t count,
+                       int dtype, int op, int rank, int nranks, int64_t chunk_items,
+                       int64_t deadline_ns, nr_state *state, const unsigned char *header,
+                       unsigned char *peer_header, int *which) {
+    int itemsize = itemsize_of(dtype);
+    *which = 0;
+    if (!itemsize || nranks < 2 || rank < 0 || rank >= nranks || count < 0 ||
+        chunk_items < 1 || op < OP_SUM || op > OP_AVG)
+        return NR_BAD_ARGS;
+    /* (src is never copied to dst as such: the reduce-scatter writes every segment of
+     * dst but this rank's own, which the all-gather's first step brings back final) */
+    sender s;
+    memset(&s, 0, sizeof s);
+    s.p.n = nranks;
+    s.p.rank = rank;
+    s.p.count = count;
+    s.p.base = count / nranks;
+    s.p.extra = count % nranks;
+    s.p.chunk = chunk_items;
+    s.w.st = state;
+    s.w.deadline = deadline_ns;
+    s.w.stop = &s.failed;
+    s.fd = send_fd;
+    s.itemsize = itemsize;
+    s.src = src;
+    s.dst = dst;
+    s.header = header;
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_cond_init(&s.cv, NULL);
+    const plan *p = &s.p;
+    int64_t chunk_bytes = chunk_items * itemsize;
+    char *tmp = NULL;
+    if (posix_memalign((void **)&tmp, 64, (size_t)(chunk_bytes > 64 ? chunk_bytes : 64))) {
+        pthread_mutex_destroy(&s.mu);
+        pthread_cond_destroy(&s.cv);
+        return NR_NO_MEMORY;
+    }
+    pthread_t thread;
+    if (pthread_create(&thread, NULL, send_main, &s)) {
+        free(tmp);
+        pthread_mutex_destroy(&s.mu);
+        pthread_cond_destroy(&s.cv);
+        return NR_NO_MEMORY;
+    }
+    int r = recv_all(&s.w, recv_fd, (char *)peer_header, HEADER_SIZE);
+    if (!r && memcmp(peer_header, header, HEADER_SIZE)) r = NR_MISMATCH;
+    int steps = 2 * (nranks - 1), last_rs = nranks - 2;
+    char *out = dst;
+    const char *in = src;
+    for (int t = 0; !r && t < steps; t++) {
+        int seg = recv_seg(p, t);
+        int64_t start = seg_start(p, seg), len = seg_len(p, seg);
+        for (int64_t c = 0; !r && c * p->chunk < len; c++) {
+            int64_t cl = len - c * p->chunk < p->chunk ? len - c * p->chunk : p->chunk;
+            int64_t at = (start + c * p->chunk) * itemsize;
+            if (t < nranks - 1) { /* reduce-scatter: dst = src (op) received */
+                r = recv_all(&s.w, recv_fd, tmp, cl * itemsize);
+                if (r) break;
+                reduce_into(out + at, in + at, tmp, cl, dtype, op);
+                if (t == last_rs && op == OP_AVG) average(out + at, cl, dtype, nranks);
+            } else { /* all-gather: straight into dst */
+                r = recv_all(&s.w, recv_fd, out + at, cl * itemsize);
+                if (r) break;
+            }
+            pthread_mutex_lock(&s.mu);
+            s.done++;
+            pthread_cond_broadcast(&s.cv);
+            pthread_mutex_unlock(&s.mu);
+        }
+    }
+    if (r) set_failed(&s, r, 1); /* (no-op when the sender failed first) */
+    pthread_join(thread, NULL);
+    free(tmp);
+    pthread_mutex_destroy(&s.mu);
+    pthread_cond_destroy(&s.cv);
+    if (s.failed) {
+        *which = s.failed_by;
+        return s.failed;
+    }
+    return NR_OK;
+}
+
+int acoll_nr_version(void) { return ACOLL_NR_VERSION; }
