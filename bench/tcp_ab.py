@@ -23,6 +23,8 @@ same processes and rounds is what makes their ratios comparable. Variants:
 - ``A+B``: both settings (e.g. ``algo=hd+hdchunks=4``).
 - ``recvoff``: acoll with its receive threads idle (``_RECV_OFFLOAD_MIN`` out of reach:
   the loop thread reads every payload, as before receive threads).
+- ``native``: acoll as it is (the native ring where it is on); ``python``: acoll with the
+  native ring off for the round (the Python ring on the loop and socket threads).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
   only when its head frame's unsent rest was at least 512 KiB).
 
@@ -84,6 +86,9 @@ async def main() -> None:
         default_algo = comm._algo
         default_hd = comm.hd_chunks
         default_switch = sys.getswitchinterval()
+        native = comm._native
+        if rank == 0:
+            print(f"native ring: {'on' if native is not None else 'off'}", flush=True)
         times: dict[str, list[float]] = {v: [] for v in variants}
         for rnd in range(args.rounds):
             k = rnd % len(variants)
@@ -95,6 +100,7 @@ async def main() -> None:
                 tcp._OFFLOAD_MIN = offload_min
                 tcp._RECV_OFFLOAD_MIN = recv_min
                 sys.setswitchinterval(default_switch)
+                comm._native = native
                 for part in v.split("+"):
                     if part.startswith("algo="):
                         comm._algo = "all_reduce:" + part.split("=")[1]
@@ -110,9 +116,11 @@ async def main() -> None:
                         comm.hd_chunks = int(part.split("=")[1])
                     elif part.startswith("switch="):
                         sys.setswitchinterval(float(part.split("=")[1]))
+                    elif part == "python":
+                        comm._native = None
                     elif part == "headrule":
                         tcp._queued_at_least = _head_rule  # type: ignore[assignment]
-                    elif part != "gloo":
+                    elif part not in ("gloo", "native"):
                         raise SystemExit(f"unknown variant {part!r}")
                 await comm.barrier()
                 if v == "gloo":
@@ -130,6 +138,7 @@ async def main() -> None:
         comm.ring_chunks, comm.chunk_bytes = default_chunks, default_chunk
         comm._algo = default_algo
         comm.hd_chunks = default_hd
+        comm._native = native
         sys.setswitchinterval(default_switch)
         tcp._queued_at_least = queued_rule  # type: ignore[assignment]
         tcp._OFFLOAD_MIN = offload_min
