@@ -15,12 +15,14 @@ share loses to Gloo's C++ ring there. So when
 the whole op is one call into ``ring.c`` on a worker thread, with the GIL released: it
 sends, receives and reduces over two *raw links* (authenticated TCP sockets that carry
 nothing else: one dialed to the next rank, one accepted from the previous, made at the
-first such call) while the loop only waits for its end. Same algorithm, same chunks, same
-order of reduction as the Python ring (:class:`~acoll._coll.algorithms.RingAllReduce`),
-so the same bits; the descriptor says ``ring`` either way.
+first such call) while the loop only waits for its end. Same algorithm, same segments,
+same order of reduction as the Python ring (:class:`~acoll._coll.algorithms.RingAllReduce`),
+so the same bits; the descriptor says ``ring`` either way. (The C code moves each step's
+segment in pieces of its own choosing, reducing 256 KiB at a time while it is in cache and
+forwarding what is ready: the pieces are not on the wire, only the bytes.)
 
 Every call's stream starts with a 32-byte header (magic, version, the op's sequence
-number, chunk size and descriptor) that the receiving rank compares with its own before it
+number and descriptor) that the receiving rank compares with its own before it
 reads any data: ranks that disagree fail with :class:`InvalidUsage` naming the difference.
 Failures: the communicator's timeout, probes and failure flooding work as for any op (the
 op waits on its previous rank); when the communicator fails, the running call is aborted
@@ -59,15 +61,16 @@ NATIVE = Setting("NATIVE", int, -1,
                  "The native ring for large host all_reduces over TCP (C code on a worker "
                  "thread, GIL released): -1 where it builds, 0 never, 1 where it builds "
                  "and a warning where it does not.", "COLL")
-NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 1 << 20,
-                     "Smallest all_reduce (bytes) the native ring takes; must be the same "
-                     "on every rank (else the native ring stays off).", "COLL")
+NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 0,
+                     "Smallest all_reduce (bytes) the native ring takes (those the ring "
+                     "gets start above ACOLL_SMALL_MSG); must be the same on every rank, "
+                     "else the native ring stays off.", "COLL")
 
 #: dtype wire codes ring.c reduces (16-bit floats stay on the Python ring)
 _NATIVE_DTYPES = frozenset({0, 1, 2, 3, 4, 5, 8, 9})
 _OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3,
         ReduceOp.AVG: 4}
-_HEADER = struct.Struct("<4sHHII")  # magic, version, 0, seq, chunk items; then the descriptor
+_HEADER = struct.Struct("<4sHHI4x")  # magic, version, 0, seq; then the descriptor
 _MAGIC = b"ACNR"
 #: after a raw link ended, how long to wait for the communicator to learn why (a peer's
 #: failure notice travels over the ordinary connections) before blaming the link's peer
@@ -81,8 +84,8 @@ def native_record(lib: NativeLib | None) -> list[int] | None:
     return [lib.version, NATIVE_MIN.resolve()]
 
 
-def _header(seq: int, chunk: int, desc: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, 1, 0, seq & 0xFFFFFFFF, chunk) + desc
+def _header(seq: int, desc: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, 1, 0, seq & 0xFFFFFFFF) + desc
 
 
 class _Worker:
@@ -209,7 +212,7 @@ class NativeRing:
         if self._dead:
             raise ClosedError("the communicator is closed")
         state = self._state = State()
-        header = _header(ctx.seq, chunk, ctx.desc.packed)
+        header = _header(ctx.seq, ctx.desc.packed)
         # (a hard stop for the C code in case nothing else ends it: the executor fails
         # the op at its own deadline, which aborts the call)
         backstop = time.monotonic_ns() + int((2 * self.timeout + 30) * 1e9)
@@ -251,6 +254,7 @@ class NativeRingAllReduce:
             await RingAllReduce(ctx, self.src, self.dst, self.op).run()
             return
         n = ctx.n
+        # (the most one send call takes: the Python ring's chunk)
         chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, ctx.ring_chunk_max,
                                  self.src.itemsize, -(-self.src.count // n))
         ctx.waiting_on = ring.prv  # (a ring waits on its previous rank: probes ask it)
@@ -259,13 +263,13 @@ class NativeRingAllReduce:
             ctx.heard.add(ring.prv)
             ctx.waiting_on = None
             return
-        raise await self._error(code, side, peer, chunk)
+        raise await self._error(code, side, peer)
 
-    async def _error(self, code: int, side: int, peer: bytes, chunk: int) -> AcollError:
+    async def _error(self, code: int, side: int, peer: bytes) -> AcollError:
         ctx, ring = self.ctx, self.ring
         host = ctx.host
         if code == NR.MISMATCH:
-            err = self._mismatch(peer, chunk)
+            err = self._mismatch(peer)
             host.fail(err)
             return host_error(ctx) or err
         if code == NR.ABORTED:
@@ -295,24 +299,20 @@ class NativeRingAllReduce:
         host.fail(err4)
         return host_error(ctx) or err4
 
-    def _mismatch(self, peer: bytes, chunk: int) -> InvalidUsage:
+    def _mismatch(self, peer: bytes) -> InvalidUsage:
         from .._coll.base import Descriptor
 
         ctx, prv = self.ctx, self.ring.prv
-        magic, version, _, seq, theirs_chunk = _HEADER.unpack(peer[:_HEADER.size])
+        magic, version, _, seq = _HEADER.unpack(peer[:_HEADER.size])
         if magic != _MAGIC or version != 1:
             return InvalidUsage(f"all_reduce: rank {prv} sent a native ring stream this "
                                 "rank cannot read (different acoll versions?)")
-        other = Descriptor.unpack(peer[16:])
+        other = Descriptor.unpack(peer[_HEADER.size:])
         if other.packed != ctx.desc.packed:
             return InvalidUsage(ctx.desc.describe_difference(other, ctx.rank, prv))
-        if seq != ctx.seq & 0xFFFFFFFF:
-            return InvalidUsage(f"all_reduce mismatch between rank {ctx.rank} and rank "
-                                f"{prv}: collective #{ctx.seq & 0xFFFFFFFF} vs #{seq}")
         return InvalidUsage(f"all_reduce mismatch between rank {ctx.rank} and rank {prv}: "
-                            f"ring chunks of {chunk} vs {theirs_chunk} items (do "
-                            "ACOLL_CHUNK_SIZE, ACOLL_RING_CHUNKS or ACOLL_RING_CHUNK_MAX "
-                            "differ between the ranks?)")
+                            f"collective #{ctx.seq & 0xFFFFFFFF} vs #{seq} (the ranks "
+                            "issued their calls in different orders)")
 
 
 def host_error(ctx: OpContext) -> AcollError | None:

@@ -6,10 +6,10 @@
  *   rank only. Both are connected stream sockets that nothing else reads or writes during
  *   the call; they may be non-blocking (every wait is a poll() of at most SLICE_MS).
  * - The stream of one call: a 32-byte header (the caller's, identical on every rank of a
- *   matching call), then the ring's chunks in a fixed order that every rank derives from
- *   (count, itemsize, nranks, chunk_items). No per-chunk framing: a rank that disagrees
- *   on any of those sends a different header, which the receiver refuses before it reads
- *   any data (ACOLL_NR_MISMATCH, the peer's header copied out).
+ *   matching call), then each step's segment of the ring in a fixed order that every rank
+ *   derives from (count, itemsize, nranks). No framing: a rank that disagrees on any of
+ *   those sends a different header, which the receiver refuses before it reads any data
+ *   (NR_MISMATCH, the peer's header copied out).
  * - The result (src reduced over all ranks, in ring order, the same order as acoll's
  *   Python ring) ends in dst; src is only read (src == dst is in place).
  * - Two threads: the caller's receives and reduces; a thread started per call sends,
@@ -170,7 +170,7 @@ static void average(void *p, int64_t n, int dtype, int nranks) {
  * rank sends at step t is the one it received at step t-1 (t >= 1). */
 typedef struct {
     int n, rank;
-    int64_t count, base, extra, chunk;
+    int64_t count, base, extra;
 } plan;
 
 static int64_t seg_start(const plan *p, int s) {
@@ -183,10 +183,6 @@ static int send_seg(const plan *p, int t) {
 }
 static int recv_seg(const plan *p, int t) {
     return t < p->n - 1 ? mod(p->rank - t - 1, p->n) : mod(p->rank - (t - (p->n - 1)), p->n);
-}
-static int64_t chunks_of(const plan *p, int s) {
-    int64_t len = seg_len(p, s);
-    return (len + p->chunk - 1) / p->chunk;
 }
 
 /* ------------------------------------------------------------------ socket I/O */
@@ -260,22 +256,32 @@ static int recv_all(const waiter *w, int fd, char *p, int64_t len) {
 }
 
 /* ------------------------------------------------------------------ the call */
+/* The receiving side (the caller's thread) works in pieces of at most PIECE bytes, so a
+ * piece is reduced while it is still in cache, and publishes its progress in items of the
+ * whole receive stream (the steps one after another). The sending side sends each step's
+ * segment as its items become ready (the segment it sends at step t is the one received
+ * at step t-1), in calls of at most send_items. No framing: the byte stream of a call is
+ * the header, then every step's segment in order, whatever the pieces were. */
+#define PIECE (256 << 10)
+
 typedef struct {
     plan p;
     waiter w;
     int fd, itemsize;
+    int64_t send_items;
     const char *src;
     char *dst;
     const unsigned char *header;
-    /* receives completed so far (linear over steps and chunks), guarded by mu */
+    const int64_t *base; /* items received before step t (2(n-1) + 1 entries) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    int64_t done;
+    int64_t done;  /* items received and processed, over the whole stream (under mu) */
+    int waiting;   /* the sender sleeps on cv (under mu) */
     int failed;    /* an NR_ code once either side stopped (written under mu) */
     int failed_by; /* 1: the receiving side, 2: the sending side */
-} sender;
+} ring_call;
 
-static void set_failed(sender *s, int code, int side) {
+static void set_failed(ring_call *s, int code, int side) {
     pthread_mutex_lock(&s->mu);
     if (!s->failed) {
         __atomic_store_n(&s->failed, code, __ATOMIC_RELEASE);
@@ -285,129 +291,136 @@ static void set_failed(sender *s, int code, int side) {
     pthread_mutex_unlock(&s->mu);
 }
 
-static int64_t *step_offsets(const plan *p) {
-    /* linear index of chunk 0 of each step (2(n-1) + 1 entries) */
-    int steps = 2 * (p->n - 1);
-    int64_t *off = malloc(sizeof(int64_t) * (size_t)(steps + 1));
-    if (!off) return NULL;
-    off[0] = 0;
-    for (int t = 0; t < steps; t++) off[t + 1] = off[t] + chunks_of(p, recv_seg(p, t));
-    return off;
+/* wait until at least `need` items of the stream are processed; 0 or an NR_ code */
+static int wait_done(ring_call *s, int64_t need) {
+    int stop = 0;
+    pthread_mutex_lock(&s->mu);
+    while (s->done < need && !s->failed && !s->w.st->abort) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        ts.tv_nsec += SLICE_MS * 1000000L;
+        if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
+        s->waiting = 1;
+        pthread_cond_timedwait(&s->cv, &s->mu, &ts);
+        s->waiting = 0;
+    }
+    stop = s->failed ? s->failed : (s->done < need ? NR_ABORTED : 0);
+    pthread_mutex_unlock(&s->mu);
+    return stop;
 }
 
 static void *send_main(void *arg) {
-    sender *s = arg;
+    ring_call *s = arg;
     const plan *p = &s->p;
     int steps = 2 * (p->n - 1);
     int r = send_all(&s->w, s->fd, (const char *)s->header, HEADER_SIZE);
-    int64_t *off = r ? NULL : step_offsets(p);
-    if (!r && !off) r = NR_NO_MEMORY;
     for (int t = 0; !r && t < steps; t++) {
         int seg = send_seg(p, t);
-        int64_t start = seg_start(p, seg), len = seg_len(p, seg);
+        int64_t start = seg_start(p, seg), len = seg_len(p, seg), pos = 0;
         const char *from = t == 0 ? s->src : s->dst;
-        for (int64_t c = 0; !r && c * p->chunk < len; c++) {
-            if (t > 0) { /* the chunk the caller received (and reduced) at step t-1 */
-                int64_t need = off[t - 1] + c + 1;
+        while (!r && pos < len) {
+            int64_t upto = len;
+            if (t > 0) { /* what the caller has received (and reduced) of it at step t-1 */
                 pthread_mutex_lock(&s->mu);
-                while (s->done < need && !s->failed) {
-                    struct timespec ts;
-                    clock_gettime(CLOCK_REALTIME, &ts);
-                    ts.tv_nsec += SLICE_MS * 1000000L;
-                    if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
-                    pthread_cond_timedwait(&s->cv, &s->mu, &ts);
-                    if (s->w.st->abort) break;
-                }
-                int stop = s->failed ? s->failed : (s->w.st->abort ? NR_ABORTED : 0);
+                int64_t ready = s->done - s->base[t - 1];
                 pthread_mutex_unlock(&s->mu);
-                if (stop) { r = stop; break; }
+                if (ready <= pos) {
+                    r = wait_done(s, s->base[t - 1] + pos + 1);
+                    continue;
+                }
+                upto = ready < len ? ready : len;
             }
-            int64_t cl = len - c * p->chunk < p->chunk ? len - c * p->chunk : p->chunk;
-            r = send_all(&s->w, s->fd, from + (start + c * p->chunk) * s->itemsize,
-                         cl * s->itemsize);
+            int64_t k = upto - pos < s->send_items ? upto - pos : s->send_items;
+            r = send_all(&s->w, s->fd, from + (start + pos) * s->itemsize, k * s->itemsize);
+            pos += k;
         }
     }
-    free(off);
     if (r) set_failed(s, r, 2);
     return NULL;
 }
 
 /* Returns an NR_ code. header: this rank's 32 bytes; peer_header: the previous rank's,
  * copied out (valid when the result is NR_OK or NR_MISMATCH). *which is set to 1 when the
- * error came from the receiving side, 2 from the sending side. */
+ * error came from the receiving side first, 2 from the sending side. send_items: the most
+ * items one send call takes (the sender sends what is ready, up to that). */
 int acoll_nr_allreduce(int send_fd, int recv_fd, const void *src, void *dst, int64_t count,
-                       int dtype, int op, int rank, int nranks, int64_t chunk_items,
+                       int dtype, int op, int rank, int nranks, int64_t send_items,
                        int64_t deadline_ns, nr_state *state, const unsigned char *header,
                        unsigned char *peer_header, int *which) {
     int itemsize = itemsize_of(dtype);
     *which = 0;
     if (!itemsize || nranks < 2 || rank < 0 || rank >= nranks || count < 0 ||
-        chunk_items < 1 || op < OP_SUM || op > OP_AVG)
+        send_items < 1 || op < OP_SUM || op > OP_AVG)
         return NR_BAD_ARGS;
     /* (src is never copied to dst as such: the reduce-scatter writes every segment of
      * dst but this rank's own, which the all-gather's first step brings back final) */
-    sender s;
+    ring_call s;
     memset(&s, 0, sizeof s);
     s.p.n = nranks;
     s.p.rank = rank;
     s.p.count = count;
     s.p.base = count / nranks;
     s.p.extra = count % nranks;
-    s.p.chunk = chunk_items;
     s.w.st = state;
     s.w.deadline = deadline_ns;
     s.w.stop = &s.failed;
     s.fd = send_fd;
     s.itemsize = itemsize;
+    s.send_items = send_items;
     s.src = src;
     s.dst = dst;
     s.header = header;
-    pthread_mutex_init(&s.mu, NULL);
-    pthread_cond_init(&s.cv, NULL);
     const plan *p = &s.p;
-    int64_t chunk_bytes = chunk_items * itemsize;
+    int steps = 2 * (nranks - 1), last_rs = nranks - 2;
+    int64_t *base = malloc(sizeof(int64_t) * (size_t)(steps + 1));
+    int64_t piece = PIECE / itemsize;
     char *tmp = NULL;
-    if (posix_memalign((void **)&tmp, 64, (size_t)(chunk_bytes > 64 ? chunk_bytes : 64))) {
-        pthread_mutex_destroy(&s.mu);
-        pthread_cond_destroy(&s.cv);
+    if (!base || posix_memalign((void **)&tmp, 64, PIECE)) {
+        free(base);
         return NR_NO_MEMORY;
     }
+    base[0] = 0;
+    for (int t = 0; t < steps; t++) base[t + 1] = base[t] + seg_len(p, recv_seg(p, t));
+    s.base = base;
+    pthread_mutex_init(&s.mu, NULL);
+    pthread_cond_init(&s.cv, NULL);
     pthread_t thread;
     if (pthread_create(&thread, NULL, send_main, &s)) {
         free(tmp);
+        free(base);
         pthread_mutex_destroy(&s.mu);
         pthread_cond_destroy(&s.cv);
         return NR_NO_MEMORY;
     }
     int r = recv_all(&s.w, recv_fd, (char *)peer_header, HEADER_SIZE);
     if (!r && memcmp(peer_header, header, HEADER_SIZE)) r = NR_MISMATCH;
-    int steps = 2 * (nranks - 1), last_rs = nranks - 2;
     char *out = dst;
     const char *in = src;
     for (int t = 0; !r && t < steps; t++) {
         int seg = recv_seg(p, t);
         int64_t start = seg_start(p, seg), len = seg_len(p, seg);
-        for (int64_t c = 0; !r && c * p->chunk < len; c++) {
-            int64_t cl = len - c * p->chunk < p->chunk ? len - c * p->chunk : p->chunk;
-            int64_t at = (start + c * p->chunk) * itemsize;
+        for (int64_t pos = 0; !r && pos < len; pos += piece) {
+            int64_t k = len - pos < piece ? len - pos : piece;
+            int64_t at = (start + pos) * itemsize;
             if (t < nranks - 1) { /* reduce-scatter: dst = src (op) received */
-                r = recv_all(&s.w, recv_fd, tmp, cl * itemsize);
+                r = recv_all(&s.w, recv_fd, tmp, k * itemsize);
                 if (r) break;
-                reduce_into(out + at, in + at, tmp, cl, dtype, op);
-                if (t == last_rs && op == OP_AVG) average(out + at, cl, dtype, nranks);
+                reduce_into(out + at, in + at, tmp, k, dtype, op);
+                if (t == last_rs && op == OP_AVG) average(out + at, k, dtype, nranks);
             } else { /* all-gather: straight into dst */
-                r = recv_all(&s.w, recv_fd, out + at, cl * itemsize);
+                r = recv_all(&s.w, recv_fd, out + at, k * itemsize);
                 if (r) break;
             }
             pthread_mutex_lock(&s.mu);
-            s.done++;
-            pthread_cond_broadcast(&s.cv);
+            s.done += k;
+            if (s.waiting) pthread_cond_broadcast(&s.cv);
             pthread_mutex_unlock(&s.mu);
         }
     }
     if (r) set_failed(&s, r, 1); /* (no-op when the sender failed first) */
     pthread_join(thread, NULL);
     free(tmp);
+    free(base);
     pthread_mutex_destroy(&s.mu);
     pthread_cond_destroy(&s.cv);
     if (s.failed) {
