@@ -4,7 +4,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml | cksum | cut -d' ' -f1)
 
-.PHONY: demo test test-mpi test-gpu test-rdma lint bench bench-netns venv clean
+.PHONY: demo test test-mpi test-gpu test-rdma lint bench bench-netns venv native clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,14 +15,20 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-demo: venv
+demo: native
 	@echo "== acoll demo: 4 local ranks (acoll-run), bootstrap + barrier + all-reduce =="
 	$(BIN)/acoll-run -n 4 -- $(BIN)/python examples/allreduce_demo.py
 	@echo "== acoll-perf all_reduce sweep, 4 ranks on localhost =="
 	$(BIN)/acoll-perf all_reduce -N 4 -b 8 -e 16M -f 8 -n 10 -w 3 -d float32 -o sum
 
+# The native ring (src/acoll/_native/ring.c) is built once with the system's C compiler
+# into ~/.cache/acoll; without one, acoll runs its Python ring and the tests that need the
+# C code say why they skip.
+native: venv
+	@$(BIN)/python -m acoll._native || echo "native ring unavailable: the Python ring runs"
+
 # Two workers (pytest-xdist): most tests use one core; network-namespace tests share a worker.
-test: venv
+test: native
 	$(BIN)/python -m pytest -n 2 --dist loadgroup
 
 # Open MPI (Debian's) and mpi4py, then the tests under a real mpirun (tests/test_mpi.py).

@@ -242,3 +242,23 @@ async def test_no_long_loop_step_over_shm(case: str, monkeypatch: pytest.MonkeyP
     print(f"{case} over shm: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}")
     assert worst <= limit, (f"{case} over shm: the loop was held for {worst:.1f} ms of CPU "
                             f"(limit {limit} ms) by {what}")
+
+
+async def test_no_long_loop_step_with_the_native_ring(monkeypatch: pytest.MonkeyPatch
+                                                      ) -> None:
+    """Ranks joined by TCP with the native ring: its C code runs on a worker thread, so
+    the loop only starts the call and takes its completion."""
+    from acoll import _native
+
+    if _native.load() is None:
+        pytest.skip("no C compiler: the native ring cannot be built here")
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+    async def checked(comm: acoll.Communicator, meter: Meter) -> None:
+        assert comm._native is not None
+        await _all_reduce(comm, meter, nbytes=32 * MIB)
+
+    worst, limit, what = await _measure_again_if_over(checked, monkeypatch)
+    print(f"native ring-32M: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}")
+    assert worst <= limit, (f"native ring-32M: the loop was held for {worst:.1f} ms of CPU "
+                            f"(limit {limit} ms) by {what}")

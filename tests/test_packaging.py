@@ -1,4 +1,5 @@
-"""The source distribution: what it carries, and that building it warns of nothing."""
+"""The source distribution and the wheel: what they carry, and that building the sdist
+warns of nothing."""
 
 from __future__ import annotations
 
@@ -28,7 +29,21 @@ def test_sdist_has_tests_examples_license_and_no_deprecation(tmp_path: Path) -> 
     for path in ("LICENSE", "tests/conftest.py", "tests/collective_cases.py",
                  "tests/transport_conformance.py", "tests/netns.py", "tests/mp_kill.py",
                  "tests/test_run.py", "examples/seed_program.py", "examples/allreduce_demo.py",
-                 "Makefile"):
+                 "Makefile", "src/acoll/_native/ring.c"):
         assert path in names, path
     assert "License-Expression: Apache-2.0" in pkg_info
     assert "Apache License" in (ROOT / "LICENSE").read_text()
+
+
+def test_wheel_carries_the_native_ring_source(tmp_path: Path) -> None:
+    """The C file is package data: an installed acoll builds its native ring from it."""
+    import zipfile
+
+    code = ("import sys\nfrom setuptools import build_meta\n"
+            "print(build_meta.build_wheel(sys.argv[1]))\n")
+    res = subprocess.run([sys.executable, "-c", code, str(tmp_path)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=180)
+    assert res.returncode == 0, res.stderr
+    name = res.stdout.strip().splitlines()[-1]
+    with zipfile.ZipFile(tmp_path / name) as whl:
+        assert "acoll/_native/ring.c" in whl.namelist()

@@ -182,7 +182,13 @@ class NativeRing:
             return self._send, self._recv
         if self._making is None:
             self._making = asyncio.ensure_future(self._make())
-        return await asyncio.shield(self._making)
+        making = self._making
+        try:
+            return await asyncio.shield(making)
+        except asyncio.CancelledError:
+            if making.cancelled() and self._dead:  # (aborted: not this task's cancel)
+                raise ClosedError("the communicator is closed") from None
+            raise
 
     async def _make(self) -> tuple[RawLink, RawLink]:
         send, recv = await asyncio.gather(self._links.raw_to(self.nxt),
@@ -258,7 +264,13 @@ class NativeRingAllReduce:
         chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, ctx.ring_chunk_max,
                                  self.src.itemsize, -(-self.src.count // n))
         ctx.waiting_on = ring.prv  # (a ring waits on its previous rank: probes ask it)
-        code, side, peer = await ring.run(ctx, self.src, self.dst, self.op, chunk)
+        try:
+            code, side, peer = await ring.run(ctx, self.src, self.dst, self.op, chunk)
+        except AcollError as exc:  # (making the links: the communicator's error first)
+            found = host_error(ctx)
+            if found is not None and found is not exc:
+                raise found from None
+            raise
         if code == NR.OK:
             ctx.heard.add(ring.prv)
             ctx.waiting_on = None

@@ -1,0 +1,400 @@
+"""The native ring (acoll/_native/ring.c, acoll._comm.native_ring): the C code on its own
+(threads joined by socket pairs), then inside communicators whose ranks talk over TCP:
+the same bits as the Python ring, mismatches named, failures and timeouts, groups,
+the build's fallbacks, and raw links that refuse strangers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import acoll
+import acoll._native as native
+from acoll._comm import native_ring
+from acoll._dtypes import DTYPES, finish_avg
+from acoll.testing import run_ranks
+
+LIB = native.load()
+needs_lib = pytest.mark.skipif(LIB is None, reason="no C compiler: the native ring cannot "
+                               "be built here (ACOLL_DEBUG=INFO says why)")
+
+NATIVE_DTYPES = [np.int8, np.uint8, np.int32, np.uint32, np.int64, np.uint64, np.float32,
+                 np.float64]
+OPS = {"sum": 0, "prod": 1, "max": 2, "min": 3, "avg": 4}
+_UFUNC = {"sum": np.add, "avg": np.add, "prod": np.multiply, "max": np.maximum,
+          "min": np.minimum}
+HEADER = bytes(range(32))
+
+
+def _inputs(n: int, count: int, dtype: Any, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    if dt.kind == "f":
+        xs = [rng.standard_normal(count).astype(dt) for _ in range(n)]
+        if count > 8:  # NaNs and signed zeros: the ties and propagation of max/min
+            xs[0][3] = np.nan
+            xs[1 % n][5] = -0.0
+            xs[0][5] = 0.0
+        return xs
+    info = np.iinfo(dt)
+    return [rng.integers(info.min, info.max, count, dtype=dt, endpoint=True)
+            for _ in range(n)]
+
+
+def _ring_reference(xs: list[np.ndarray], op: str) -> np.ndarray:
+    """What the ring computes, in its order: segment j starts at rank j and is combined
+    as ``x[j+k] (op) acc`` at each next rank (acoll's Python ring: reduce(out, src, tmp))."""
+    n, count = len(xs), xs[0].size
+    out = np.empty_like(xs[0])
+    base, extra = divmod(count, n)
+    start = 0
+    for j in range(n):
+        length = base + (1 if j < extra else 0)
+        sl = slice(start, start + length)
+        acc = xs[j][sl].copy()
+        for k in range(1, n):
+            _UFUNC[op](xs[(j + k) % n][sl], acc, out=acc)
+        if op == "avg":
+            finish_avg(acc, n)
+        out[sl] = acc
+        start += length
+    return out
+
+
+def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op: int,
+                  send_items: int = 333, headers: list[bytes] | None = None,
+                  deadline_ns: int = 0) -> list[tuple[int, int, bytes]]:
+    """Run the C call on ``len(srcs)`` threads, rank i sending to i + 1 over a socket
+    pair."""
+    assert LIB is not None
+    n = len(srcs)
+    pairs = [socket.socketpair() for _ in range(n)]
+    for a, b in pairs:
+        a.setblocking(False)
+        b.setblocking(False)
+    results: list[Any] = [None] * n
+    code = DTYPES[np.dtype(dtype)]
+
+    def rank(r: int) -> None:
+        results[r] = LIB.all_reduce(
+            pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(), srcs[r].ctypes.data,
+            dsts[r].ctypes.data, srcs[r].size, code, op, r, n, send_items, deadline_ns,
+            native.State(), headers[r] if headers else HEADER)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for a, b in pairs:
+        a.close()
+        b.close()
+    return results
+
+
+@needs_lib
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(OPS))
+def test_c_ring_computes_the_ring_order_bit_for_bit(n: int, dtype: Any, op: str) -> None:
+    for count in (0, 1, n - 1, 1000, 70_001):
+        xs = _inputs(n, count, dtype, seed=count)
+        expect = _ring_reference(xs, op)
+        srcs = [x.copy() for x in xs]
+        in_place = count % 2 == 0
+        dsts = srcs if in_place else [np.full_like(x, 7) for x in xs]
+        results = _ring_threads(srcs, dsts, dtype, OPS[op])
+        assert all(r[0] == native.NR.OK for r in results), results
+        for r in range(n):
+            assert dsts[r].tobytes() == expect.tobytes(), (count, r)
+            if not in_place:
+                assert srcs[r].tobytes() == xs[r].tobytes()  # (the input is only read)
+
+
+@needs_lib
+def test_c_ring_refuses_a_peer_with_another_header() -> None:
+    xs = _inputs(3, 5000, np.float32)
+    headers = [HEADER, HEADER, bytes(32)]
+    results = _ring_threads(xs, xs, np.float32, 0, headers=headers,
+                            deadline_ns=time.monotonic_ns() + 1_000_000_000)
+    # rank 0 reads rank 2's header, rank 2 rank 1's: each refuses before any data. (Rank 1
+    # waits for data rank 0 no longer sends; in a communicator rank 0's failure reaches it
+    # at once, here its deadline ends it.)
+    assert results[0][0] == results[2][0] == native.NR.MISMATCH
+    assert results[0][1] == results[2][1] == 1
+    assert results[0][2] == bytes(32)
+    assert results[2][2] == HEADER
+    assert results[1][0] == native.NR.DEADLINE
+
+
+@needs_lib
+def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
+    assert LIB is not None
+    a, b = socket.socketpair()  # a: to the "next rank", b: from the "previous"
+    c, d = socket.socketpair()
+    for s in (a, b, c, d):
+        s.setblocking(False)
+    x = np.ones(1 << 16, np.float32)
+    state = native.State()
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(LIB.all_reduce(
+        a.fileno(), d.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8, 0, 0, 2, 1024, 0,
+        state, HEADER)))
+    t0 = time.monotonic()
+    t.start()
+    time.sleep(0.2)  # nothing comes from the previous rank
+    assert t.is_alive()
+    state.abort = 1
+    t.join(5)
+    assert out
+    assert out[0][0] == native.NR.ABORTED
+    assert time.monotonic() - t0 < 2
+    # the previous rank's end closes: PEER_CLOSED, on the receiving side
+    c.close()
+    out.clear()
+    state = native.State()
+    code = LIB.all_reduce(a.fileno(), d.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8,
+                          0, 0, 2, 1024, 0, state, HEADER)
+    assert code[0] == native.NR.PEER_CLOSED
+    assert code[1] == 1
+    # a deadline
+    e, f = socket.socketpair()
+    g, h = socket.socketpair()
+    for s in (e, f, g, h):
+        s.setblocking(False)
+    t0 = time.monotonic()
+    code = LIB.all_reduce(e.fileno(), h.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8,
+                          0, 0, 2, 1024, time.monotonic_ns() + 200_000_000, native.State(),
+                          HEADER)
+    assert code[0] == native.NR.DEADLINE
+    assert 0.15 < time.monotonic() - t0 < 2
+    bad = LIB.all_reduce(e.fileno(), h.fileno(), x.ctypes.data, x.ctypes.data, x.size, 6,
+                         0, 0, 2, 1024, 0, native.State(), HEADER)  # float16: not in C
+    assert bad[0] == native.NR.BAD_ARGS
+    for s in (a, b, d, e, f, g, h):
+        s.close()
+
+
+def test_a_failing_compiler_leaves_the_python_ring(tmp_path: Path, caplog: Any) -> None:
+    with pytest.raises(OSError):
+        native.build(cc=str(tmp_path / "no-such-cc"), cache=tmp_path)
+    with caplog.at_level(logging.INFO, logger="acoll.NET"):
+        assert native.load(cc=str(tmp_path / "no-such-cc")) is None
+    assert "native ring unavailable" in caplog.text
+
+
+@needs_lib
+def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
+    paths: list[Path] = []
+    threads = [threading.Thread(target=lambda: paths.append(native.build(cache=tmp_path)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(set(paths)) == 1
+    assert paths[0].exists()
+    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # (no leftovers)
+
+
+def test_every_rank_decides_alike_from_the_records() -> None:
+    usable = native_ring.NativeRing.usable
+    assert usable([[1, 0], None], [], []) is None  # a rank without it
+    assert usable([[1, 0], [1, 4096]], [], []) is None  # different ACOLL_NATIVE_MIN
+    assert usable([[1, 0], [2, 0]], [], []) is None  # different versions
+    assert usable([[1, 0]], [], []) is None  # one rank
+
+
+# --------------------------------------------------------------------------- communicators
+@pytest.fixture
+def over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ranks of this loop talk over TCP (not in memory), so the native ring is chosen."""
+    if LIB is None:
+        pytest.skip("no C compiler: the native ring cannot be built here")
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+
+
+CASES = [(np.float32, "sum"), (np.float64, "max"), (np.int32, "prod"), (np.int32, "avg"),
+         (np.uint64, "min"), (np.float32, "avg"), (np.int8, "sum")]
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_same_bits_as_the_python_ring(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def job(comm: acoll.Communicator) -> list[np.ndarray]:
+        outs = []
+        for i, (dtype, op) in enumerate(CASES):
+            for count in ((1 << 17) + 3, 300_001):
+                x = _inputs(comm.size, count, dtype, seed=i)[comm.rank]
+                if i % 2:
+                    await comm.all_reduce(x, op=op)
+                    outs.append(x)
+                else:
+                    y = np.empty_like(x)
+                    await comm.all_reduce(x, y, op=op)
+                    outs.append(y)
+        outs.append(np.array([comm._native is not None]))
+        return outs
+
+    with_native = await run_ranks(3, job, timeout=30)
+    monkeypatch.setenv("ACOLL_NATIVE", "0")
+    python = await run_ranks(3, job, timeout=30)
+    for a, b in zip(with_native, python, strict=True):
+        assert a[-1][0]
+        assert not b[-1][0]
+        for x, y in zip(a[:-1], b[:-1], strict=True):
+            assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_a_count_mismatch_is_named_on_every_rank() -> None:
+    async def job(comm: acoll.Communicator) -> str:
+        x = np.ones((1 << 18) + (comm.rank == 1) * 8, np.float32)
+        with pytest.raises(acoll.InvalidUsage) as info:
+            await comm.all_reduce(x)
+        return str(info.value)
+
+    for msg in await run_ranks(3, job, timeout=10):
+        assert "count" in msg, msg
+        assert " vs " in msg, msg
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_a_rank_that_never_calls_is_named_by_every_timeout() -> None:
+    async def job(comm: acoll.Communicator) -> str:
+        if comm.rank == 2:
+            await asyncio.sleep(6)
+            return ""
+        with pytest.raises(acoll.TimeoutError) as info:
+            await comm.all_reduce(np.ones(1 << 18, np.float32))
+        return str(info.value)
+
+    uid = acoll.get_unique_id()
+    comms = await asyncio.gather(*(acoll.init_rank(4, uid, r, timeout=2) for r in range(4)))
+    try:
+        msgs = await asyncio.gather(*(job(c) for c in comms))
+    finally:
+        for c in comms:
+            c.abort()
+    for r, msg in enumerate(msgs):
+        if r != 2:
+            assert "rank 2" in msg, msgs
+
+
+@pytest.mark.usefixtures("over_tcp")
+@pytest.mark.parametrize("how", ["abort", "cancel"])
+async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(how: str) -> None:
+    uid = acoll.get_unique_id()
+    n, victim = 4, 1
+    comms = list(await asyncio.gather(*(acoll.init_rank(n, uid, r) for r in range(n))))
+    try:
+        assert all(c._native is not None for c in comms)
+        bufs = [np.ones(16 << 20, np.float32) for _ in range(n)]
+        tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs,
+                                                                         strict=True)]
+        await asyncio.sleep(0.005)
+        t0 = time.monotonic()
+        if how == "abort":
+            comms[victim].abort()
+        else:
+            tasks[victim].cancel()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        assert time.monotonic() - t0 < 5
+        for r, res in enumerate(results):
+            if r == victim or isinstance(res, np.ndarray):  # (finished before it)
+                continue
+            assert isinstance(res, acoll.RemoteError), res
+            assert f"rank {victim}" in str(res), res
+        for c in comms:
+            c.abort()
+        # every communicator's worker thread ends once its call is back
+        end = time.monotonic() + 3
+        while any(t.name == "acoll-native" for t in threading.enumerate()):
+            assert time.monotonic() < end, "a native ring thread outlived its communicator"
+            await asyncio.sleep(0.02)
+    finally:
+        for c in comms:
+            c.abort()
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_calls_in_a_group_take_the_python_ring(monkeypatch: pytest.MonkeyPatch
+                                                     ) -> None:
+    ran: list[int] = []
+    original = native_ring.NativeRing.run
+
+    async def spy(self: native_ring.NativeRing, *args: Any) -> Any:
+        ran.append(self.rank)
+        return await original(self, *args)
+
+    monkeypatch.setattr(native_ring.NativeRing, "run", spy)
+
+    async def job(comm: acoll.Communicator) -> tuple[float, float]:
+        a = np.full(1 << 18, comm.rank + 1.0, np.float32)
+        b = np.full(1 << 18, 2 * comm.rank + 1.0, np.float32)
+        async with comm.group():
+            await comm.all_reduce(a)
+            await comm.all_reduce(b)
+        assert comm.rank not in ran
+        c = np.ones(1 << 18, np.float32)
+        await comm.all_reduce(c)  # outside: native
+        return float(a[-1]), float(b[0])
+
+    for a, b in await run_ranks(3, job, timeout=20):
+        assert (a, b) == (6.0, 9.0)
+    assert sorted(ran) == [0, 1, 2]
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_without_a_compiler_the_python_ring_runs(monkeypatch: pytest.MonkeyPatch,
+                                                       tmp_path: Path, caplog: Any) -> None:
+    monkeypatch.setenv("ACOLL_NATIVE_CC", str(tmp_path / "missing-cc"))
+    monkeypatch.setenv("ACOLL_NATIVE", "1")
+
+    async def job(comm: acoll.Communicator) -> float:
+        x = np.ones(1 << 18, np.float32)
+        await comm.all_reduce(x)
+        assert comm._native is None
+        return float(x[-1])
+
+    with caplog.at_level(logging.WARNING, logger="acoll.INIT"):
+        assert await run_ranks(2, job, timeout=20) == [2.0, 2.0]
+    assert "ACOLL_NATIVE=1 but the native ring could not be built" in caplog.text
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_raw_links_refuse_a_hello_that_does_not_fit(caplog: Any) -> None:
+    """A raw link (authenticated, so from a holder of the job's key) that claims another
+    destination, or a rank already linked, is refused; the ring goes on."""
+    from acoll._deadline import deadline_after
+    from acoll._transport.tcp import TcpTransport
+
+    async def job(comm: acoll.Communicator) -> float:
+        x = np.ones(1 << 18, np.float32)
+        await comm.all_reduce(x)  # the links exist now
+        if comm.rank == 0:
+            links = comm._links
+            transport = links.choice[1]
+            assert isinstance(transport, TcpTransport)
+            import msgpack
+
+            for hello in ({"rank": 0, "to": 2, "raw": True},  # to another rank
+                          {"rank": 0, "to": 1, "raw": True}):  # a second link from rank 0
+                link = await transport.connect_raw(links._handles[1]["socket"],
+                                                   msgpack.packb(hello),
+                                                   deadline_after(5))
+                link.abort()
+        await asyncio.sleep(0.2)
+        await comm.all_reduce(x)
+        return float(x[0])
+
+    with caplog.at_level(logging.WARNING, logger="acoll.INIT"):
+        assert await run_ranks(3, job, timeout=20) == [9.0] * 3
+    assert caplog.text.count("refused a raw socket link") == 2
