@@ -213,6 +213,36 @@ def test_every_rank_decides_alike_from_the_records() -> None:
     assert usable([[1, 0]], [], []) is None  # one rank
 
 
+def test_every_rank_sees_the_edges_of_other_processes_alike() -> None:
+    """Ranks 0, 2 and 4 in one process, 1 and 3 in another (the mixed communicator of
+    tests/test_collectives.py): edge 4 -> 0 is in process, so the native ring is off, and
+    a rank of the other process, which cannot connect in process to either, finds that
+    too. (It once found every edge over TCP and ran the native ring alone.)"""
+    import socket as _socket
+
+    from acoll._transport import inproc
+    from acoll._transport.base import PeerInfo
+    from acoll._transport.tcp import TcpTransport
+
+    key = bytes(32)
+    transports = [inproc.InprocTransport(key=key),
+                  TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=key)]
+
+    def info(rank: int, proc: bytes) -> PeerInfo:
+        handle = inproc._HANDLE.pack(inproc._MAGIC, proc, 7, bytes(16))
+        return PeerInfo(rank=rank, host_hash=1, proc=proc, loop=7, pid=rank,
+                        handles={"inproc": handle, "socket": b"x"})
+
+    other = bytes(range(16))  # a process that is not this one
+    mixed = [info(r, other if r % 2 == 0 else inproc._process) for r in range(5)]
+    records = [[1, 0]] * 5
+    assert native_ring.NativeRing.usable(records, transports, mixed) is None
+    apart = [info(r, bytes([r]) * 16) for r in range(5)]  # a process each: all TCP
+    assert native_ring.NativeRing.usable(records, transports, apart) == 0
+    two = [info(r, other if r < 2 else inproc._process) for r in range(4)]  # 1 -> 2 ...
+    assert native_ring.NativeRing.usable(records[:4], transports, two) is None
+
+
 # --------------------------------------------------------------------------- communicators
 @pytest.fixture
 def over_tcp(monkeypatch: pytest.MonkeyPatch) -> None:

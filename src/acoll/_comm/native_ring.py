@@ -51,7 +51,7 @@ from .._transport.base import PeerInfo, Transport
 from .._transport.tcp import RawLink, TcpTransport
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
-from .peers import PeerLinks, choose_transport
+from .peers import PeerLinks
 
 __all__ = ["NATIVE", "NATIVE_MIN", "NativeRing", "NativeRingAllReduce", "native_record"]
 
@@ -155,21 +155,24 @@ class NativeRing:
     def usable(records: list[Any], transports: Sequence[Transport], infos: Sequence[PeerInfo]
                ) -> int | None:
         """The common ``ACOLL_NATIVE_MIN`` when every rank's record offers the same native
-        ring and every edge of the ring (i to i + 1) goes over TCP, as
-        :func:`~.peers.choose_transport` picks from the records (so every rank finds the
-        same); else ``None``."""
+        ring, every rank serves the same transports, and every edge of the ring (i to
+        i + 1) goes over TCP; else ``None``. Every rank finds the same: the transport of
+        each edge is the first both ends serve that joins them, judged from the records
+        (:meth:`~acoll._transport.base.Transport.joins`), as
+        :func:`~.peers.choose_transport` picks it on the edge's own ranks."""
         size = len(records)
         if size < 2 or any(not isinstance(r, list) or len(r) != 2 for r in records):
             return None
         if len({(int(v), int(m)) for v, m in records}) != 1:
             return None
-        try:
-            if any(not isinstance(choose_transport(transports, infos[i],
-                                                   infos[(i + 1) % size]), TcpTransport)
-                   for i in range(size)):
-                return None
-        except InvalidUsage:
+        if len({frozenset(info.handles) for info in infos}) != 1:
             return None
+        for i in range(size):
+            a, b = infos[i], infos[(i + 1) % size]
+            edge = next((t for t in transports if t.name in a.handles
+                         and t.name in b.handles and t.joins(a, b)), None)
+            if not isinstance(edge, TcpTransport):
+                return None
         return int(records[0][1])
 
     def takes(self, buf: Buffer, op: ReduceOp) -> bool:

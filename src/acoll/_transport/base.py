@@ -299,6 +299,13 @@ class Transport(ABC):
         """
         return True
 
+    def joins(self, a: PeerInfo, b: PeerInfo) -> bool:
+        """Whether :meth:`can_connect` would join ranks ``a`` and ``b`` when one of them
+        asked, judged from their records alone (so any rank can tell for any pair, as
+        the native ring's choice needs: :mod:`acoll._comm.native_ring`). The default is
+        :meth:`can_connect` itself, for transports whose answer uses only the records."""
+        return self.can_connect(a, b)
+
     def memory_for(self, staging: Staging | None) -> frozenset[MemoryKind]:
         """The memory kinds its connections move for a communicator whose device buffers
         ``staging`` would carry (``None``: a host communicator). The default is

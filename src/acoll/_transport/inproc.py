@@ -483,6 +483,13 @@ class InprocTransport(Transport):
         b = _parse_handle(theirs.handles.get(self.name, b""))
         return a is not None and a == b and a[0] == _process
 
+    def joins(self, a: PeerInfo, b: PeerInfo) -> bool:
+        """(:meth:`can_connect` without the check that the process is this one.)"""
+        if not a.same_process(b) or a.loop != b.loop:
+            return False
+        x = _parse_handle(a.handles.get(self.name, b""))
+        return x is not None and x == _parse_handle(b.handles.get(self.name, b""))
+
     async def listen(self) -> InprocListener:
         loop = asyncio.get_running_loop()
         handle = _HANDLE.pack(_MAGIC, _process, id(loop), os.urandom(16))
