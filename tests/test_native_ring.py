@@ -119,6 +119,84 @@ def test_c_ring_computes_the_ring_order_bit_for_bit(n: int, dtype: Any, op: str)
                 assert srcs[r].tobytes() == xs[r].tobytes()  # (the input is only read)
 
 
+def _rs_reference(xs: list[np.ndarray], op: str, block: int) -> list[np.ndarray]:
+    """acoll's Python reduce-scatter ring: block q starts at rank q + 1 and is combined as
+    ``x[next] (op) acc`` at each next rank, ending at rank q."""
+    n = len(xs)
+    outs = []
+    for q in range(n):
+        sl = slice(q * block, (q + 1) * block)
+        acc = xs[(q + 1) % n][sl].copy()
+        for k in range(2, n + 1):
+            _UFUNC[op](xs[(q + k) % n][sl], acc, out=acc)
+        if op == "avg":
+            finish_avg(acc, n)
+        outs.append(acc)
+    return outs
+
+
+def _mode_threads(mode: int, srcs: list[np.ndarray], dsts: list[np.ndarray], count: int,
+                  dtype: Any, op: int) -> list[tuple[int, int, bytes]]:
+    assert LIB is not None
+    n = len(srcs)
+    pairs = [socket.socketpair() for _ in range(n)]
+    for a, b in pairs:
+        a.setblocking(False)
+        b.setblocking(False)
+    scratch = [np.empty(max(1, count * (n - 2)), dtype) for _ in range(n)]
+    results: list[Any] = [None] * n
+
+    def rank(r: int) -> None:
+        results[r] = LIB.run(mode, pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(),
+                             srcs[r].ctypes.data, dsts[r].ctypes.data,
+                             scratch[r].ctypes.data if n > 2 else 0, count,
+                             DTYPES[np.dtype(dtype)], op, r, n, 777, 0, native.State(),
+                             HEADER)
+
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for a, b in pairs:
+        a.close()
+        b.close()
+    return results
+
+
+@needs_lib
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("dtype", [np.int8, np.uint32, np.int64, np.float32, np.float64],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("op", list(OPS))
+def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str) -> None:
+    assert LIB is not None
+    for block in (0, 1, 999, 70_001):
+        xs = _inputs(n, block * n, dtype, seed=block)
+        dsts = [np.full(block, 3, dtype) for _ in range(n)]
+        res = _mode_threads(LIB.REDUCE_SCATTER, xs, dsts, block, dtype, OPS[op])
+        assert all(r[0] == native.NR.OK for r in res), res
+        for got, want in zip(dsts, _rs_reference(xs, op, block), strict=True):
+            assert got.tobytes() == want.tobytes(), block
+        if op != "sum":
+            continue
+        parts = [x[:block].copy() for x in xs]
+        outs = [np.full(block * n, 5, dtype) for _ in range(n)]
+        res = _mode_threads(LIB.ALL_GATHER, parts, outs, block, dtype, 0)
+        assert all(r[0] == native.NR.OK for r in res), res
+        for got in outs:
+            assert got.tobytes() == np.concatenate(parts).tobytes(), block
+        # in place: each rank's block already in its output
+        outs = [np.zeros(block * n, dtype) for _ in range(n)]
+        for r in range(n):
+            outs[r][r * block:(r + 1) * block] = parts[r]
+        res = _mode_threads(LIB.ALL_GATHER, [outs[r][r * block:(r + 1) * block]
+                                             for r in range(n)], outs, block, dtype, 0)
+        assert all(r[0] == native.NR.OK for r in res), res
+        for got in outs:
+            assert got.tobytes() == np.concatenate(parts).tobytes(), block
+
+
 @needs_lib
 def test_c_ring_refuses_a_peer_with_another_header() -> None:
     xs = _inputs(3, 5000, np.float32)
@@ -207,10 +285,12 @@ def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
 
 def test_every_rank_decides_alike_from_the_records() -> None:
     usable = native_ring.NativeRing.usable
-    assert usable([[1, 0], None], [], []) is None  # a rank without it
-    assert usable([[1, 0], [1, 4096]], [], []) is None  # different ACOLL_NATIVE_MIN
-    assert usable([[1, 0], [2, 0]], [], []) is None  # different versions
-    assert usable([[1, 0]], [], []) is None  # one rank
+    small = 64 << 10
+    assert usable([[2, 0, small], None], [], []) is None  # a rank without it
+    assert usable([[2, 0, small], [2, 4096, small]], [], []) is None  # ACOLL_NATIVE_MIN
+    assert usable([[2, 0, small], [2, 0, 1024]], [], []) is None  # ACOLL_SMALL_MSG
+    assert usable([[2, 0, small], [1, 0, small]], [], []) is None  # versions
+    assert usable([[2, 0, small]], [], []) is None  # one rank
 
 
 def test_every_rank_sees_the_edges_of_other_processes_alike() -> None:
@@ -235,7 +315,7 @@ def test_every_rank_sees_the_edges_of_other_processes_alike() -> None:
 
     other = bytes(range(16))  # a process that is not this one
     mixed = [info(r, other if r % 2 == 0 else inproc._process) for r in range(5)]
-    records = [[1, 0]] * 5
+    records = [[2, 0, 65536]] * 5
     assert native_ring.NativeRing.usable(records, transports, mixed) is None
     apart = [info(r, bytes([r]) * 16) for r in range(5)]  # a process each: all TCP
     assert native_ring.NativeRing.usable(records, transports, apart) == 0
@@ -280,6 +360,42 @@ async def test_same_bits_as_the_python_ring(monkeypatch: pytest.MonkeyPatch) -> 
         assert a[-1][0]
         assert not b[-1][0]
         for x, y in zip(a[:-1], b[:-1], strict=True):
+            assert x.tobytes() == y.tobytes()
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_reduce_scatter_and_all_gather_same_bits_as_the_python_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    ran: list[str] = []
+    original = native_ring.NativeRing.run
+
+    async def spy(self: native_ring.NativeRing, ctx: Any, mode: int, *args: Any) -> Any:
+        ran.append(ctx.desc.coll.name)
+        return await original(self, ctx, mode, *args)
+
+    monkeypatch.setattr(native_ring.NativeRing, "run", spy)
+
+    async def job(comm: acoll.Communicator) -> list[np.ndarray]:
+        n, outs = comm.size, []
+        for i, (dtype, op) in enumerate(CASES):
+            for block in (40_000, 70_001):
+                x = _inputs(n, block * n, dtype, seed=i)[comm.rank]
+                y = np.empty(block, dtype)
+                await comm.reduce_scatter(x, y, op=op)
+                z = np.empty(block * n, dtype)
+                await comm.all_gather(y, z)
+                outs += [y, z]
+        small = np.arange(8, dtype=np.float32)  # (8 x 4 x 3 bytes: the Python ring)
+        big = np.empty(8 * n, np.float32)
+        await comm.all_gather(small, big)
+        return outs
+
+    with_native = await run_ranks(3, job, timeout=30)
+    assert ran.count("REDUCE_SCATTER") == ran.count("ALL_GATHER") == 3 * 2 * len(CASES)
+    monkeypatch.setenv("ACOLL_NATIVE", "0")
+    python = await run_ranks(3, job, timeout=30)
+    for a, b in zip(with_native, python, strict=True):
+        for x, y in zip(a, b, strict=True):
             assert x.tobytes() == y.tobytes()
 
 

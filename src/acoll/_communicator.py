@@ -72,7 +72,14 @@ from ._comm.lane import (
     one_shot_steps_max,
     reduce_scatter_steps,
 )
-from ._comm.native_ring import NATIVE, NativeRing, NativeRingAllReduce, native_record
+from ._comm.native_ring import (
+    NATIVE,
+    NativeRing,
+    NativeRingAllGather,
+    NativeRingAllReduce,
+    NativeRingReduceScatter,
+    native_record,
+)
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._comm.probe import PeerState, answer, ask, is_probe
@@ -417,7 +424,7 @@ class Communicator:
         except BaseException:
             _release(endpoints)
             raise
-        native_rec = native_record(native)
+        native_rec = native_record(native, algos.SMALL.resolve())
 
         def make_info(boot_addr: Address) -> bytes:
             return msgpack.packb({"host_hash": host_hash, "pid": os.getpid(), "proc": _PROC,
@@ -440,7 +447,7 @@ class Communicator:
                     [t for t, _ in endpoints], infos)
                 if min_bytes is not None:
                     comm._native = NativeRing(native, comm._links, comm.rank, comm.size,
-                                              min_bytes, timeout)
+                                              min_bytes, comm.small, timeout)
                 log.info("rank %d: native ring %s", comm.rank,
                          "on" if comm._native is not None else
                          "off (not every rank has it, or a ring edge is not over TCP)")
@@ -1122,6 +1129,11 @@ class Communicator:
             return out
         make = self._p2p_make(Mode.ALL_GATHER, "all_gather", s, r, s.count, order)
         self._learn("all_gather", send, recv, None, 0, make)
+        native = self._native
+        if (native is not None and make is None and order is None
+                and native.takes(s, moved=r.nbytes)):
+            await self._execute(desc, None, lambda ctx: NativeRingAllGather(ctx, s, r, native))
+            return out
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingAllGather(ctx, s, r), order))
         return out
@@ -1163,6 +1175,12 @@ class Communicator:
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
         self._learn("reduce_scatter", send, recv, op, 0, make)
+        native = self._native
+        if (native is not None and make is None and order is None
+                and native.takes(r, rop, moved=s.nbytes)):
+            await self._execute(desc, None,
+                                lambda ctx: NativeRingReduceScatter(ctx, s, r, rop, native))
+            return out
         await self._execute(desc, make, self._ordered(
             lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
         return out

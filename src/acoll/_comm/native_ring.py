@@ -1,25 +1,27 @@
-"""The native ring: large host-buffer all-reduces over TCP, run by C code off the loop.
+"""The native ring: large host-buffer ring collectives over TCP, run by C code off the loop.
 
 Where the ring's data path is Python, every chunk costs work on the loop thread and GIL
 hand-offs between it and the socket threads; with 4 to 8 ranks a host that many processes
 share loses to Gloo's C++ ring there. So when
 
 - every rank has the native ring (:mod:`acoll._native` built, ``ACOLL_NATIVE`` not 0) with
-  the same version and the same ``ACOLL_NATIVE_MIN`` (from the formation records: every
-  rank decides alike), and every edge of the ring (rank i to rank i + 1) goes over the
-  socket transport;
-- and a call is an all_reduce the tuner (or ``ACOLL_ALGO``) gives to the ring, on host
+  the same version, ``ACOLL_NATIVE_MIN`` and ``ACOLL_SMALL_MSG`` (from the formation
+  records: every rank decides alike), every rank serves the same transports, and every
+  edge of the ring (rank i to rank i + 1) goes over the socket transport;
+- and a call is an all_reduce the tuner (or ``ACOLL_ALGO``) gives to the ring, or a
+  reduce_scatter or all_gather moving more than ``ACOLL_SMALL_MSG`` in all, on host
   memory, of a dtype and op the C code has (8/32/64-bit integers, float32, float64; SUM,
   PROD, MAX, MIN, AVG), of at least ``ACOLL_NATIVE_MIN`` bytes, made outside a group,
 
 the whole op is one call into ``ring.c`` on a worker thread, with the GIL released: it
 sends, receives and reduces over two *raw links* (authenticated TCP sockets that carry
 nothing else: one dialed to the next rank, one accepted from the previous, made at the
-first such call) while the loop only waits for its end. Same algorithm, same segments,
-same order of reduction as the Python ring (:class:`~acoll._coll.algorithms.RingAllReduce`),
-so the same bits; the descriptor says ``ring`` either way. (The C code moves each step's
-segment in pieces of its own choosing, reducing 256 KiB at a time while it is in cache and
-forwarding what is ready: the pieces are not on the wire, only the bytes.)
+first such call) while the loop only waits for its end. Same steps, same order of
+reduction as the Python rings (:mod:`acoll._coll.algorithms`: ``RingAllReduce``,
+``RingReduceScatter``, ``RingAllGather``), so the same bits; the descriptor is the same
+either way. (The C code moves each step's block in pieces of its own choosing, reducing
+256 KiB at a time while it is in cache and forwarding what is ready: the pieces are not
+on the wire, only the bytes.)
 
 Every call's stream starts with a 32-byte header (magic, version, the op's sequence
 number and descriptor) that the receiving rank compares with its own before it
@@ -38,10 +40,16 @@ import queue
 import struct
 import threading
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._coll.algorithms import RingAllReduce, ring_chunk_items
+from .._coll.algorithms import (
+    RingAllGather,
+    RingAllReduce,
+    RingReduceScatter,
+    ring_chunk_items,
+)
 from .._coll.base import OpContext
 from .._config import Setting, get_logger, parse_size
 from .._dtypes import DTYPES, ReduceOp
@@ -53,7 +61,8 @@ from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import PeerLinks
 
-__all__ = ["NATIVE", "NATIVE_MIN", "NativeRing", "NativeRingAllReduce", "native_record"]
+__all__ = ["NATIVE", "NATIVE_MIN", "NativeRing", "NativeRingAllGather", "NativeRingAllReduce",
+           "NativeRingReduceScatter", "native_record"]
 
 log = get_logger("COLL")
 
@@ -77,11 +86,13 @@ _MAGIC = b"ACNR"
 _BLAME_WAIT = 1.0
 
 
-def native_record(lib: NativeLib | None) -> list[int] | None:
-    """This rank's entry in its formation record (``None``: no native ring)."""
+def native_record(lib: NativeLib | None, small: int) -> list[int] | None:
+    """This rank's entry in its formation record (``None``: no native ring): the library's
+    version, ``ACOLL_NATIVE_MIN`` and ``ACOLL_SMALL_MSG`` (``small``), which decide what
+    the native ring takes."""
     if lib is None:
         return None
-    return [lib.version, NATIVE_MIN.resolve()]
+    return [lib.version, NATIVE_MIN.resolve(), small]
 
 
 def _header(seq: int, desc: bytes) -> bytes:
@@ -137,10 +148,11 @@ class NativeRing:
     """A communicator's native ring: its two raw links, worker thread and running call."""
 
     def __init__(self, lib: NativeLib, links: PeerLinks, rank: int, size: int,
-                 min_bytes: int, timeout: float) -> None:
+                 min_bytes: int, small: int, timeout: float) -> None:
         self.lib = lib
         self.timeout = timeout
         self.min_bytes = min_bytes
+        self.small = small
         self._links = links
         self.rank, self.size = rank, size
         self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
@@ -161,9 +173,9 @@ class NativeRing:
         (:meth:`~acoll._transport.base.Transport.joins`), as
         :func:`~.peers.choose_transport` picks it on the edge's own ranks."""
         size = len(records)
-        if size < 2 or any(not isinstance(r, list) or len(r) != 2 for r in records):
+        if size < 2 or any(not isinstance(r, list) or len(r) != 3 for r in records):
             return None
-        if len({(int(v), int(m)) for v, m in records}) != 1:
+        if len({(int(v), int(m), int(s)) for v, m, s in records}) != 1:
             return None
         if len({frozenset(info.handles) for info in infos}) != 1:
             return None
@@ -175,9 +187,15 @@ class NativeRing:
                 return None
         return int(records[0][1])
 
-    def takes(self, buf: Buffer, op: ReduceOp) -> bool:
-        """Whether an all_reduce of ``buf`` under ``op`` runs here (same on every rank)."""
-        return (buf.kind == MemoryKind.HOST and buf.nbytes >= self.min_bytes
+    def takes(self, buf: Buffer, op: ReduceOp = ReduceOp.SUM, moved: int | None = None
+              ) -> bool:
+        """Whether a call on ``buf`` under ``op`` runs here (the same on every rank for a
+        matching call). ``moved``: the bytes a reduce_scatter or all_gather moves in all
+        (the larger of its buffers), which must exceed ``ACOLL_SMALL_MSG``; an all_reduce
+        gets here only when the tuner gave it to the ring."""
+        nbytes = buf.nbytes if moved is None else moved
+        return (buf.kind == MemoryKind.HOST and nbytes >= self.min_bytes
+                and (moved is None or moved > self.small)
                 and DTYPES.get(buf.dtype) in _NATIVE_DTYPES and op in _OPS)
 
     async def links(self) -> tuple[RawLink, RawLink]:
@@ -215,8 +233,9 @@ class NativeRing:
             self._making.cancel()
         self._worker.stop()
 
-    async def run(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp,
-                  chunk: int) -> tuple[int, int, bytes]:
+    async def run(self, ctx: OpContext, mode: int, src: Buffer, dst: Buffer,
+                  scratch: Buffer | None, count: int, op: ReduceOp, chunk: int
+                  ) -> tuple[int, int, bytes]:
         send, recv = await self.links()
         if self._dead:
             raise ClosedError("the communicator is closed")
@@ -225,12 +244,13 @@ class NativeRing:
         # (a hard stop for the C code in case nothing else ends it: the executor fails
         # the op at its own deadline, which aborts the call)
         backstop = time.monotonic_ns() + int((2 * self.timeout + 30) * 1e9)
-        args = (send.fileno(), recv.fileno(), src.ptr, dst.ptr, src.count,
-                DTYPES[src.dtype], _OPS[op], self.rank, self.size, chunk, backstop, state,
-                header)
-        lib, keep = self.lib, (src, dst)  # (the arrays stay alive while the C code runs)
+        args = (mode, send.fileno(), recv.fileno(), src.ptr, dst.ptr,
+                0 if scratch is None else scratch.ptr, count, DTYPES[src.dtype], _OPS[op],
+                self.rank, self.size, chunk, backstop, state, header)
+        # (the buffers stay alive while the C code runs, even after a cancel)
+        lib, keep = self.lib, (src, dst, scratch)
         send.busy = recv.busy = True
-        fut = self._worker.submit(lambda: (lib.all_reduce(*args), keep)[0])
+        fut = self._worker.submit(lambda: (lib.run(*args), keep)[0])
 
         def returned(_: asyncio.Future[Any]) -> None:
             # (only now: a cancelled op's call may still be running until it sees abort)
@@ -248,27 +268,44 @@ class NativeRing:
         return result
 
 
-class NativeRingAllReduce:
-    """An all_reduce run by the native ring (see the module docstring); inside a group
-    (ops run concurrently there, and the raw links carry one op at a time) it runs the
-    Python ring, as every rank does for the same call."""
+class _NativeOp(ABC):
+    """A ring collective run by the native ring (see the module docstring). Inside a
+    group (ops run concurrently there, and the raw links carry one op at a time) it runs
+    the Python ring, as every rank does for the same call."""
+
+    mode = NativeLib.ALL_REDUCE
 
     def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp,
                  ring: NativeRing) -> None:
         self.ctx, self.src, self.dst, self.op, self.ring = ctx, src, dst, op, ring
 
+    @abstractmethod
+    def python(self) -> Any:
+        """The Python ring for the same call."""
+
+    def block(self) -> int:
+        """Items per step's block, as ``ring.c`` counts them (all_reduce: the whole)."""
+        return self.src.count
+
+    def segment(self) -> int:
+        """Items of the largest block a step moves (for the Python ring's chunk)."""
+        return self.src.count
+
+    def scratch(self) -> Buffer | None:
+        return None
+
     async def run(self) -> None:
         ctx, ring = self.ctx, self.ring
         if ctx.in_group:
-            await RingAllReduce(ctx, self.src, self.dst, self.op).run()
+            await self.python().run()
             return
-        n = ctx.n
         # (the most one send call takes: the Python ring's chunk)
         chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, ctx.ring_chunk_max,
-                                 self.src.itemsize, -(-self.src.count // n))
+                                 self.src.itemsize, self.segment())
         ctx.waiting_on = ring.prv  # (a ring waits on its previous rank: probes ask it)
         try:
-            code, side, peer = await ring.run(ctx, self.src, self.dst, self.op, chunk)
+            code, side, peer = await ring.run(ctx, self.mode, self.src, self.dst,
+                                              self.scratch(), self.block(), self.op, chunk)
         except AcollError as exc:  # (making the links: the communicator's error first)
             found = host_error(ctx)
             if found is not None and found is not exc:
@@ -291,7 +328,8 @@ class NativeRingAllReduce:
             return host_error(ctx) or ClosedError("the communicator is closed")
         if code == NR.DEADLINE:
             err2: AcollError = AcollTimeoutError(
-                f"all_reduce: rank {ctx.rank} waited past its deadline on the native ring "
+                f"{ctx.desc.coll.name.lower()}: rank {ctx.rank} waited past its deadline "
+                "on the native ring "
                 f"(rank {ring.prv} before it, rank {ring.nxt} after it)")
             host.fail(err2)
             return host_error(ctx) or err2
@@ -320,14 +358,57 @@ class NativeRingAllReduce:
         ctx, prv = self.ctx, self.ring.prv
         magic, version, _, seq = _HEADER.unpack(peer[:_HEADER.size])
         if magic != _MAGIC or version != 1:
-            return InvalidUsage(f"all_reduce: rank {prv} sent a native ring stream this "
-                                "rank cannot read (different acoll versions?)")
+            return InvalidUsage(f"{ctx.desc.coll.name.lower()}: rank {prv} sent a native "
+                                "ring stream this rank cannot read (different acoll "
+                                "versions?)")
         other = Descriptor.unpack(peer[_HEADER.size:])
         if other.packed != ctx.desc.packed:
             return InvalidUsage(ctx.desc.describe_difference(other, ctx.rank, prv))
-        return InvalidUsage(f"all_reduce mismatch between rank {ctx.rank} and rank {prv}: "
-                            f"collective #{ctx.seq & 0xFFFFFFFF} vs #{seq} (the ranks "
-                            "issued their calls in different orders)")
+        return InvalidUsage(f"{ctx.desc.coll.name.lower()} mismatch between rank "
+                            f"{ctx.rank} and rank {prv}: collective "
+                            f"#{ctx.seq & 0xFFFFFFFF} vs #{seq} (the ranks issued their "
+                            "calls in different orders)")
+
+
+class NativeRingAllReduce(_NativeOp):
+    """:class:`~acoll._coll.algorithms.RingAllReduce` in C."""
+
+    def python(self) -> Any:
+        return RingAllReduce(self.ctx, self.src, self.dst, self.op)
+
+    def segment(self) -> int:
+        return -(-self.src.count // self.ctx.n)
+
+
+class NativeRingReduceScatter(_NativeOp):
+    """:class:`~acoll._coll.algorithms.RingReduceScatter` in C (``dst``: one block)."""
+
+    mode = NativeLib.REDUCE_SCATTER
+
+    def python(self) -> Any:
+        return RingReduceScatter(self.ctx, self.src, self.dst, self.op)
+
+    def block(self) -> int:
+        return self.dst.count
+
+    def segment(self) -> int:
+        return self.dst.count
+
+    def scratch(self) -> Buffer | None:
+        n = self.ctx.n
+        return self.ctx.scratch(self.dst.count * (n - 2), self.src.dtype) if n > 2 else None
+
+
+class NativeRingAllGather(_NativeOp):
+    """:class:`~acoll._coll.algorithms.RingAllGather` in C (``src``: one block)."""
+
+    mode = NativeLib.ALL_GATHER
+
+    def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, ring: NativeRing) -> None:
+        super().__init__(ctx, src, dst, ReduceOp.SUM, ring)
+
+    def python(self) -> Any:
+        return RingAllGather(self.ctx, self.src, self.dst)
 
 
 def host_error(ctx: OpContext) -> AcollError | None:

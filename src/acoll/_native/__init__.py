@@ -1,7 +1,7 @@
 """The native ring (``ring.c``): compiled on first use, cached, called through ctypes.
 
-The C file holds the data path of a ring all-reduce over two TCP sockets (its header
-comment states the contract). It is built with the system's C compiler
+The C file holds the data path of ring all-reduce, reduce-scatter and all-gather over two
+TCP sockets (its header comment states the contract). It is built with the system's C compiler
 (``ACOLL_NATIVE_CC``, default ``cc``) into a cache folder (``ACOLL_NATIVE_CACHE``, default
 ``$XDG_CACHE_HOME/acoll`` or ``~/.cache/acoll``) under a name that hashes the source, the
 compiler's identity and the flags, so that a changed file or compiler builds again and
@@ -66,36 +66,46 @@ class State(ctypes.Structure):
 
 
 class NativeLib:
-    """The loaded library: :meth:`all_reduce` blocks its (worker) thread, GIL released."""
+    """The loaded library: :meth:`run` blocks its (worker) thread, GIL released."""
+
+    ALL_REDUCE, REDUCE_SCATTER, ALL_GATHER = 0, 1, 2  # modes of ``acoll_nr_run``
 
     def __init__(self, path: Path) -> None:
         self.path = path
         lib = ctypes.CDLL(str(path))
-        fn = lib.acoll_nr_allreduce
+        fn = lib.acoll_nr_run
         fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p,
-                       ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(State),
-                       ctypes.c_char_p, ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
+                       ctypes.c_int64, ctypes.POINTER(State), ctypes.c_char_p,
+                       ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
         self._fn = fn
         lib.acoll_nr_version.restype = ctypes.c_int
         self.version = int(lib.acoll_nr_version())
         self._lib = lib
 
-    def all_reduce(self, send_fd: int, recv_fd: int, src: int, dst: int, count: int,
-                   dtype: int, op: int, rank: int, nranks: int, chunk_items: int,
-                   deadline_ns: int, state: State, header: bytes
-                   ) -> tuple[int, int, bytes]:
-        """Run one ring all-reduce (see ``ring.c``); returns (code, side, peer header).
-
-        ``side``: 1 the receiving side failed first, 2 the sending side, 0 no failure.
-        """
+    def run(self, mode: int, send_fd: int, recv_fd: int, src: int, dst: int, scratch: int,
+            count: int, dtype: int, op: int, rank: int, nranks: int, send_items: int,
+            deadline_ns: int, state: State, header: bytes) -> tuple[int, int, bytes]:
+        """Run one ring collective (see ``acoll_nr_run`` in ``ring.c``); returns (code,
+        side, the previous rank's header). ``side``: 1 the receiving side failed first, 2
+        the sending side, 0 no failure. ``count``: items per rank's block (all_reduce: of
+        the whole buffer)."""
         peer = ctypes.create_string_buffer(HEADER_SIZE)
         which = ctypes.c_int(0)
-        code = self._fn(send_fd, recv_fd, src, dst, count, dtype, op, rank, nranks,
-                        chunk_items, deadline_ns, ctypes.byref(state), header, peer,
-                        ctypes.byref(which))
+        code = self._fn(mode, send_fd, recv_fd, src, dst, scratch or None, count, dtype, op,
+                        rank, nranks, send_items, deadline_ns, ctypes.byref(state), header,
+                        peer, ctypes.byref(which))
         return int(code), int(which.value), peer.raw
+
+    def all_reduce(self, send_fd: int, recv_fd: int, src: int, dst: int, count: int,
+                   dtype: int, op: int, rank: int, nranks: int, send_items: int,
+                   deadline_ns: int, state: State, header: bytes
+                   ) -> tuple[int, int, bytes]:
+        """:meth:`run` of an all-reduce."""
+        return self.run(self.ALL_REDUCE, send_fd, recv_fd, src, dst, 0, count, dtype, op,
+                        rank, nranks, send_items, deadline_ns, state, header)
 
 
 _lock = threading.Lock()

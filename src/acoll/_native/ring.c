@@ -1,19 +1,23 @@
-/* acoll's native ring: the whole data path of a ring all-reduce over two TCP sockets,
- * run by one call from a Python worker thread (ctypes drops the GIL for the call).
+/* acoll's native ring: the whole data path of a ring all-reduce, reduce-scatter or
+ * all-gather over two TCP sockets, run by one call from a Python worker thread (ctypes
+ * drops the GIL for the call).
  *
  * Contract (see acoll/_native/__init__.py, which compiles and loads this file):
  * - send_fd carries bytes to the next rank only; recv_fd brings bytes from the previous
  *   rank only. Both are connected stream sockets that nothing else reads or writes during
  *   the call; they may be non-blocking (every wait is a poll() of at most SLICE_MS).
  * - The stream of one call: a 32-byte header (the caller's, identical on every rank of a
- *   matching call), then each step's segment of the ring in a fixed order that every rank
- *   derives from (count, itemsize, nranks). No framing: a rank that disagrees on any of
- *   those sends a different header, which the receiver refuses before it reads any data
- *   (NR_MISMATCH, the peer's header copied out).
- * - The result (src reduced over all ranks, in ring order, the same order as acoll's
- *   Python ring) ends in dst; src is only read (src == dst is in place).
- * - Two threads: the caller's receives and reduces; a thread started per call sends,
- *   each chunk once the caller has produced it.
+ *   matching call), then each step's block of the ring in a fixed order that every rank
+ *   derives from (mode, count, itemsize, nranks). No framing: a rank that disagrees on
+ *   any of those sends a different header, which the receiver refuses before it reads
+ *   any data (NR_MISMATCH, the peer's header copied out).
+ * - The steps, and the order of every reduction, are those of acoll's Python rings
+ *   (acoll/_coll/algorithms.py: RingAllReduce, RingReduceScatter, RingAllGather), so the
+ *   results are the same bits. src is only read; all-reduce may run in place (src ==
+ *   dst); all-gather copies src into dst's own block first unless it is that block.
+ * - Two threads: the caller's receives and reduces; a thread started per call sends each
+ *   step's block as the caller produces it (the block a rank sends at step t is the one
+ *   it received at step t-1).
  * - It returns when done, on an error of either socket, when *abort becomes non-zero, or
  *   at deadline_ns (CLOCK_MONOTONIC; 0: none). Progress counters and the error's errno go
  *   to *state.
@@ -28,7 +32,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define ACOLL_NR_VERSION 1
+#define ACOLL_NR_VERSION 2
 #define HEADER_SIZE 32
 #define SLICE_MS 50
 
@@ -166,23 +170,70 @@ static void average(void *p, int64_t n, int dtype, int nranks) {
 }
 
 /* ------------------------------------------------------------------ the schedule */
-/* Step t of 2(n-1): reduce-scatter steps 0..n-2, then all-gather steps. The segment a
- * rank sends at step t is the one it received at step t-1 (t >= 1). */
-typedef struct {
-    int n, rank;
-    int64_t count, base, extra;
-} plan;
+enum { MODE_ALL_REDUCE = 0, MODE_REDUCE_SCATTER = 1, MODE_ALL_GATHER = 2 };
 
-static int64_t seg_start(const plan *p, int s) {
-    return (int64_t)s * p->base + (s < p->extra ? s : p->extra);
-}
-static int64_t seg_len(const plan *p, int s) { return p->base + (s < p->extra ? 1 : 0); }
+/* One step: the sender sends `send_len` items from `send` (at step t >= 1 the block it
+ * received at step t-1); the receiver receives `len` items into `recv`, or (local !=
+ * NULL) into a piece of scratch and reduces recv = local (op) received, dividing by
+ * nranks afterwards when `avg`. */
+typedef struct {
+    int64_t send_len, len;
+    const char *send;
+    char *recv;
+    const char *local;
+    int avg;
+} step;
+
 static int mod(int a, int n) { return ((a % n) + n) % n; }
-static int send_seg(const plan *p, int t) {
-    return t < p->n - 1 ? mod(p->rank - t, p->n) : mod(p->rank + 1 - (t - (p->n - 1)), p->n);
-}
-static int recv_seg(const plan *p, int t) {
-    return t < p->n - 1 ? mod(p->rank - t - 1, p->n) : mod(p->rank - (t - (p->n - 1)), p->n);
+
+/* The steps of a call (2(n-1) for all-reduce, n-1 otherwise); returns how many. */
+static int make_steps(step *st, int mode, int n, int r, int64_t count, int itemsize,
+                      int op, const char *src, char *dst, char *scratch) {
+    int k = 0;
+    if (mode == MODE_ALL_REDUCE) { /* segments of count split as evenly as possible */
+        int64_t base = count / n, extra = count % n;
+#define SEG_AT(q) (((int64_t)(q) * base + ((q) < extra ? (q) : extra)) * itemsize)
+#define SEG_LEN(q) (base + ((q) < extra ? 1 : 0))
+        for (int t = 0; t < n - 1; t++, k++) { /* reduce-scatter into dst */
+            int out = mod(r - t, n), in = mod(r - t - 1, n);
+            st[k].send_len = SEG_LEN(out);
+            st[k].len = SEG_LEN(in);
+            st[k].send = (t == 0 ? src : dst) + SEG_AT(out);
+            st[k].recv = dst + SEG_AT(in);
+            st[k].local = src + SEG_AT(in);
+            st[k].avg = t == n - 2 && op == OP_AVG;
+        }
+        for (int u = 0; u < n - 1; u++, k++) { /* all-gather, straight into dst */
+            int out = mod(r + 1 - u, n), in = mod(r - u, n);
+            st[k].send_len = SEG_LEN(out);
+            st[k].len = SEG_LEN(in);
+            st[k].send = dst + SEG_AT(out);
+            st[k].recv = dst + SEG_AT(in);
+            st[k].local = NULL;
+            st[k].avg = 0;
+        }
+#undef SEG_AT
+#undef SEG_LEN
+    } else if (mode == MODE_REDUCE_SCATTER) { /* src: n blocks of count; dst: one */
+        int64_t b = count * itemsize;
+        for (int t = 0; t < n - 1; t++, k++) {
+            st[k].send_len = st[k].len = count;
+            st[k].send = t == 0 ? src + mod(r - 1, n) * b : scratch + (int64_t)(t - 1) * b;
+            st[k].recv = t < n - 2 ? scratch + (int64_t)t * b : dst;
+            st[k].local = src + mod(r - t - 2, n) * b;
+            st[k].avg = t == n - 2 && op == OP_AVG;
+        }
+    } else { /* all-gather: src one block of count; dst: n */
+        int64_t b = count * itemsize;
+        for (int t = 0; t < n - 1; t++, k++) {
+            st[k].send_len = st[k].len = count;
+            st[k].send = dst + mod(r - t, n) * b;
+            st[k].recv = dst + mod(r - t - 1, n) * b;
+            st[k].local = NULL;
+            st[k].avg = 0;
+        }
+    }
+    return k;
 }
 
 /* ------------------------------------------------------------------ socket I/O */
@@ -265,14 +316,12 @@ static int recv_all(const waiter *w, int fd, char *p, int64_t len) {
 #define PIECE (256 << 10)
 
 typedef struct {
-    plan p;
     waiter w;
-    int fd, itemsize;
+    int fd, itemsize, nsteps;
     int64_t send_items;
-    const char *src;
-    char *dst;
+    const step *steps;
     const unsigned char *header;
-    const int64_t *base; /* items received before step t (2(n-1) + 1 entries) */
+    const int64_t *base; /* items received before step t (nsteps + 1 entries) */
     pthread_mutex_t mu;
     pthread_cond_t cv;
     int64_t done;  /* items received and processed, over the whole stream (under mu) */
@@ -311,13 +360,10 @@ static int wait_done(ring_call *s, int64_t need) {
 
 static void *send_main(void *arg) {
     ring_call *s = arg;
-    const plan *p = &s->p;
-    int steps = 2 * (p->n - 1);
     int r = send_all(&s->w, s->fd, (const char *)s->header, HEADER_SIZE);
-    for (int t = 0; !r && t < steps; t++) {
-        int seg = send_seg(p, t);
-        int64_t start = seg_start(p, seg), len = seg_len(p, seg), pos = 0;
-        const char *from = t == 0 ? s->src : s->dst;
+    for (int t = 0; !r && t < s->nsteps; t++) {
+        const step *st = &s->steps[t];
+        int64_t len = st->send_len, pos = 0;
         while (!r && pos < len) {
             int64_t upto = len;
             if (t > 0) { /* what the caller has received (and reduced) of it at step t-1 */
@@ -331,7 +377,7 @@ static void *send_main(void *arg) {
                 upto = ready < len ? ready : len;
             }
             int64_t k = upto - pos < s->send_items ? upto - pos : s->send_items;
-            r = send_all(&s->w, s->fd, from + (start + pos) * s->itemsize, k * s->itemsize);
+            r = send_all(&s->w, s->fd, st->send + pos * s->itemsize, k * s->itemsize);
             pos += k;
         }
     }
@@ -339,76 +385,77 @@ static void *send_main(void *arg) {
     return NULL;
 }
 
-/* Returns an NR_ code. header: this rank's 32 bytes; peer_header: the previous rank's,
- * copied out (valid when the result is NR_OK or NR_MISMATCH). *which is set to 1 when the
- * error came from the receiving side first, 2 from the sending side. send_items: the most
- * items one send call takes (the sender sends what is ready, up to that). */
-int acoll_nr_allreduce(int send_fd, int recv_fd, const void *src, void *dst, int64_t count,
-                       int dtype, int op, int rank, int nranks, int64_t send_items,
-                       int64_t deadline_ns, nr_state *state, const unsigned char *header,
-                       unsigned char *peer_header, int *which) {
+/* Returns an NR_ code. mode: 0 all-reduce (src, dst: count items each), 1 reduce-scatter
+ * (src: nranks blocks of count, dst: count; scratch: (nranks - 2) * count items), 2
+ * all-gather (src: count, dst: nranks blocks of count). header: this rank's 32 bytes;
+ * peer_header: the previous rank's, copied out (valid when the result is NR_OK or
+ * NR_MISMATCH). *which is set to 1 when the error came from the receiving side first, 2
+ * from the sending side. send_items: the most items one send call takes (the sender
+ * sends what is ready, up to that). */
+int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
+                 void *scratch, int64_t count, int dtype, int op, int rank, int nranks,
+                 int64_t send_items, int64_t deadline_ns, nr_state *state,
+                 const unsigned char *header, unsigned char *peer_header, int *which) {
     int itemsize = itemsize_of(dtype);
     *which = 0;
     if (!itemsize || nranks < 2 || rank < 0 || rank >= nranks || count < 0 ||
-        send_items < 1 || op < OP_SUM || op > OP_AVG)
+        send_items < 1 || op < OP_SUM || op > OP_AVG || mode < MODE_ALL_REDUCE ||
+        mode > MODE_ALL_GATHER || (mode == MODE_REDUCE_SCATTER && nranks > 2 && !scratch))
         return NR_BAD_ARGS;
-    /* (src is never copied to dst as such: the reduce-scatter writes every segment of
-     * dst but this rank's own, which the all-gather's first step brings back final) */
     ring_call s;
     memset(&s, 0, sizeof s);
-    s.p.n = nranks;
-    s.p.rank = rank;
-    s.p.count = count;
-    s.p.base = count / nranks;
-    s.p.extra = count % nranks;
     s.w.st = state;
     s.w.deadline = deadline_ns;
     s.w.stop = &s.failed;
     s.fd = send_fd;
     s.itemsize = itemsize;
     s.send_items = send_items;
-    s.src = src;
-    s.dst = dst;
     s.header = header;
-    const plan *p = &s.p;
-    int steps = 2 * (nranks - 1), last_rs = nranks - 2;
-    int64_t *base = malloc(sizeof(int64_t) * (size_t)(steps + 1));
-    int64_t piece = PIECE / itemsize;
+    step *steps = malloc(sizeof(step) * (size_t)(2 * nranks));
+    int64_t *base = malloc(sizeof(int64_t) * (size_t)(2 * nranks + 1));
     char *tmp = NULL;
-    if (!base || posix_memalign((void **)&tmp, 64, PIECE)) {
+    if (!steps || !base || posix_memalign((void **)&tmp, 64, PIECE)) {
+        free(steps);
         free(base);
         return NR_NO_MEMORY;
     }
+    if (mode == MODE_ALL_GATHER) { /* this rank's own block, unless src is it already */
+        char *own = (char *)dst + (int64_t)rank * count * itemsize;
+        if ((const char *)src != own) memmove(own, src, (size_t)(count * itemsize));
+    }
+    int nsteps = make_steps(steps, mode, nranks, rank, count, itemsize, op, src, dst,
+                            scratch);
     base[0] = 0;
-    for (int t = 0; t < steps; t++) base[t + 1] = base[t] + seg_len(p, recv_seg(p, t));
+    for (int t = 0; t < nsteps; t++) base[t + 1] = base[t] + steps[t].len;
+    s.steps = steps;
+    s.nsteps = nsteps;
     s.base = base;
     pthread_mutex_init(&s.mu, NULL);
     pthread_cond_init(&s.cv, NULL);
+    int64_t piece = PIECE / itemsize;
     pthread_t thread;
     if (pthread_create(&thread, NULL, send_main, &s)) {
         free(tmp);
         free(base);
+        free(steps);
         pthread_mutex_destroy(&s.mu);
         pthread_cond_destroy(&s.cv);
         return NR_NO_MEMORY;
     }
     int r = recv_all(&s.w, recv_fd, (char *)peer_header, HEADER_SIZE);
     if (!r && memcmp(peer_header, header, HEADER_SIZE)) r = NR_MISMATCH;
-    char *out = dst;
-    const char *in = src;
-    for (int t = 0; !r && t < steps; t++) {
-        int seg = recv_seg(p, t);
-        int64_t start = seg_start(p, seg), len = seg_len(p, seg);
-        for (int64_t pos = 0; !r && pos < len; pos += piece) {
-            int64_t k = len - pos < piece ? len - pos : piece;
-            int64_t at = (start + pos) * itemsize;
-            if (t < nranks - 1) { /* reduce-scatter: dst = src (op) received */
+    for (int t = 0; !r && t < nsteps; t++) {
+        const step *st = &steps[t];
+        for (int64_t pos = 0; !r && pos < st->len; pos += piece) {
+            int64_t k = st->len - pos < piece ? st->len - pos : piece;
+            int64_t at = pos * itemsize;
+            if (st->local) { /* recv = local (op) received */
                 r = recv_all(&s.w, recv_fd, tmp, k * itemsize);
                 if (r) break;
-                reduce_into(out + at, in + at, tmp, k, dtype, op);
-                if (t == last_rs && op == OP_AVG) average(out + at, k, dtype, nranks);
-            } else { /* all-gather: straight into dst */
-                r = recv_all(&s.w, recv_fd, out + at, k * itemsize);
+                reduce_into(st->recv + at, st->local + at, tmp, k, dtype, op);
+                if (st->avg) average(st->recv + at, k, dtype, nranks);
+            } else { /* straight into place */
+                r = recv_all(&s.w, recv_fd, st->recv + at, k * itemsize);
                 if (r) break;
             }
             pthread_mutex_lock(&s.mu);
@@ -421,6 +468,7 @@ int acoll_nr_allreduce(int send_fd, int recv_fd, const void *src, void *dst, int
     pthread_join(thread, NULL);
     free(tmp);
     free(base);
+    free(steps);
     pthread_mutex_destroy(&s.mu);
     pthread_cond_destroy(&s.cv);
     if (s.failed) {
