@@ -283,14 +283,57 @@ def test_concurrent_first_builds_share_one_library(tmp_path: Path) -> None:
     assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]  # (no leftovers)
 
 
+def _tcp_only(n: int) -> tuple[list[Any], list[Any]]:
+    import socket as _socket
+
+    from acoll._transport.base import PeerInfo
+    from acoll._transport.tcp import TcpTransport
+
+    transports = [TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=bytes(32))]
+    infos = [PeerInfo(rank=r, host_hash=r, proc=bytes([r]) * 16, loop=1, pid=r,
+                      handles={"socket": b"x"}) for r in range(n)]
+    return transports, infos
+
+
 def test_every_rank_decides_alike_from_the_records() -> None:
     usable = native_ring.NativeRing.usable
     small = 64 << 10
-    assert usable([[2, 0, small], None], [], []) is None  # a rank without it
-    assert usable([[2, 0, small], [2, 4096, small]], [], []) is None  # ACOLL_NATIVE_MIN
-    assert usable([[2, 0, small], [2, 0, 1024]], [], []) is None  # ACOLL_SMALL_MSG
-    assert usable([[2, 0, small], [1, 0, small]], [], []) is None  # versions
-    assert usable([[2, 0, small]], [], []) is None  # one rank
+    transports, infos = _tcp_only(2)
+    assert usable([[2, 4096, small], [2, 4096, small]], transports, infos) == 4096
+    for records in ([[2, 0, small], None],  # a rank without it
+                    [[2, 0, small], [2, 4096, small]],  # different ACOLL_NATIVE_MIN
+                    [[2, 0, small], [2, 0, 1024]],  # different ACOLL_SMALL_MSG
+                    [[2, 0, small], [1, 0, small]]):  # different versions
+        assert usable(records, transports, infos) is None, records
+    one_t, one = _tcp_only(1)
+    assert usable([[2, 0, small]], one_t, one) is None  # one rank
+    from acoll._transport.base import PeerInfo
+
+    other = [infos[0], PeerInfo(rank=1, host_hash=1, proc=bytes(16), loop=1, pid=1,
+                                handles={"socket": b"x", "shm": b"y"})]
+    assert usable([[2, 0, small]] * 2, transports, other) is None  # other transports
+
+
+def test_heard_counts_data_from_the_previous_rank() -> None:
+    """A slow native op that times out must not be reported as "sent nothing": the ctx's
+    heard set sees the C code's byte count."""
+    state = native.State()
+    heard = native_ring._Heard({5}, 3, state)
+    assert 5 in heard
+    assert 3 not in heard
+    state.received = native.HEADER_SIZE  # (the header alone: nothing of the op yet)
+    assert 3 not in heard
+    state.received = native.HEADER_SIZE + 1
+    assert 3 in heard
+    assert 4 not in heard
+
+
+def test_a_cache_others_can_write_is_refused(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    with pytest.raises(OSError, match="not private"):
+        native.build(cache=shared)
 
 
 def test_every_rank_sees_the_edges_of_other_processes_alike() -> None:
@@ -442,6 +485,8 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(how: s
     comms = list(await asyncio.gather(*(acoll.init_rank(n, uid, r) for r in range(n))))
     try:
         assert all(c._native is not None for c in comms)
+        # (the links first, so that the op below is inside its C call when it ends)
+        await asyncio.gather(*(c.all_reduce(np.ones(1 << 18, np.float32)) for c in comms))
         bufs = [np.ones(16 << 20, np.float32) for _ in range(n)]
         tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs,
                                                                          strict=True)]
@@ -458,6 +503,10 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(how: s
                 continue
             assert isinstance(res, acoll.RemoteError), res
             assert f"rank {victim}" in str(res), res
+        # the victim's C call has stopped: its buffer no longer changes
+        snapshot = bufs[victim].copy()
+        await asyncio.sleep(0.2)
+        assert bufs[victim].tobytes() == snapshot.tobytes()
         for c in comms:
             c.abort()
         # every communicator's worker thread ends once its call is back
@@ -471,31 +520,68 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(how: s
 
 
 @pytest.mark.usefixtures("over_tcp")
-async def test_calls_in_a_group_take_the_python_ring(monkeypatch: pytest.MonkeyPatch
-                                                     ) -> None:
-    ran: list[int] = []
+async def test_calls_in_a_group_take_turns_on_the_native_ring(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A group's calls run together, and on the native ring one at a time in their
+    sequence order; a rank that makes the same calls outside a group (or another task's
+    call that joins an open group) takes the same path: every rank decides alike."""
+    ran: list[tuple[int, int]] = []
     original = native_ring.NativeRing.run
 
-    async def spy(self: native_ring.NativeRing, *args: Any) -> Any:
-        ran.append(self.rank)
-        return await original(self, *args)
+    async def spy(self: native_ring.NativeRing, ctx: Any, *args: Any) -> Any:
+        ran.append((self.rank, ctx.seq))
+        return await original(self, ctx, *args)
 
     monkeypatch.setattr(native_ring.NativeRing, "run", spy)
 
-    async def job(comm: acoll.Communicator) -> tuple[float, float]:
+    async def job(comm: acoll.Communicator) -> list[float]:
         a = np.full(1 << 18, comm.rank + 1.0, np.float32)
         b = np.full(1 << 18, 2 * comm.rank + 1.0, np.float32)
-        async with comm.group():
+        c = np.full(3 << 16, 1.0, np.float32)
+        if comm.rank == 1:  # (the others in a group)
             await comm.all_reduce(a)
             await comm.all_reduce(b)
-        assert comm.rank not in ran
-        c = np.ones(1 << 18, np.float32)
-        await comm.all_reduce(c)  # outside: native
-        return float(a[-1]), float(b[0])
+            await comm.reduce_scatter(c, c[:1 << 16].copy())
+        else:
+            async with comm.group():
+                await comm.all_reduce(a)
+                await comm.all_reduce(b)
+                await comm.reduce_scatter(c, c[:1 << 16].copy())
+        return [float(a[-1]), float(b[0])]
 
-    for a, b in await run_ranks(3, job, timeout=20):
-        assert (a, b) == (6.0, 9.0)
-    assert sorted(ran) == [0, 1, 2]
+    for res in await run_ranks(3, job, timeout=20):
+        assert res == [6.0, 9.0]
+    for rank in range(3):  # (every call on the native ring, in sequence order)
+        seqs = [seq for r, seq in ran if r == rank]
+        assert len(seqs) == 3
+        assert seqs == sorted(seqs)
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_an_unbounded_timeout_runs_the_native_ring() -> None:
+    async def job(comm: acoll.Communicator) -> float:
+        x = np.ones(1 << 18, np.float32)
+        await comm.all_reduce(x)
+        assert comm._native is not None
+        return float(x[0])
+
+    assert await run_ranks(2, job, timeout=float("inf")) == [2.0, 2.0]
+
+
+async def test_a_raw_link_without_the_key_is_refused() -> None:
+    from acoll._deadline import deadline_after
+    from acoll._transport.tcp import TcpTransport
+
+    good = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=bytes(range(32)))
+    listener = await good.listen()
+    stranger = TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=bytes(32))
+    try:
+        with pytest.raises(acoll.AcollError, match="key"):
+            await stranger.connect_raw(listener.handle, b"{}", deadline_after(5))
+    finally:
+        listener.close()
+        good.close()
+        stranger.close()
 
 
 @pytest.mark.usefixtures("over_tcp")

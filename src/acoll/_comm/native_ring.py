@@ -36,25 +36,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import queue
 import struct
 import threading
 import time
-from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .._coll.algorithms import (
-    RingAllGather,
-    RingAllReduce,
-    RingReduceScatter,
-    ring_chunk_items,
-)
+from .._coll.algorithms import ring_chunk_items
 from .._coll.base import OpContext
 from .._config import Setting, get_logger, parse_size
 from .._dtypes import DTYPES, ReduceOp
 from .._memory import Buffer, MemoryKind
-from .._native import NR, NativeLib, State
+from .._native import HEADER_SIZE, NR, NativeLib, State
 from .._transport.base import PeerInfo, Transport
 from .._transport.tcp import RawLink, TcpTransport
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
@@ -84,6 +79,7 @@ _MAGIC = b"ACNR"
 #: after a raw link ended, how long to wait for the communicator to learn why (a peer's
 #: failure notice travels over the ordinary connections) before blaming the link's peer
 _BLAME_WAIT = 1.0
+_CANCEL_WAIT = 1.0  # s: how long a cancelled op waits for its C call to stop
 
 
 def native_record(lib: NativeLib | None, small: int) -> list[int] | None:
@@ -95,8 +91,22 @@ def native_record(lib: NativeLib | None, small: int) -> list[int] | None:
     return [lib.version, NATIVE_MIN.resolve(), small]
 
 
-def _header(seq: int, desc: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, 1, 0, seq & 0xFFFFFFFF) + desc
+def _header(version: int, seq: int, desc: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, version, 0, seq & 0xFFFFFFFF) + desc
+
+
+class _Heard(set[int]):
+    """An op's ``heard`` set (:class:`~acoll._coll.base.OpContext`) that also holds the
+    previous rank once any of its data came in on the native ring (as the C code counts
+    it), so that a slow op that times out does not blame a peer that was sending."""
+
+    def __init__(self, heard: set[int], prv: int, state: State) -> None:
+        super().__init__(heard)
+        self._prv, self._state = prv, state
+
+    def __contains__(self, peer: object) -> bool:
+        return super().__contains__(peer) or (
+            peer == self._prv and self._state.received > HEADER_SIZE)
 
 
 class _Worker:
@@ -162,6 +172,10 @@ class NativeRing:
         self._worker = _Worker()
         self._state: State | None = None  # the running call's
         self._dead = False
+        # Ops take turns on the links in the order they were made, which is their
+        # sequence order on every rank (the executor makes ops in that order, a group's
+        # too): the first waiter's future is set when the one before it is done.
+        self._line: list[asyncio.Future[None]] = []
 
     @staticmethod
     def usable(records: list[Any], transports: Sequence[Transport], infos: Sequence[PeerInfo]
@@ -212,14 +226,38 @@ class NativeRing:
             raise
 
     async def _make(self) -> tuple[RawLink, RawLink]:
-        send, recv = await asyncio.gather(self._links.raw_to(self.nxt),
-                                          self._links.raw_from(self.prv))
-        if self._dead:
-            send.abort()
-            recv.abort()
+        made = await asyncio.gather(self._links.raw_to(self.nxt),
+                                    self._links.raw_from(self.prv), return_exceptions=True)
+        send, recv = made
+        if self._dead or not isinstance(send, RawLink) or not isinstance(recv, RawLink):
+            for link in made:  # (a link made while the other failed goes too)
+                if isinstance(link, RawLink):
+                    link.abort()
+            for exc in made:
+                if isinstance(exc, BaseException):
+                    raise exc
             raise ClosedError("the communicator is closed")
         self._send, self._recv = send, recv
         return send, recv
+
+    def join_line(self) -> asyncio.Future[None]:
+        """A place in the line for the links: done when it is this op's turn."""
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self._dead:
+            fut.set_exception(ClosedError("the communicator is closed"))
+            fut.exception()
+        elif not self._line:
+            fut.set_result(None)
+        self._line.append(fut)
+        return fut
+
+    def leave_line(self, place: asyncio.Future[None]) -> None:
+        """The op that held ``place`` is done (or never ran): the next one's turn."""
+        first = bool(self._line) and self._line[0] is place
+        with contextlib.suppress(ValueError):
+            self._line.remove(place)
+        if first and self._line and not self._line[0].done():
+            self._line[0].set_result(None)
 
     def abort(self) -> None:
         """Stop the running call and end the links (the communicator failed or closed)."""
@@ -231,6 +269,10 @@ class NativeRing:
                 link.abort()
         if self._making is not None and not self._making.done():
             self._making.cancel()
+        for place in self._line:
+            if not place.done():
+                place.set_exception(ClosedError("the communicator is closed"))
+                place.exception()
         self._worker.stop()
 
     async def run(self, ctx: OpContext, mode: int, src: Buffer, dst: Buffer,
@@ -240,10 +282,14 @@ class NativeRing:
         if self._dead:
             raise ClosedError("the communicator is closed")
         state = self._state = State()
-        header = _header(ctx.seq, ctx.desc.packed)
+        header = _header(self.lib.version, ctx.seq, ctx.desc.packed)
         # (a hard stop for the C code in case nothing else ends it: the executor fails
-        # the op at its own deadline, which aborts the call)
-        backstop = time.monotonic_ns() + int((2 * self.timeout + 30) * 1e9)
+        # the op at its own deadline, which aborts the call; 0: none, for a timeout too
+        # large to count in nanoseconds)
+        limit = 2 * self.timeout + 30
+        backstop = (time.monotonic_ns() + int(limit * 1e9)
+                    if math.isfinite(limit) and limit < 1e9 else 0)
+        ctx.heard = _Heard(ctx.heard, self.prv, state)
         args = (mode, send.fileno(), recv.fileno(), src.ptr, dst.ptr,
                 0 if scratch is None else scratch.ptr, count, DTYPES[src.dtype], _OPS[op],
                 self.rank, self.size, chunk, backstop, state, header)
@@ -263,25 +309,27 @@ class NativeRing:
         try:
             result: tuple[int, int, bytes] = await asyncio.shield(fut)
         except asyncio.CancelledError:
+            # Cancelled: the C code stops at its next check (a piece, or a poll slice of
+            # 50 ms); wait that long, so that the buffers are not written after the
+            # cancellation reached the caller (unless cancelled again meanwhile).
             state.abort = 1
+            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(fut), _CANCEL_WAIT)
             raise
         return result
 
 
-class _NativeOp(ABC):
-    """A ring collective run by the native ring (see the module docstring). Inside a
-    group (ops run concurrently there, and the raw links carry one op at a time) it runs
-    the Python ring, as every rank does for the same call."""
+class _NativeOp:
+    """A ring collective run by the native ring (see the module docstring). The raw
+    links carry one op at a time: ops that run together (a group's) take turns in their
+    sequence order, the same on every rank."""
 
     mode = NativeLib.ALL_REDUCE
 
     def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp,
                  ring: NativeRing) -> None:
         self.ctx, self.src, self.dst, self.op, self.ring = ctx, src, dst, op, ring
-
-    @abstractmethod
-    def python(self) -> Any:
-        """The Python ring for the same call."""
+        self.place = ring.join_line()  # (made in sequence order: see NativeRing)
 
     def block(self) -> int:
         """Items per step's block, as ``ring.c`` counts them (all_reduce: the whole)."""
@@ -296,9 +344,19 @@ class _NativeOp(ABC):
 
     async def run(self) -> None:
         ctx, ring = self.ctx, self.ring
-        if ctx.in_group:
-            await self.python().run()
-            return
+        try:
+            await self.place
+            await self._run()
+        except ClosedError:
+            found = host_error(ctx)
+            if found is not None:
+                raise found from None
+            raise
+        finally:
+            ring.leave_line(self.place)
+
+    async def _run(self) -> None:
+        ctx, ring = self.ctx, self.ring
         # (the most one send call takes: the Python ring's chunk)
         chunk = ring_chunk_items(ctx.chunk_bytes, ctx.ring_chunks, ctx.ring_chunk_max,
                                  self.src.itemsize, self.segment())
@@ -357,11 +415,15 @@ class _NativeOp(ABC):
 
         ctx, prv = self.ctx, self.ring.prv
         magic, version, _, seq = _HEADER.unpack(peer[:_HEADER.size])
-        if magic != _MAGIC or version != 1:
+        if magic != _MAGIC or version != self.ring.lib.version:
             return InvalidUsage(f"{ctx.desc.coll.name.lower()}: rank {prv} sent a native "
                                 "ring stream this rank cannot read (different acoll "
                                 "versions?)")
-        other = Descriptor.unpack(peer[_HEADER.size:])
+        try:
+            other = Descriptor.unpack(peer[_HEADER.size:])
+        except Exception:  # (a peer's garbled bytes: say so, never raise something else)
+            return InvalidUsage(f"{ctx.desc.coll.name.lower()}: rank {prv} sent a native "
+                                "ring header this rank cannot read")
         if other.packed != ctx.desc.packed:
             return InvalidUsage(ctx.desc.describe_difference(other, ctx.rank, prv))
         return InvalidUsage(f"{ctx.desc.coll.name.lower()} mismatch between rank "
@@ -373,9 +435,6 @@ class _NativeOp(ABC):
 class NativeRingAllReduce(_NativeOp):
     """:class:`~acoll._coll.algorithms.RingAllReduce` in C."""
 
-    def python(self) -> Any:
-        return RingAllReduce(self.ctx, self.src, self.dst, self.op)
-
     def segment(self) -> int:
         return -(-self.src.count // self.ctx.n)
 
@@ -384,9 +443,6 @@ class NativeRingReduceScatter(_NativeOp):
     """:class:`~acoll._coll.algorithms.RingReduceScatter` in C (``dst``: one block)."""
 
     mode = NativeLib.REDUCE_SCATTER
-
-    def python(self) -> Any:
-        return RingReduceScatter(self.ctx, self.src, self.dst, self.op)
 
     def block(self) -> int:
         return self.dst.count
@@ -406,9 +462,6 @@ class NativeRingAllGather(_NativeOp):
 
     def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, ring: NativeRing) -> None:
         super().__init__(ctx, src, dst, ReduceOp.SUM, ring)
-
-    def python(self) -> Any:
-        return RingAllGather(self.ctx, self.src, self.dst)
 
 
 def host_error(ctx: OpContext) -> AcollError | None:

@@ -146,9 +146,11 @@ def build(cc: str | None = None, cache: Path | None = None) -> Path:
                             + os.uname().machine.encode()).hexdigest()[:20]
     folder = cache if cache is not None else _cache_dir()
     target = folder / f"acoll-ring-{digest}.so"
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _check_private(folder)
     if target.exists():
+        _check_private(target)
         return target
-    folder.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
         c_file = Path(tmp) / "ring.c"
         c_file.write_bytes(src)
@@ -161,6 +163,17 @@ def build(cc: str | None = None, cache: Path | None = None) -> Path:
         os.replace(out, target)  # (atomic: a concurrent build's file is as good)
     log.info("native ring built: %s (%s)", target, ident)
     return target
+
+
+def _check_private(path: Path) -> None:
+    """Refuse a cache folder or library that another user could have written: the name
+    of the library follows from the public source, so a folder others can write to
+    would let them plant code that every rank loads."""
+    st = path.stat()
+    if st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise OSError(f"{path} is not private to this user (owner {st.st_uid}, mode "
+                      f"{st.st_mode & 0o777:o}): not loading code from it; set "
+                      "ACOLL_NATIVE_CACHE to a folder only you can write")
 
 
 def load(cc: str | None = None) -> NativeLib | None:

@@ -69,7 +69,7 @@ static int64_t now_ns(void) {
 /* out = a (op) b, matching NumPy's ufuncs bit for bit: integer arithmetic wraps (done
  * unsigned), maximum/minimum propagate NaN and return b on ties (as np.maximum does). */
 #define ARITH(NAME, T, U)                                                               \
-    static void NAME(T *restrict out, const T *a, const T *b, int64_t n, int op) {      \
+    static void NAME(T *out, const T *a, const T *b, int64_t n, int op) {               \
         int64_t i;                                                                      \
         switch (op) {                                                                   \
         case OP_SUM: case OP_AVG:                                                       \
@@ -93,7 +93,7 @@ ARITH(red_i64, int64_t, uint64_t)
 ARITH(red_u64, uint64_t, uint64_t)
 
 #define FLOATS(NAME, T)                                                                 \
-    static void NAME(T *restrict out, const T *a, const T *b, int64_t n, int op) {      \
+    static void NAME(T *out, const T *a, const T *b, int64_t n, int op) {               \
         int64_t i;                                                                      \
         switch (op) {                                                                   \
         case OP_SUM: case OP_AVG:                                                       \
@@ -118,20 +118,21 @@ ARITH(red_u64, uint64_t, uint64_t)
 FLOATS(red_f32, float)
 FLOATS(red_f64, double)
 
-/* sum / nranks in place: float division in the dtype, integers truncated toward zero
- * (C's division; NumPy's floor_divide for unsigned types is the same) */
-#define AVERAGE(NAME, T)                                                                \
+/* sum / nranks in place: float division in the dtype; integers truncated toward zero
+ * (C's division, in 64 bits so that nranks never overflows the type; NumPy's
+ * floor_divide for unsigned types is the same) */
+#define AVERAGE(NAME, T, W)                                                             \
     static void NAME(T *p, int64_t n, int nranks) {                                     \
-        for (int64_t i = 0; i < n; i++) p[i] = (T)(p[i] / (T)nranks);                   \
+        for (int64_t i = 0; i < n; i++) p[i] = (T)((W)p[i] / (W)nranks);                \
     }
-AVERAGE(avg_i8, int8_t)
-AVERAGE(avg_u8, uint8_t)
-AVERAGE(avg_i32, int32_t)
-AVERAGE(avg_u32, uint32_t)
-AVERAGE(avg_i64, int64_t)
-AVERAGE(avg_u64, uint64_t)
-AVERAGE(avg_f32, float)
-AVERAGE(avg_f64, double)
+AVERAGE(avg_i8, int8_t, int64_t)
+AVERAGE(avg_u8, uint8_t, uint64_t)
+AVERAGE(avg_i32, int32_t, int64_t)
+AVERAGE(avg_u32, uint32_t, uint64_t)
+AVERAGE(avg_i64, int64_t, int64_t)
+AVERAGE(avg_u64, uint64_t, uint64_t)
+AVERAGE(avg_f32, float, float)
+AVERAGE(avg_f64, double, double)
 
 static int itemsize_of(int dtype) {
     switch (dtype) {
@@ -346,7 +347,7 @@ static int wait_done(ring_call *s, int64_t need) {
     pthread_mutex_lock(&s->mu);
     while (s->done < need && !s->failed && !s->w.st->abort) {
         struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
+        clock_gettime(CLOCK_MONOTONIC, &ts); /* (the condition variable's clock) */
         ts.tv_nsec += SLICE_MS * 1000000L;
         if (ts.tv_nsec >= 1000000000L) { ts.tv_sec++; ts.tv_nsec -= 1000000000L; }
         s->waiting = 1;
@@ -375,6 +376,10 @@ static void *send_main(void *arg) {
                     continue;
                 }
                 upto = ready < len ? ready : len;
+            }
+            if (s->w.st->abort) {
+                r = NR_ABORTED;
+                break;
             }
             int64_t k = upto - pos < s->send_items ? upto - pos : s->send_items;
             r = send_all(&s->w, s->fd, st->send + pos * s->itemsize, k * s->itemsize);
@@ -431,7 +436,11 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     s.nsteps = nsteps;
     s.base = base;
     pthread_mutex_init(&s.mu, NULL);
-    pthread_cond_init(&s.cv, NULL);
+    pthread_condattr_t ca;
+    pthread_condattr_init(&ca);
+    pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+    pthread_cond_init(&s.cv, &ca);
+    pthread_condattr_destroy(&ca);
     int64_t piece = PIECE / itemsize;
     pthread_t thread;
     if (pthread_create(&thread, NULL, send_main, &s)) {
@@ -447,6 +456,10 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     for (int t = 0; !r && t < nsteps; t++) {
         const step *st = &steps[t];
         for (int64_t pos = 0; !r && pos < st->len; pos += piece) {
+            if (state->abort) {
+                r = NR_ABORTED;
+                break;
+            }
             int64_t k = st->len - pos < piece ? st->len - pos : piece;
             int64_t at = pos * itemsize;
             if (st->local) { /* recv = local (op) received */
