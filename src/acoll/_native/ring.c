@@ -15,9 +15,9 @@
  *   (acoll/_coll/algorithms.py: RingAllReduce, RingReduceScatter, RingAllGather), so the
  *   results are the same bits. src is only read; all-reduce may run in place (src ==
  *   dst); all-gather copies src into dst's own block first unless it is that block.
- * - Two threads: the caller's receives and reduces; a thread started per call sends each
- *   step's block as the caller produces it (the block a rank sends at step t is the one
- *   it received at step t-1).
+ * - Two threads: the caller's receives and reduces; its helper thread (one per calling
+ *   thread, kept between calls) sends each step's block as the caller produces it (the
+ *   block a rank sends at step t is the one it received at step t-1).
  * - It returns when done, on an error of either socket, when *abort becomes non-zero, or
  *   at deadline_ns (CLOCK_MONOTONIC; 0: none). Progress counters and the error's errno go
  *   to *state.
@@ -390,6 +390,83 @@ static void *send_main(void *arg) {
     return NULL;
 }
 
+/* Each calling thread keeps a helper: a sender thread that waits for its next call's
+ * send side (a thread made per call cost 20 us or more, which small calls felt) and the
+ * buffer its receives go through. The helper ends when its calling thread does (the
+ * thread-specific key's destructor). */
+typedef struct {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    ring_call *job; /* posted by the caller; NULL when idle */
+    int finished;   /* the posted job's send side returned */
+    int quit;       /* the calling thread exited */
+    char *tmp;      /* PIECE bytes for the caller's receives */
+} helper;
+
+static pthread_key_t helper_key;
+static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+
+static void *helper_main(void *arg) {
+    helper *h = arg;
+    pthread_mutex_lock(&h->mu);
+    for (;;) {
+        while (!h->job && !h->quit) pthread_cond_wait(&h->cv, &h->mu);
+        if (!h->job) break; /* (quit while idle) */
+        ring_call *job = h->job;
+        pthread_mutex_unlock(&h->mu);
+        send_main(job);
+        pthread_mutex_lock(&h->mu);
+        h->job = NULL;
+        h->finished = 1;
+        pthread_cond_broadcast(&h->cv);
+    }
+    pthread_mutex_unlock(&h->mu);
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
+    free(h->tmp);
+    free(h);
+    return NULL;
+}
+
+static void helper_quit(void *arg) {
+    helper *h = arg;
+    pthread_mutex_lock(&h->mu);
+    h->quit = 1;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
+}
+
+static void make_helper_key(void) { pthread_key_create(&helper_key, helper_quit); }
+
+static helper *get_helper(void) {
+    pthread_once(&helper_once, make_helper_key);
+    helper *h = pthread_getspecific(helper_key);
+    if (h) return h;
+    h = calloc(1, sizeof *h);
+    if (!h) return NULL;
+    if (posix_memalign((void **)&h->tmp, 64, PIECE)) {
+        free(h);
+        return NULL;
+    }
+    pthread_mutex_init(&h->mu, NULL);
+    pthread_cond_init(&h->cv, NULL);
+    pthread_attr_t attr;
+    pthread_attr_init(&attr);
+    pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
+    pthread_t thread;
+    int bad = pthread_create(&thread, &attr, helper_main, h);
+    pthread_attr_destroy(&attr);
+    if (bad) {
+        pthread_mutex_destroy(&h->mu);
+        pthread_cond_destroy(&h->cv);
+        free(h->tmp);
+        free(h);
+        return NULL;
+    }
+    pthread_setspecific(helper_key, h);
+    return h;
+}
+
 /* Returns an NR_ code. mode: 0 all-reduce (src, dst: count items each), 1 reduce-scatter
  * (src: nranks blocks of count, dst: count; scratch: (nranks - 2) * count items), 2
  * all-gather (src: count, dst: nranks blocks of count). header: this rank's 32 bytes;
@@ -416,14 +493,15 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     s.itemsize = itemsize;
     s.send_items = send_items;
     s.header = header;
+    helper *h = get_helper();
     step *steps = malloc(sizeof(step) * (size_t)(2 * nranks));
     int64_t *base = malloc(sizeof(int64_t) * (size_t)(2 * nranks + 1));
-    char *tmp = NULL;
-    if (!steps || !base || posix_memalign((void **)&tmp, 64, PIECE)) {
+    if (!h || !steps || !base) {
         free(steps);
         free(base);
         return NR_NO_MEMORY;
     }
+    char *tmp = h->tmp;
     if (mode == MODE_ALL_GATHER) { /* this rank's own block, unless src is it already */
         char *own = (char *)dst + (int64_t)rank * count * itemsize;
         if ((const char *)src != own) memmove(own, src, (size_t)(count * itemsize));
@@ -442,15 +520,11 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     pthread_cond_init(&s.cv, &ca);
     pthread_condattr_destroy(&ca);
     int64_t piece = PIECE / itemsize;
-    pthread_t thread;
-    if (pthread_create(&thread, NULL, send_main, &s)) {
-        free(tmp);
-        free(base);
-        free(steps);
-        pthread_mutex_destroy(&s.mu);
-        pthread_cond_destroy(&s.cv);
-        return NR_NO_MEMORY;
-    }
+    pthread_mutex_lock(&h->mu);
+    h->finished = 0;
+    h->job = &s;
+    pthread_cond_broadcast(&h->cv);
+    pthread_mutex_unlock(&h->mu);
     int r = recv_all(&s.w, recv_fd, (char *)peer_header, HEADER_SIZE);
     if (!r && memcmp(peer_header, header, HEADER_SIZE)) r = NR_MISMATCH;
     for (int t = 0; !r && t < nsteps; t++) {
@@ -478,8 +552,9 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
         }
     }
     if (r) set_failed(&s, r, 1); /* (no-op when the sender failed first) */
-    pthread_join(thread, NULL);
-    free(tmp);
+    pthread_mutex_lock(&h->mu);
+    while (!h->finished) pthread_cond_wait(&h->cv, &h->mu);
+    pthread_mutex_unlock(&h->mu);
     free(base);
     free(steps);
     pthread_mutex_destroy(&s.mu);
