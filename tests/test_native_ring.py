@@ -630,3 +630,29 @@ async def test_raw_links_refuse_a_hello_that_does_not_fit(caplog: Any) -> None:
     with caplog.at_level(logging.WARNING, logger="acoll.INIT"):
         assert await run_ranks(3, job, timeout=20) == [9.0] * 3
     assert caplog.text.count("refused a raw socket link") == 2
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_no_thread_outlives_its_communicators() -> None:
+    """Each communicator's worker thread, and the C helper thread each calling thread
+    keeps (ring.c), end when the communicator closes: the process's OS threads come back
+    to their count (read from /proc, which sees threads Python does not know of)."""
+    import os
+
+    def threads() -> int:
+        return len(os.listdir("/proc/self/task"))
+
+    async def job(comm: acoll.Communicator) -> bool:
+        x = np.ones(1 << 18, np.float32)
+        await comm.all_reduce(x)
+        return comm._native is not None
+
+    assert all(await run_ranks(2, job, timeout=20))  # (pools of other threads start once)
+    await asyncio.sleep(0.3)
+    before = threads()
+    for _ in range(5):
+        assert all(await run_ranks(2, job, timeout=20))
+    end = time.monotonic() + 3
+    while threads() > before:
+        assert time.monotonic() < end, f"{threads()} threads, {before} before"
+        await asyncio.sleep(0.05)
