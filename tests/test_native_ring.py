@@ -70,24 +70,28 @@ def _ring_reference(xs: list[np.ndarray], op: str) -> np.ndarray:
 
 
 def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op: int,
+                  *, mode: int = native.NativeLib.ALL_REDUCE, count: int | None = None,
                   send_items: int = 333, headers: list[bytes] | None = None,
                   deadline_ns: int = 0) -> list[tuple[int, int, bytes]]:
     """Run the C call on ``len(srcs)`` threads, rank i sending to i + 1 over a socket
-    pair."""
+    pair. ``count``: items per block (default: a whole all-reduce input)."""
     assert LIB is not None
     n = len(srcs)
     pairs = [socket.socketpair() for _ in range(n)]
     for a, b in pairs:
         a.setblocking(False)
         b.setblocking(False)
+    block = count if count is not None else 0
+    scratch = [np.empty(max(1, block * (n - 2)), dtype) for _ in range(n)]
     results: list[Any] = [None] * n
     code = DTYPES[np.dtype(dtype)]
 
     def rank(r: int) -> None:
-        results[r] = LIB.all_reduce(
-            pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(), srcs[r].ctypes.data,
-            dsts[r].ctypes.data, srcs[r].size, code, op, r, n, send_items, deadline_ns,
-            native.State(), headers[r] if headers else HEADER)
+        results[r] = LIB.run(
+            mode, pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(), srcs[r].ctypes.data,
+            dsts[r].ctypes.data, scratch[r].ctypes.data if n > 2 else 0,
+            srcs[r].size if count is None else count, code, op, r, n, send_items,
+            deadline_ns, native.State(), headers[r] if headers else HEADER)
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
@@ -135,35 +139,6 @@ def _rs_reference(xs: list[np.ndarray], op: str, block: int) -> list[np.ndarray]
     return outs
 
 
-def _mode_threads(mode: int, srcs: list[np.ndarray], dsts: list[np.ndarray], count: int,
-                  dtype: Any, op: int) -> list[tuple[int, int, bytes]]:
-    assert LIB is not None
-    n = len(srcs)
-    pairs = [socket.socketpair() for _ in range(n)]
-    for a, b in pairs:
-        a.setblocking(False)
-        b.setblocking(False)
-    scratch = [np.empty(max(1, count * (n - 2)), dtype) for _ in range(n)]
-    results: list[Any] = [None] * n
-
-    def rank(r: int) -> None:
-        results[r] = LIB.run(mode, pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(),
-                             srcs[r].ctypes.data, dsts[r].ctypes.data,
-                             scratch[r].ctypes.data if n > 2 else 0, count,
-                             DTYPES[np.dtype(dtype)], op, r, n, 777, 0, native.State(),
-                             HEADER)
-
-    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for a, b in pairs:
-        a.close()
-        b.close()
-    return results
-
-
 @needs_lib
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("dtype", [np.int8, np.uint32, np.int64, np.float32, np.float64],
@@ -174,7 +149,7 @@ def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str
     for block in (0, 1, 999, 70_001):
         xs = _inputs(n, block * n, dtype, seed=block)
         dsts = [np.full(block, 3, dtype) for _ in range(n)]
-        res = _mode_threads(LIB.REDUCE_SCATTER, xs, dsts, block, dtype, OPS[op])
+        res = _ring_threads(xs, dsts, dtype, OPS[op], mode=LIB.REDUCE_SCATTER, count=block)
         assert all(r[0] == native.NR.OK for r in res), res
         for got, want in zip(dsts, _rs_reference(xs, op, block), strict=True):
             assert got.tobytes() == want.tobytes(), block
@@ -182,7 +157,7 @@ def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str
             continue
         parts = [x[:block].copy() for x in xs]
         outs = [np.full(block * n, 5, dtype) for _ in range(n)]
-        res = _mode_threads(LIB.ALL_GATHER, parts, outs, block, dtype, 0)
+        res = _ring_threads(parts, outs, dtype, 0, mode=LIB.ALL_GATHER, count=block)
         assert all(r[0] == native.NR.OK for r in res), res
         for got in outs:
             assert got.tobytes() == np.concatenate(parts).tobytes(), block
@@ -190,8 +165,8 @@ def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str
         outs = [np.zeros(block * n, dtype) for _ in range(n)]
         for r in range(n):
             outs[r][r * block:(r + 1) * block] = parts[r]
-        res = _mode_threads(LIB.ALL_GATHER, [outs[r][r * block:(r + 1) * block]
-                                             for r in range(n)], outs, block, dtype, 0)
+        res = _ring_threads([outs[r][r * block:(r + 1) * block] for r in range(n)], outs,
+                            dtype, 0, mode=LIB.ALL_GATHER, count=block)
         assert all(r[0] == native.NR.OK for r in res), res
         for got in outs:
             assert got.tobytes() == np.concatenate(parts).tobytes(), block
@@ -221,11 +196,17 @@ def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
     for s in (a, b, c, d):
         s.setblocking(False)
     x = np.ones(1 << 16, np.float32)
+
+    def call(send: socket.socket, recv: socket.socket, state: native.State,
+             dtype: int = 8, deadline_ns: int = 0) -> tuple[int, int, bytes]:
+        assert LIB is not None  # (a 2-rank all-reduce as rank 0, in place)
+        return LIB.run(LIB.ALL_REDUCE, send.fileno(), recv.fileno(), x.ctypes.data,
+                       x.ctypes.data, 0, x.size, dtype, 0, 0, 2, 1024, deadline_ns, state,
+                       HEADER)
+
     state = native.State()
     out: list[Any] = []
-    t = threading.Thread(target=lambda: out.append(LIB.all_reduce(
-        a.fileno(), d.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8, 0, 0, 2, 1024, 0,
-        state, HEADER)))
+    t = threading.Thread(target=lambda: out.append(call(a, d, state)))
     t0 = time.monotonic()
     t.start()
     time.sleep(0.2)  # nothing comes from the previous rank
@@ -237,10 +218,7 @@ def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
     assert time.monotonic() - t0 < 2
     # the previous rank's end closes: PEER_CLOSED, on the receiving side
     c.close()
-    out.clear()
-    state = native.State()
-    code = LIB.all_reduce(a.fileno(), d.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8,
-                          0, 0, 2, 1024, 0, state, HEADER)
+    code = call(a, d, native.State())
     assert code[0] == native.NR.PEER_CLOSED
     assert code[1] == 1
     # a deadline
@@ -249,13 +227,10 @@ def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
     for s in (e, f, g, h):
         s.setblocking(False)
     t0 = time.monotonic()
-    code = LIB.all_reduce(e.fileno(), h.fileno(), x.ctypes.data, x.ctypes.data, x.size, 8,
-                          0, 0, 2, 1024, time.monotonic_ns() + 200_000_000, native.State(),
-                          HEADER)
+    code = call(e, h, native.State(), deadline_ns=time.monotonic_ns() + 200_000_000)
     assert code[0] == native.NR.DEADLINE
     assert 0.15 < time.monotonic() - t0 < 2
-    bad = LIB.all_reduce(e.fileno(), h.fileno(), x.ctypes.data, x.ctypes.data, x.size, 6,
-                         0, 0, 2, 1024, 0, native.State(), HEADER)  # float16: not in C
+    bad = call(e, h, native.State(), dtype=6)  # float16: not in C
     assert bad[0] == native.NR.BAD_ARGS
     for s in (a, b, d, e, f, g, h):
         s.close()

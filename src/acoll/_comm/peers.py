@@ -216,10 +216,6 @@ class PeerLinks:
     def stopped(self) -> bool:
         return self._stopped
 
-    def raw_capable(self, peer: int) -> bool:
-        """Whether a raw link to ``peer`` can be made (the pair talks over TCP)."""
-        return isinstance(self.choice[peer], TcpTransport)
-
     async def raw_to(self, peer: int) -> RawLink:
         """Dial a raw link to ``peer`` (this rank sends on it; see :class:`RawLink`)."""
         transport = self.choice[peer]

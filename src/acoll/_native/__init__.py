@@ -99,14 +99,6 @@ class NativeLib:
                         peer, ctypes.byref(which))
         return int(code), int(which.value), peer.raw
 
-    def all_reduce(self, send_fd: int, recv_fd: int, src: int, dst: int, count: int,
-                   dtype: int, op: int, rank: int, nranks: int, send_items: int,
-                   deadline_ns: int, state: State, header: bytes
-                   ) -> tuple[int, int, bytes]:
-        """:meth:`run` of an all-reduce."""
-        return self.run(self.ALL_REDUCE, send_fd, recv_fd, src, dst, 0, count, dtype, op,
-                        rank, nranks, send_items, deadline_ns, state, header)
-
 
 _lock = threading.Lock()
 _loaded: dict[tuple[str, str], NativeLib | None] = {}
