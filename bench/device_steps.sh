@@ -3,6 +3,9 @@
 #   device_suite DIR     the whole suite on the device's Python (make test-gpu)
 #   device_p2p DIR ITERS the P2P path against NCCL, one process and two (bench/p2p_bench.py)
 #   device_site          install the carried wheels into $SITE and put src/ and $SITE first
+#   device_perf DIR FILE ARGS...  acoll-perf ARGS --vs gloo, TCP only, CPU only, into DIR/FILE
+#   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
+#                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
 
@@ -34,4 +37,23 @@ device_site() {
   if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
     --no-cache-dir --upgrade --target "$SITE" .whl/*.whl >/dev/null 2>&1; fi
   export PYTHONPATH="$PWD/src:$SITE" PATH="$SITE/bin:$PATH"
+}
+
+device_perf() {
+  local dir=$1 f=$2; shift 2
+  CUDA_VISIBLE_DEVICES= ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 150 \
+    python3 -m acoll.perf "$@" -n 20 -w 5 --vs gloo >"$dir/$f" 2>&1
+  echo "== $f: exit $? at $SECONDS s" >>"$dir/$f"
+  sed -n '/acoll vs gloo/,$p' "$dir/$f"
+}
+
+device_netns() {
+  local dir=$1 name=$2; shift 2
+  CUDA_VISIBLE_DEVICES= PATH="$PWD/${NETBIN:-.netbin}:$PATH" timeout 100 python3 \
+    bench/netns_shaped.py --rate 10gbit -b 16M -e 64M -f 2 -n 20 -w 5 --timeout 90 "$@" \
+    >"$dir/$name.log" 2>&1
+  { echo "## $name: exit $? at $SECONDS s"; grep -A5 "acoll_busbw\|gloo_busbw" \
+      "$dir/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native" \
+      "$dir/$name.log"; } >>"$dir/netns.txt"
+  rm -f "$dir/$name.log"
 }

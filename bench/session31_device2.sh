@@ -25,26 +25,11 @@ for ns in ${SIZES:-8:128K 8:512K 8:1M 8:64M 4:128K 4:512K 4:64M 2:64M}; do
 done
 grep -v "^#" "$A"
 for n in ${PERF_N:-2 4 8}; do
-  CUDA_VISIBLE_DEVICES= ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 150 \
-    python3 -m acoll.perf all_reduce -N $n -b 8 -e 128M -f 4 -n 20 -w 5 --vs gloo \
-    >"$OUT/perf_$n.txt" 2>&1
-  echo "== perf $n: exit $? at $((SECONDS - t0)) s" >>"$OUT/perf_$n.txt"
-  sed -n '/acoll vs gloo/,$p' "$OUT/perf_$n.txt"
+  device_perf "$OUT" perf_$n.txt all_reduce -N $n -b 8 -e 128M -f 4
 done
-S=$OUT/netns.txt
-run() {  # name, then netns_shaped.py arguments
-  local name=$1; shift
-  CUDA_VISIBLE_DEVICES= PATH="$PWD/${NETBIN:-.netbin}:$PATH" timeout 100 python3 \
-    bench/netns_shaped.py --rate 10gbit -b 16M -e 64M -f 2 -n 20 -w 5 --timeout 90 "$@" \
-    >"$OUT/$name.log" 2>&1
-  { echo "## $name: exit $? at $((SECONDS - t0)) s"; grep -A5 "acoll_busbw\|gloo_busbw" \
-      "$OUT/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native" \
-      "$OUT/$name.log"; } >>"$S"
-}
 if [ -z "${NO_NETNS:-}" ]; then
-  run acoll1 --libs acoll
-  run gloo1 --libs gloo
-  run acoll2 --libs acoll
-  cat "$S"
-  rm -f "$OUT"/*.log
+  device_netns "$OUT" acoll1 --libs acoll
+  device_netns "$OUT" gloo1 --libs gloo
+  device_netns "$OUT" acoll2 --libs acoll
+  cat "$OUT/netns.txt"
 fi
