@@ -25,6 +25,8 @@ same processes and rounds is what makes their ratios comparable. Variants:
   the loop thread reads every payload, as before receive threads).
 - ``native``: acoll as it is (the native ring where it is on); ``python``: acoll with the
   native ring off for the round (the Python ring on the loop and socket threads).
+- ``inline=SIZE``: the native ring with ``ACOLL_NATIVE_INLINE=SIZE`` (calls sending at
+  most SIZE bytes per rank run on the worker thread alone; -1: always the helper thread).
 - ``headrule``: acoll with the send thread's old rule (a socket's queue went to the thread
   only when its head frame's unsent rest was at least 512 KiB).
 
@@ -87,6 +89,7 @@ async def main() -> None:
         default_hd = comm.hd_chunks
         default_switch = sys.getswitchinterval()
         native = comm._native
+        default_inline = native.inline_max if native is not None else 0
         if rank == 0:
             print(f"native ring: {'on' if native is not None else 'off'}", flush=True)
         times: dict[str, list[float]] = {v: [] for v in variants}
@@ -101,6 +104,8 @@ async def main() -> None:
                 tcp._RECV_OFFLOAD_MIN = recv_min
                 sys.setswitchinterval(default_switch)
                 comm._native = native
+                if native is not None:
+                    native.inline_max = default_inline
                 for part in v.split("+"):
                     if part.startswith("algo="):
                         comm._algo = "all_reduce:" + part.split("=")[1]
@@ -116,6 +121,8 @@ async def main() -> None:
                         comm.hd_chunks = int(part.split("=")[1])
                     elif part.startswith("switch="):
                         sys.setswitchinterval(float(part.split("=")[1]))
+                    elif part.startswith("inline=") and native is not None:
+                        native.inline_max = parse_size(part.split("=")[1])
                     elif part == "python":
                         comm._native = None
                     elif part == "headrule":
@@ -152,12 +159,13 @@ async def main() -> None:
     per = {v: flat[i * args.rounds:(i + 1) * args.rounds] for i, v in enumerate(variants)}
     factor = 2 * (n - 1) / n * nbytes / 1e9
     base = variants[0]
-    print(f"# {n} ranks, {nbytes >> 20} MiB, {args.rounds} rounds x {args.iters} ops, "
+    size = f"{nbytes >> 20} MiB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KiB"
+    print(f"# {n} ranks, {size}, {args.rounds} rounds x {args.iters} ops, "
           f"busbw GB/s (median, min..max); ratio: busbw / {base}'s, median of rounds")
     for v in variants:
         bw = [factor / s for s in per[v]]
         ratios = [b / s for b, s in zip(per[base], per[v], strict=True)]
-        print(f"{n} ranks {nbytes >> 20:>4} MiB  {v:<10} {statistics.median(bw):5.2f} "
+        print(f"{n} ranks {size:>8}  {v:<10} {statistics.median(bw):5.2f} "
               f"({min(bw):.2f}..{max(bw):.2f})  ratio {statistics.median(ratios):.2f} "
               f"({min(ratios):.2f}..{max(ratios):.2f})", flush=True)
 

@@ -69,12 +69,23 @@ def _ring_reference(xs: list[np.ndarray], op: str) -> np.ndarray:
     return out
 
 
+PATHS = ["helper", "inline", "mixed"]
+
+
+def _inline_max(path: str, rank: int) -> int:
+    inline = path == "inline" or (path == "mixed" and rank % 2 == 0)
+    return 1 << 62 if inline else -1
+
+
 def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op: int,
                   *, mode: int = native.NativeLib.ALL_REDUCE, count: int | None = None,
                   send_items: int = 333, headers: list[bytes] | None = None,
-                  deadline_ns: int = 0) -> list[tuple[int, int, bytes]]:
+                  deadline_ns: int = 0, path: str = "helper"
+                  ) -> list[tuple[int, int, bytes]]:
     """Run the C call on ``len(srcs)`` threads, rank i sending to i + 1 over a socket
-    pair. ``count``: items per block (default: a whole all-reduce input)."""
+    pair. ``count``: items per block (default: a whole all-reduce input). ``path``: every
+    rank sends from its helper thread ("helper"), every rank runs its call on one thread
+    ("inline"), or even ranks inline and odd ones the helper ("mixed")."""
     assert LIB is not None
     n = len(srcs)
     pairs = [socket.socketpair() for _ in range(n)]
@@ -91,7 +102,8 @@ def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op
             mode, pairs[r][0].fileno(), pairs[(r - 1) % n][1].fileno(), srcs[r].ctypes.data,
             dsts[r].ctypes.data, scratch[r].ctypes.data if n > 2 else 0,
             srcs[r].size if count is None else count, code, op, r, n, send_items,
-            deadline_ns, native.State(), headers[r] if headers else HEADER)
+            deadline_ns, native.State(), headers[r] if headers else HEADER,
+            _inline_max(path, r))
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
@@ -108,14 +120,16 @@ def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op
 @pytest.mark.parametrize("n", [2, 3, 5])
 @pytest.mark.parametrize("dtype", NATIVE_DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(OPS))
-def test_c_ring_computes_the_ring_order_bit_for_bit(n: int, dtype: Any, op: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_c_ring_computes_the_ring_order_bit_for_bit(n: int, dtype: Any, op: str,
+                                                    path: str) -> None:
     for count in (0, 1, n - 1, 1000, 70_001):
         xs = _inputs(n, count, dtype, seed=count)
         expect = _ring_reference(xs, op)
         srcs = [x.copy() for x in xs]
         in_place = count % 2 == 0
         dsts = srcs if in_place else [np.full_like(x, 7) for x in xs]
-        results = _ring_threads(srcs, dsts, dtype, OPS[op])
+        results = _ring_threads(srcs, dsts, dtype, OPS[op], path=path)
         assert all(r[0] == native.NR.OK for r in results), results
         for r in range(n):
             assert dsts[r].tobytes() == expect.tobytes(), (count, r)
@@ -144,12 +158,15 @@ def _rs_reference(xs: list[np.ndarray], op: str, block: int) -> list[np.ndarray]
 @pytest.mark.parametrize("dtype", [np.int8, np.uint32, np.int64, np.float32, np.float64],
                          ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("op", list(OPS))
-def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str) -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str,
+                                                     path: str) -> None:
     assert LIB is not None
     for block in (0, 1, 999, 70_001):
         xs = _inputs(n, block * n, dtype, seed=block)
         dsts = [np.full(block, 3, dtype) for _ in range(n)]
-        res = _ring_threads(xs, dsts, dtype, OPS[op], mode=LIB.REDUCE_SCATTER, count=block)
+        res = _ring_threads(xs, dsts, dtype, OPS[op], mode=LIB.REDUCE_SCATTER, count=block,
+                            path=path)
         assert all(r[0] == native.NR.OK for r in res), res
         for got, want in zip(dsts, _rs_reference(xs, op, block), strict=True):
             assert got.tobytes() == want.tobytes(), block
@@ -157,7 +174,8 @@ def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str
             continue
         parts = [x[:block].copy() for x in xs]
         outs = [np.full(block * n, 5, dtype) for _ in range(n)]
-        res = _ring_threads(parts, outs, dtype, 0, mode=LIB.ALL_GATHER, count=block)
+        res = _ring_threads(parts, outs, dtype, 0, mode=LIB.ALL_GATHER, count=block,
+                            path=path)
         assert all(r[0] == native.NR.OK for r in res), res
         for got in outs:
             assert got.tobytes() == np.concatenate(parts).tobytes(), block
@@ -166,18 +184,34 @@ def test_c_reduce_scatter_and_all_gather_bit_for_bit(n: int, dtype: Any, op: str
         for r in range(n):
             outs[r][r * block:(r + 1) * block] = parts[r]
         res = _ring_threads([outs[r][r * block:(r + 1) * block] for r in range(n)], outs,
-                            dtype, 0, mode=LIB.ALL_GATHER, count=block)
+                            dtype, 0, mode=LIB.ALL_GATHER, count=block, path=path)
         assert all(r[0] == native.NR.OK for r in res), res
         for got in outs:
             assert got.tobytes() == np.concatenate(parts).tobytes(), block
 
 
 @needs_lib
-def test_c_ring_refuses_a_peer_with_another_header() -> None:
+@pytest.mark.parametrize("path", PATHS)
+def test_inline_calls_larger_than_the_socket_buffers_interleave(path: str) -> None:
+    """Each step's block is several times a socket pair's buffer: a rank that only sent,
+    or only received, would never finish."""
+    for n in (2, 3):
+        xs = _inputs(n, 3_000_001, np.float32, seed=n)
+        expect = _ring_reference(xs, "sum")
+        dsts = [np.empty_like(x) for x in xs]
+        results = _ring_threads(xs, dsts, np.float32, 0, send_items=1 << 22, path=path)
+        assert all(r[0] == native.NR.OK for r in results), results
+        for d in dsts:
+            assert d.tobytes() == expect.tobytes()
+
+
+@needs_lib
+@pytest.mark.parametrize("path", PATHS)
+def test_c_ring_refuses_a_peer_with_another_header(path: str) -> None:
     xs = _inputs(3, 5000, np.float32)
     headers = [HEADER, HEADER, bytes(32)]
     results = _ring_threads(xs, xs, np.float32, 0, headers=headers,
-                            deadline_ns=time.monotonic_ns() + 1_000_000_000)
+                            deadline_ns=time.monotonic_ns() + 1_000_000_000, path=path)
     # rank 0 reads rank 2's header, rank 2 rank 1's: each refuses before any data. (Rank 1
     # waits for data rank 0 no longer sends; in a communicator rank 0's failure reaches it
     # at once, here its deadline ends it.)
@@ -189,7 +223,8 @@ def test_c_ring_refuses_a_peer_with_another_header() -> None:
 
 
 @needs_lib
-def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
+@pytest.mark.parametrize("path", ["helper", "inline"])
+def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline(path: str) -> None:
     assert LIB is not None
     a, b = socket.socketpair()  # a: to the "next rank", b: from the "previous"
     c, d = socket.socketpair()
@@ -202,7 +237,7 @@ def test_c_ring_stops_on_abort_a_closed_peer_and_its_deadline() -> None:
         assert LIB is not None  # (a 2-rank all-reduce as rank 0, in place)
         return LIB.run(LIB.ALL_REDUCE, send.fileno(), recv.fileno(), x.ctypes.data,
                        x.ctypes.data, 0, x.size, dtype, 0, 0, 2, 1024, deadline_ns, state,
-                       HEADER)
+                       HEADER, _inline_max(path, 0))
 
     state = native.State()
     out: list[Any] = []

@@ -56,8 +56,8 @@ from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import PeerLinks
 
-__all__ = ["NATIVE", "NATIVE_MIN", "NativeRing", "NativeRingAllGather", "NativeRingAllReduce",
-           "NativeRingReduceScatter", "native_record"]
+__all__ = ["NATIVE", "NATIVE_INLINE", "NATIVE_MIN", "NativeRing", "NativeRingAllGather",
+           "NativeRingAllReduce", "NativeRingReduceScatter", "native_record"]
 
 log = get_logger("COLL")
 
@@ -69,6 +69,11 @@ NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 0,
                      "Smallest all_reduce (bytes) the native ring takes (those the ring "
                      "gets start above ACOLL_SMALL_MSG); must be the same on every rank, "
                      "else the native ring stays off.", "COLL")
+NATIVE_INLINE = Setting("NATIVE_INLINE", parse_size, 1 << 20,
+                        "A native ring call sending at most this many bytes per rank runs "
+                        "on its worker thread alone (one poll() for both sockets) instead "
+                        "of handing sends to a helper thread; -1: always the helper. A "
+                        "local choice (the bytes on the wire are the same).", "COLL")
 
 #: dtype wire codes ring.c reduces (16-bit floats stay on the Python ring)
 _NATIVE_DTYPES = frozenset({0, 1, 2, 3, 4, 5, 8, 9})
@@ -163,6 +168,7 @@ class NativeRing:
         self.timeout = timeout
         self.min_bytes = min_bytes
         self.small = small
+        self.inline_max = NATIVE_INLINE.resolve()
         self._links = links
         self.rank, self.size = rank, size
         self.nxt, self.prv = (rank + 1) % size, (rank - 1) % size
@@ -292,7 +298,7 @@ class NativeRing:
         ctx.heard = _Heard(ctx.heard, self.prv, state)
         args = (mode, send.fileno(), recv.fileno(), src.ptr, dst.ptr,
                 0 if scratch is None else scratch.ptr, count, DTYPES[src.dtype], _OPS[op],
-                self.rank, self.size, chunk, backstop, state, header)
+                self.rank, self.size, chunk, backstop, state, header, self.inline_max)
         # (the buffers stay alive while the C code runs, even after a cancel)
         lib, keep = self.lib, (src, dst, scratch)
         send.busy = recv.busy = True

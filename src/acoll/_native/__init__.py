@@ -78,7 +78,7 @@ class NativeLib:
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
-                       ctypes.c_int64, ctypes.POINTER(State), ctypes.c_char_p,
+                       ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(State), ctypes.c_char_p,
                        ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
         self._fn = fn
         lib.acoll_nr_version.restype = ctypes.c_int
@@ -87,15 +87,18 @@ class NativeLib:
 
     def run(self, mode: int, send_fd: int, recv_fd: int, src: int, dst: int, scratch: int,
             count: int, dtype: int, op: int, rank: int, nranks: int, send_items: int,
-            deadline_ns: int, state: State, header: bytes) -> tuple[int, int, bytes]:
+            deadline_ns: int, state: State, header: bytes, inline_max: int = 0
+            ) -> tuple[int, int, bytes]:
         """Run one ring collective (see ``acoll_nr_run`` in ``ring.c``); returns (code,
         side, the previous rank's header). ``side``: 1 the receiving side failed first, 2
         the sending side, 0 no failure. ``count``: items per rank's block (all_reduce: of
-        the whole buffer)."""
+        the whole buffer). ``inline_max``: a call sending at most this many bytes runs on
+        the calling thread alone (no helper thread; -1: never)."""
         peer = ctypes.create_string_buffer(HEADER_SIZE)
         which = ctypes.c_int(0)
         code = self._fn(mode, send_fd, recv_fd, src, dst, scratch or None, count, dtype, op,
-                        rank, nranks, send_items, deadline_ns, ctypes.byref(state), header,
+                        rank, nranks, send_items, inline_max, deadline_ns,
+                        ctypes.byref(state), header,
                         peer, ctypes.byref(which))
         return int(code), int(which.value), peer.raw
 

@@ -17,7 +17,11 @@
  *   dst); all-gather copies src into dst's own block first unless it is that block.
  * - Two threads: the caller's receives and reduces; its helper thread (one per calling
  *   thread, kept between calls) sends each step's block as the caller produces it (the
- *   block a rank sends at step t is the one it received at step t-1).
+ *   block a rank sends at step t is the one it received at step t-1). A call that sends
+ *   at most inline_max bytes in all runs on the caller's thread alone instead (both
+ *   sockets non-blocking, one poll() for both): no hand-offs between threads, which
+ *   small calls feel. The bytes on the wire are the same either way, so ranks may
+ *   choose differently.
  * - It returns when done, on an error of either socket, when *abort becomes non-zero, or
  *   at deadline_ns (CLOCK_MONOTONIC; 0: none). Progress counters and the error's errno go
  *   to *state.
@@ -32,7 +36,7 @@
 #include <sys/socket.h>
 #include <time.h>
 
-#define ACOLL_NR_VERSION 2
+#define ACOLL_NR_VERSION 3
 #define HEADER_SIZE 32
 #define SLICE_MS 50
 
@@ -467,17 +471,165 @@ static helper *get_helper(void) {
     return h;
 }
 
+/* The whole call on the caller's thread: sends and receives interleaved, neither ever
+ * blocking, one poll() for both sockets when neither can move. The sender's rule is the
+ * helper's (a step's block goes as its items are ready, in calls of at most send_items);
+ * the receiver's the caller's (pieces of at most PIECE bytes, reduced when complete). */
+static int run_inline(ring_call *s, int recv_fd, char *tmp, int dtype, int op, int nranks,
+                      unsigned char *peer_header, int *which) {
+    const step *steps = s->steps;
+    nr_state *state = s->w.st;
+    int itemsize = s->itemsize, nsteps = s->nsteps;
+    int64_t piece = PIECE / itemsize;
+    /* send cursor: header bytes out, then step ts at item ps (plus a partial item's bytes) */
+    int64_t hdr_out = 0, ps = 0, ps_bytes = 0;
+    int ts = 0;
+    /* receive cursor: header bytes in, then step tr, piece at item pr, bytes of it in */
+    int64_t hdr_in = 0, pr = 0, got = 0;
+    int tr = 0;
+    while (tr < nsteps && steps[tr].len == 0) tr++;
+    while (ts < nsteps && steps[ts].send_len == 0) ts++;
+    for (;;) {
+        int moved = 0;
+        /* ---- send what is ready */
+        while (hdr_out < HEADER_SIZE || ts < nsteps) {
+            const char *p;
+            int64_t len;
+            if (hdr_out < HEADER_SIZE) {
+                p = (const char *)s->header + hdr_out;
+                len = HEADER_SIZE - hdr_out;
+            } else {
+                const step *st = &steps[ts];
+                int64_t upto = st->send_len;
+                if (ts > 0) {
+                    int64_t ready = s->done - s->base[ts - 1];
+                    if (ready < upto) upto = ready;
+                }
+                if (upto <= ps) break; /* (waits for the receiver) */
+                int64_t k = upto - ps < s->send_items ? upto - ps : s->send_items;
+                p = st->send + ps * itemsize + ps_bytes;
+                len = k * itemsize - ps_bytes;
+            }
+            ssize_t k = send(s->fd, p, (size_t)(len > (1 << 30) ? (1 << 30) : len),
+                             MSG_NOSIGNAL | MSG_DONTWAIT);
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+            if (k <= 0) {
+                state->err = k < 0 ? errno : EPIPE;
+                *which = 2;
+                return NR_SEND_FAILED;
+            }
+            moved = 1;
+            __atomic_fetch_add(&state->sent, (int64_t)k, __ATOMIC_RELAXED);
+            if (hdr_out < HEADER_SIZE) {
+                hdr_out += k;
+                continue;
+            }
+            ps_bytes += k;
+            ps += ps_bytes / itemsize;
+            ps_bytes %= itemsize;
+            if (ps == steps[ts].send_len) {
+                ps = 0;
+                do ts++; while (ts < nsteps && steps[ts].send_len == 0);
+            }
+        }
+        /* ---- receive what has come */
+        while (hdr_in < HEADER_SIZE || tr < nsteps) {
+            char *p;
+            int64_t len;
+            const step *st = &steps[tr < nsteps ? tr : 0];
+            int64_t k_items = 0;
+            if (hdr_in < HEADER_SIZE) {
+                p = (char *)peer_header + hdr_in;
+                len = HEADER_SIZE - hdr_in;
+            } else {
+                k_items = st->len - pr < piece ? st->len - pr : piece;
+                p = (st->local ? tmp : st->recv + pr * itemsize) + got;
+                len = k_items * itemsize - got;
+            }
+            ssize_t k = recv(recv_fd, p, (size_t)(len > (1 << 30) ? (1 << 30) : len),
+                             MSG_DONTWAIT);
+            if (k < 0 && errno == EINTR) continue;
+            if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+            if (k <= 0) {
+                *which = 1;
+                if (k == 0) return NR_PEER_CLOSED;
+                state->err = errno;
+                return NR_RECV_FAILED;
+            }
+            moved = 1;
+            __atomic_fetch_add(&state->received, (int64_t)k, __ATOMIC_RELAXED);
+            if (hdr_in < HEADER_SIZE) {
+                hdr_in += k;
+                if (hdr_in == HEADER_SIZE && memcmp(peer_header, s->header, HEADER_SIZE)) {
+                    *which = 1;
+                    return NR_MISMATCH;
+                }
+                continue;
+            }
+            got += k;
+            if (got < k_items * itemsize) continue;
+            if (st->local) {
+                int64_t at = pr * itemsize;
+                reduce_into(st->recv + at, st->local + at, tmp, k_items, dtype, op);
+                if (st->avg) average(st->recv + at, k_items, dtype, nranks);
+            }
+            got = 0;
+            pr += k_items;
+            s->done += k_items;
+            if (pr == st->len) {
+                pr = 0;
+                do tr++; while (tr < nsteps && steps[tr].len == 0);
+            }
+        }
+        int sending = hdr_out < HEADER_SIZE || ts < nsteps;
+        int receiving = hdr_in < HEADER_SIZE || tr < nsteps;
+        if (!sending && !receiving) return NR_OK;
+        if (state->abort) {
+            *which = 1;
+            return NR_ABORTED;
+        }
+        if (moved) continue;
+        /* ---- neither could move: sleep on both (at most a slice) */
+        int ms = SLICE_MS;
+        if (s->w.deadline) {
+            int64_t left = s->w.deadline - now_ns();
+            if (left <= 0) {
+                *which = 1;
+                return NR_DEADLINE;
+            }
+            if (left / 1000000 < ms) ms = (int)(left / 1000000) + 1;
+        }
+        struct pollfd pfd[2];
+        int nfd = 0;
+        if (receiving) pfd[nfd++] = (struct pollfd){recv_fd, POLLIN, 0};
+        if (sending) { /* (only when it has something ready: else the receive is awaited) */
+            int ready = hdr_out < HEADER_SIZE || ts == 0 ||
+                        s->done - s->base[ts - 1] > ps;
+            if (ready) pfd[nfd++] = (struct pollfd){s->fd, POLLOUT, 0};
+        }
+        int r = poll(pfd, (nfds_t)nfd, ms);
+        if (r < 0 && errno != EINTR) {
+            state->err = errno;
+            *which = receiving ? 1 : 2;
+            return receiving ? NR_RECV_FAILED : NR_SEND_FAILED;
+        }
+    }
+}
+
 /* Returns an NR_ code. mode: 0 all-reduce (src, dst: count items each), 1 reduce-scatter
  * (src: nranks blocks of count, dst: count; scratch: (nranks - 2) * count items), 2
  * all-gather (src: count, dst: nranks blocks of count). header: this rank's 32 bytes;
  * peer_header: the previous rank's, copied out (valid when the result is NR_OK or
  * NR_MISMATCH). *which is set to 1 when the error came from the receiving side first, 2
  * from the sending side. send_items: the most items one send call takes (the sender
- * sends what is ready, up to that). */
+ * sends what is ready, up to that). inline_max: a call sending at most this many bytes
+ * (the header aside) runs on the calling thread alone (see run_inline). */
 int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
                  void *scratch, int64_t count, int dtype, int op, int rank, int nranks,
-                 int64_t send_items, int64_t deadline_ns, nr_state *state,
-                 const unsigned char *header, unsigned char *peer_header, int *which) {
+                 int64_t send_items, int64_t inline_max, int64_t deadline_ns,
+                 nr_state *state, const unsigned char *header, unsigned char *peer_header,
+                 int *which) {
     int itemsize = itemsize_of(dtype);
     *which = 0;
     if (!itemsize || nranks < 2 || rank < 0 || rank >= nranks || count < 0 ||
@@ -520,6 +672,16 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     pthread_cond_init(&s.cv, &ca);
     pthread_condattr_destroy(&ca);
     int64_t piece = PIECE / itemsize;
+    int64_t to_send = 0;
+    for (int t = 0; t < nsteps; t++) to_send += steps[t].send_len * itemsize;
+    if (to_send <= inline_max) {
+        int r = run_inline(&s, recv_fd, tmp, dtype, op, nranks, peer_header, which);
+        free(base);
+        free(steps);
+        pthread_mutex_destroy(&s.mu);
+        pthread_cond_destroy(&s.cv);
+        return r;
+    }
     pthread_mutex_lock(&h->mu);
     h->finished = 0;
     h->job = &s;
