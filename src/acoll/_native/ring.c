@@ -263,7 +263,10 @@ static int wait_fd(const waiter *w, int fd, short events) {
         struct pollfd pfd = {fd, events, 0};
         int r = poll(&pfd, 1, ms);
         if (r > 0) return 0; /* (errors and hang-ups show in the call that follows) */
-        if (r < 0 && errno != EINTR) return events == POLLIN ? NR_RECV_FAILED : NR_SEND_FAILED;
+        if (r < 0 && errno != EINTR) {
+            w->st->err = errno;
+            return events == POLLIN ? NR_RECV_FAILED : NR_SEND_FAILED;
+        }
     }
 }
 
