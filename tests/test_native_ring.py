@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import socket
 import threading
 import time
@@ -203,6 +204,51 @@ def test_inline_calls_larger_than_the_socket_buffers_interleave(path: str) -> No
         assert all(r[0] == native.NR.OK for r in results), results
         for d in dsts:
             assert d.tobytes() == expect.tobytes()
+
+
+def _threads_during_a_call(path: str) -> tuple[int, int]:
+    """OS threads before and right after a 2-rank call on two fresh threads (alive)."""
+    assert LIB is not None
+    pairs = [socket.socketpair() for _ in range(2)]
+    for a, b in pairs:
+        a.setblocking(False)
+        b.setblocking(False)
+    xs = _inputs(2, 1000, np.float32)
+    done, release = threading.Barrier(3), threading.Event()
+    results: list[Any] = [None, None]
+
+    def rank(r: int) -> None:
+        assert LIB is not None
+        results[r] = LIB.run(LIB.ALL_REDUCE, pairs[r][0].fileno(), pairs[1 - r][1].fileno(),
+                             xs[r].ctypes.data, xs[r].ctypes.data, 0, xs[r].size, 8, 0, r, 2,
+                             333, 0, native.State(), HEADER, _inline_max(path, r))
+        done.wait(10)
+        release.wait(10)
+
+    before = len(os.listdir("/proc/self/task"))
+    threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(2)]
+    for t in threads:
+        t.start()
+    done.wait(10)
+    during = len(os.listdir("/proc/self/task"))
+    release.set()
+    for t in threads:
+        t.join(10)
+    for a, b in pairs:
+        a.close()
+        b.close()
+    assert all(r[0] == native.NR.OK for r in results), results
+    return before, during
+
+
+@needs_lib
+def test_inline_calls_start_no_sender_thread() -> None:
+    """A thread whose calls all run inline never starts the helper's sender thread (and
+    one whose call does not, does): counted from /proc while the calling threads live."""
+    before, during = _threads_during_a_call("inline")
+    assert during - before == 2
+    before, during = _threads_during_a_call("helper")
+    assert during - before == 4
 
 
 @needs_lib

@@ -87,7 +87,7 @@ class NativeLib:
 
     def run(self, mode: int, send_fd: int, recv_fd: int, src: int, dst: int, scratch: int,
             count: int, dtype: int, op: int, rank: int, nranks: int, send_items: int,
-            deadline_ns: int, state: State, header: bytes, inline_max: int = 0
+            deadline_ns: int, state: State, header: bytes, inline_max: int = -1
             ) -> tuple[int, int, bytes]:
         """Run one ring collective (see ``acoll_nr_run`` in ``ring.c``); returns (code,
         side, the previous rank's header). ``side``: 1 the receiving side failed first, 2
@@ -98,8 +98,7 @@ class NativeLib:
         which = ctypes.c_int(0)
         code = self._fn(mode, send_fd, recv_fd, src, dst, scratch or None, count, dtype, op,
                         rank, nranks, send_items, inline_max, deadline_ns,
-                        ctypes.byref(state), header,
-                        peer, ctypes.byref(which))
+                        ctypes.byref(state), header, peer, ctypes.byref(which))
         return int(code), int(which.value), peer.raw
 
 

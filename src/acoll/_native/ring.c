@@ -397,21 +397,29 @@ static void *send_main(void *arg) {
     return NULL;
 }
 
-/* Each calling thread keeps a helper: a sender thread that waits for its next call's
- * send side (a thread made per call cost 20 us or more, which small calls felt) and the
- * buffer its receives go through. The helper ends when its calling thread does (the
- * thread-specific key's destructor). */
+/* Each calling thread keeps a helper: the buffer its receives go through and, from its
+ * first call that is not inline, a sender thread that waits for its next call's send side
+ * (a thread made per call cost 20 us or more, which small calls felt). The helper ends
+ * when its calling thread does (the thread-specific key's destructor). */
 typedef struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     ring_call *job; /* posted by the caller; NULL when idle */
     int finished;   /* the posted job's send side returned */
     int quit;       /* the calling thread exited */
+    int started;    /* the sender thread runs (only the calling thread writes it) */
     char *tmp;      /* PIECE bytes for the caller's receives */
 } helper;
 
 static pthread_key_t helper_key;
 static pthread_once_t helper_once = PTHREAD_ONCE_INIT;
+
+static void free_helper(helper *h) {
+    pthread_mutex_destroy(&h->mu);
+    pthread_cond_destroy(&h->cv);
+    free(h->tmp);
+    free(h);
+}
 
 static void *helper_main(void *arg) {
     helper *h = arg;
@@ -428,15 +436,16 @@ static void *helper_main(void *arg) {
         pthread_cond_broadcast(&h->cv);
     }
     pthread_mutex_unlock(&h->mu);
-    pthread_mutex_destroy(&h->mu);
-    pthread_cond_destroy(&h->cv);
-    free(h->tmp);
-    free(h);
+    free_helper(h);
     return NULL;
 }
 
 static void helper_quit(void *arg) {
     helper *h = arg;
+    if (!h->started) { /* (no sender thread: nothing else holds it) */
+        free_helper(h);
+        return;
+    }
     pthread_mutex_lock(&h->mu);
     h->quit = 1;
     pthread_cond_broadcast(&h->cv);
@@ -457,21 +466,22 @@ static helper *get_helper(void) {
     }
     pthread_mutex_init(&h->mu, NULL);
     pthread_cond_init(&h->cv, NULL);
+    pthread_setspecific(helper_key, h);
+    return h;
+}
+
+/* the helper's sender thread, started on first need; 0, or -1 when it cannot start */
+static int start_helper(helper *h) {
+    if (h->started) return 0;
     pthread_attr_t attr;
     pthread_attr_init(&attr);
     pthread_attr_setdetachstate(&attr, PTHREAD_CREATE_DETACHED);
     pthread_t thread;
     int bad = pthread_create(&thread, &attr, helper_main, h);
     pthread_attr_destroy(&attr);
-    if (bad) {
-        pthread_mutex_destroy(&h->mu);
-        pthread_cond_destroy(&h->cv);
-        free(h->tmp);
-        free(h);
-        return NULL;
-    }
-    pthread_setspecific(helper_key, h);
-    return h;
+    if (bad) return -1;
+    h->started = 1;
+    return 0;
 }
 
 /* The whole call on the caller's thread: sends and receives interleaved, neither ever
@@ -668,6 +678,16 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     s.steps = steps;
     s.nsteps = nsteps;
     s.base = base;
+    int64_t to_send = 0;
+    for (int t = 0; t < nsteps; t++) to_send += steps[t].send_len * itemsize;
+    if (to_send <= inline_max || start_helper(h)) {
+        /* (inline also when no sender thread can start: slower for large calls, never
+         * wrong) */
+        int r = run_inline(&s, recv_fd, tmp, dtype, op, nranks, peer_header, which);
+        free(base);
+        free(steps);
+        return r;
+    }
     pthread_mutex_init(&s.mu, NULL);
     pthread_condattr_t ca;
     pthread_condattr_init(&ca);
@@ -675,16 +695,6 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     pthread_cond_init(&s.cv, &ca);
     pthread_condattr_destroy(&ca);
     int64_t piece = PIECE / itemsize;
-    int64_t to_send = 0;
-    for (int t = 0; t < nsteps; t++) to_send += steps[t].send_len * itemsize;
-    if (to_send <= inline_max) {
-        int r = run_inline(&s, recv_fd, tmp, dtype, op, nranks, peer_header, which);
-        free(base);
-        free(steps);
-        pthread_mutex_destroy(&s.mu);
-        pthread_cond_destroy(&s.cv);
-        return r;
-    }
     pthread_mutex_lock(&h->mu);
     h->finished = 0;
     h->job = &s;
