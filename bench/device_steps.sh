@@ -3,6 +3,7 @@
 #   device_suite DIR     the whole suite on the device's Python (make test-gpu)
 #   device_p2p DIR ITERS the P2P path against NCCL, one process and two (bench/p2p_bench.py)
 #   device_site          install the carried wheels into $SITE and put src/ and $SITE first
+#   device_start DIR     mkdir DIR, device_site, device_machine DIR, build the native ring
 #   device_perf DIR FILE ARGS...  acoll-perf ARGS --vs gloo, TCP only, CPU only, into DIR/FILE
 #   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
@@ -56,4 +57,11 @@ device_netns() {
       "$dir/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native" \
       "$dir/$name.log"; } >>"$dir/netns.txt"
   rm -f "$dir/$name.log"
+}
+
+device_start() {
+  mkdir -p "$1"
+  device_site
+  device_machine "$1"
+  python3 -m acoll._native >"$1/build.txt" 2>&1
 }

@@ -7,11 +7,8 @@
 # OUT=dir NETBIN=.netbin bash bench/session32_device.sh
 set -u
 OUT=${OUT:-$PWD/session32_device}
-mkdir -p "$OUT"
 . bench/device_steps.sh
-device_site
-device_machine "$OUT"
-python3 -m acoll._native >"$OUT/build.txt" 2>&1
+device_start "$OUT"
 timeout 150 python3 -m pytest -q -p no:benchmark -p no:randomly -p no:cacheprovider \
   tests/test_native_ring.py >"$OUT/native_tests.txt" 2>&1
 echo "== native tests: exit $?" >>"$OUT/native_tests.txt"

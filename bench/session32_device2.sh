@@ -7,11 +7,8 @@
 # OUT=dir NETBIN=.netbin bash bench/session32_device2.sh
 set -u
 OUT=${OUT:-$PWD/session32_device2}
-mkdir -p "$OUT"
 . bench/device_steps.sh
-device_site
-device_machine "$OUT"
-python3 -m acoll._native >"$OUT/build.txt" 2>&1
+device_start "$OUT"
 SUITE_LIMIT=${SUITE_LIMIT:-260} WORKERS=12 device_suite "$OUT"
 grep -h "^FAILED\|^ERROR" "$OUT/suite.txt" | head -20
 for n in 8 4 2; do device_perf "$OUT" ar_$n.txt all_reduce -N $n -b 8 -e 128M -f 8; done

@@ -4,11 +4,8 @@
 # OUT=dir bash bench/session32_device3.sh
 set -u
 OUT=${OUT:-$PWD/session32_device3}
-mkdir -p "$OUT"
 . bench/device_steps.sh
-device_site
-device_machine "$OUT"
-python3 -m acoll._native >"$OUT/build.txt" 2>&1
+device_start "$OUT"
 SUITE_LIMIT=${SUITE_LIMIT:-280} WORKERS=12 device_suite /tmp
 { grep -h "^FAILED\|^ERROR" /tmp/suite.txt | head -40; tail -n 4 /tmp/suite.txt; } >"$OUT/suite_summary.txt"
 grep -c "^SKIPPED" /tmp/suite.txt >>"$OUT/suite_summary.txt"
