@@ -423,6 +423,8 @@ static void free_helper(helper *h) {
 
 static void *helper_main(void *arg) {
     helper *h = arg;
+    /* a name that top, gdb and /proc/<pid>/task/<tid>/comm show (at most 15 characters) */
+    pthread_setname_np(pthread_self(), "acoll-send");
     pthread_mutex_lock(&h->mu);
     for (;;) {
         while (!h->job && !h->quit) pthread_cond_wait(&h->cv, &h->mu);
