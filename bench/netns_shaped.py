@@ -21,6 +21,14 @@ and in-process transports off, then Gloo (``torch.distributed``) on the same hos
 busbw is reported against the line rate: for all_reduce, busbw is what each link carries per
 direction, so 100% is the link's rate.
 
+Every veth end steers its received packets by flow to one CPU (RPS over all CPUs), as a
+real NIC's receive-side scaling keeps a flow on one queue. Without it a veth hands each
+packet to the backlog of whichever CPU sent it (the one that ran the tbf at that moment),
+CPUs drain their backlogs independently, and a flow's packets arrive out of order: TCP
+then retransmits data that was never lost (measured: 800 to 1,100 retransmitted segments
+and about 100 out-of-order queueings a run with 4 hosts at 4 Gbit/s on 2 CPUs, every
+packet sent delivered; with RPS 8 and 0). ``--no-rps`` keeps the old behaviour.
+
     python bench/netns_shaped.py --rate 10gbit -b 1M -e 256M --out bench/results/x.txt
     python bench/netns_shaped.py --check      # set up, time one TCP stream, tear down
 """
@@ -54,6 +62,20 @@ _NAME_RE = re.compile(rf"^{PREFIX}(\d+)(sw|h\d+)$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?$", re.IGNORECASE)
 _STATS_RE = re.compile(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)")
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def cpu_mask(cpus: int | None = None) -> str:
+    """A Linux CPU bitmap of the first ``cpus`` CPUs (all by default): hex, a comma between
+    32-bit words, as ``rps_cpus`` takes it (``ff``, ``ffffffff,ffffffff``)."""
+    n = (os.cpu_count() or 1) if cpus is None else cpus
+    if n < 1:
+        raise ValueError(f"cpus must be >= 1, not {n}")
+    text = format((1 << n) - 1, "x")
+    words = []
+    while text:
+        words.append(text[-8:])
+        text = text[:-8]
+    return ",".join(reversed(words))
 
 
 def rate_bits(text: str) -> float:
@@ -140,6 +162,7 @@ class Topology:
     rate: str = "10gbit"
     burst: str = "256kb"
     limit: str = "4mb"
+    rps: bool = True  # steer each veth's received packets by flow (see the module docstring)
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     created: list[str] = field(default_factory=list)
 
@@ -157,6 +180,23 @@ class Topology:
     def _tbf(self, ns: str, dev: str) -> None:
         sh("tc", "-n", ns, "qdisc", "add", "dev", dev, "root", "tbf", "rate", self.rate,
            "burst", self.burst, "limit", self.limit)
+
+    @staticmethod
+    def _steer(ns: str, dev: str) -> None:
+        """RPS over every CPU for ``dev``'s receive queue (``ip netns exec`` gives the
+        command the namespace's own /sys)."""
+        path = f"/sys/class/net/{dev}/queues/rx-0/rps_cpus"
+        sh("ip", "netns", "exec", ns, "sh", "-c", f"echo {cpu_mask()} > {path}")
+
+    def steering(self) -> list[str]:
+        """Each veth end's RPS mask, as ``namespace/dev=mask``."""
+        out = []
+        for i in range(self.hosts):
+            for ns, dev in ((self.host(i), "eth0"), (self.switch, f"vh{i}")):
+                mask = sh("ip", "netns", "exec", ns, "cat",
+                          f"/sys/class/net/{dev}/queues/rx-0/rps_cpus", check=False)
+                out.append(f"{ns}/{dev}={mask.strip()}")
+        return out
 
     def _add_ns(self, ns: str) -> None:
         sh("ip", "netns", "add", ns)
@@ -184,6 +224,9 @@ class Topology:
                 sh("ip", "-n", ns, "link", "set", "eth0", "up")
                 self._tbf(ns, "eth0")  # host -> switch
                 self._tbf(self.switch, port)  # switch -> host
+                if self.rps:
+                    self._steer(ns, "eth0")
+                    self._steer(self.switch, port)
             self._wait_forwarding()
         except BaseException:
             self.destroy()
@@ -242,6 +285,88 @@ class Topology:
         except OSError:
             return -1
         return sum(int(r.split()[1], 16) for r in rows if len(r.split()) > 1)
+
+
+#: Where tracefs may be, in order (mounted there at the first use if it is not yet).
+TRACEFS = (Path("/sys/kernel/tracing"), Path("/sys/kernel/debug/tracing"))
+_DROP_RE = re.compile(r"location=(?:0x)?([A-Za-z0-9_.]+)\S* reason: (\w+)")
+
+
+def parse_drops(text: str) -> dict[str, int]:
+    """``{"REASON at function": count}`` from ``skb:kfree_skb`` trace lines (each freed
+    packet the kernel calls dropped names a reason and the function that dropped it)."""
+    out: dict[str, int] = {}
+    for m in _DROP_RE.finditer(text):
+        key = f"{m.group(2)} at {m.group(1)}"
+        out[key] = out.get(key, 0) + 1
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+class DropTrace:
+    """Every packet the kernel drops during a run, by reason and place: the ``skb:kfree_skb``
+    tracepoint (Linux >= 5.17 names a reason) in a tracefs instance of its own, so that it
+    neither sees nor disturbs other tracing. Machine-wide (every namespace): the namespaces
+    of the topology carry nearly all the packets of a run.
+
+    ``start()`` returns an error text instead of raising when tracing is unavailable.
+    """
+
+    def __init__(self, buffer_kb: int = 16384) -> None:
+        self.buffer_kb = buffer_kb
+        self.dir: Path | None = None
+
+    @staticmethod
+    def _root() -> Path:
+        for root in TRACEFS:
+            if (root / "instances").is_dir():
+                return root
+        root = TRACEFS[0]
+        sh("mount", "-t", "tracefs", "nodev", str(root))
+        if not (root / "instances").is_dir():
+            raise OSError(f"no tracefs instances under {root}")
+        return root
+
+    def start(self) -> str | None:
+        try:
+            inst = self._root() / "instances" / f"acoll-netns-{os.getpid()}"
+            if not inst.exists():
+                inst.mkdir()
+            self.dir = inst
+            event = inst / "events" / "skb" / "kfree_skb"
+            if not (event / "enable").exists():
+                raise OSError("this kernel has no skb:kfree_skb tracepoint")
+            (inst / "buffer_size_kb").write_text(str(self.buffer_kb))
+            (inst / "trace").write_text("")
+            (event / "enable").write_text("1")
+        except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+            self.close()
+            return f"drop trace unavailable: {exc}"
+        return None
+
+    def stop(self) -> tuple[dict[str, int], int]:
+        """(drops by reason and place, events the buffer overwrote) since :meth:`start`."""
+        if self.dir is None:
+            return {}, 0
+        with contextlib.suppress(OSError):
+            (self.dir / "events" / "skb" / "kfree_skb" / "enable").write_text("0")
+        text = ""
+        with contextlib.suppress(OSError):
+            text = (self.dir / "trace").read_text(errors="replace")
+        lost = 0
+        with contextlib.suppress(OSError, ValueError):
+            for cpu in (self.dir / "per_cpu").iterdir():
+                for line in (cpu / "stats").read_text().splitlines():
+                    if line.startswith("overrun:"):
+                        lost += int(line.split()[1])
+        return parse_drops(text), lost
+
+    def close(self) -> None:
+        if self.dir is not None:
+            with contextlib.suppress(OSError):
+                (self.dir / "events" / "skb" / "kfree_skb" / "enable").write_text("0")
+            with contextlib.suppress(OSError):
+                self.dir.rmdir()
+            self.dir = None
 
 
 @contextlib.contextmanager
@@ -325,6 +450,7 @@ class Run:
     busy: float  # fraction of all CPUs busy (anything on the machine), over the run
     tbf: tuple[int, int, int]  # bytes sent, drops, overlimits of every tbf during the run
     tcp: dict[str, int] = field(default_factory=dict)  # TCP_COUNTERS' growth over the run
+    drops: str = ""  # with --trace-drops: the kernel's dropped packets by reason and place
 
     @property
     def ok(self) -> bool:
@@ -332,11 +458,13 @@ class Run:
 
 
 def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[str, str],
-                timeout: float, port: int, profile: Path | None = None) -> Run:
+                timeout: float, port: int, profile: Path | None = None,
+                trace_drops: bool = False) -> Run:
     """One rank per host: ``acoll-perf all_reduce`` with acoll (``lib == "acoll"``) or gloo.
 
     ``profile``: a folder; each rank then runs under cProfile, writing
-    ``<lib>-rank<i>.prof`` there.
+    ``<lib>-rank<i>.prof`` there. ``trace_drops``: count the kernel's dropped packets by
+    reason over the run (:class:`DropTrace`).
     """
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ACOLL_", "GLOO_"))}
     secret = os.urandom(32).hex()
@@ -344,6 +472,8 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
     with tempfile.TemporaryDirectory(prefix="acoll-netns-") as tmp:
         result_file = Path(tmp, "rank0.json")
         q0, k0, d0 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
+        tracer = DropTrace() if trace_drops else None
+        trace_error = tracer.start() if tracer is not None else None
         t0, r0, c0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN), \
             _cpu_busy()
         try:
@@ -367,6 +497,9 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
             codes = group.wait(timeout)
         finally:
             group.kill()
+            dropped, overrun = tracer.stop() if tracer is not None else ({}, 0)
+            if tracer is not None:
+                tracer.close()
         c1, r1 = _cpu_busy(), resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.monotonic() - t0
         outs = [Path(tmp, f"rank{i}.out").read_text(errors="replace")
@@ -379,10 +512,15 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
         if codes is None:
             table += f"\n--- stopped: still running after {timeout:g} s"
     q1, k1, d1 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
+    drops = ""
+    if tracer is not None:
+        drops = trace_error or (", ".join(f"{k} {v}" for k, v in dropped.items()) or "none")
+        if overrun:
+            drops += f" (and {overrun} events the trace buffer lost)"
     return Run(lib, result, table, codes, wall, r1.ru_utime - r0.ru_utime,
                r1.ru_stime - r0.ru_stime, (c1[0] - c0[0]) / max(c1[1] - c0[1], 1.0),
                (q1[0] - q0[0], q1[1] - q0[1], q1[2] - q0[2]),
-               {**{k: k1[k] - k0[k] for k in k1}, "softnet drops": d1 - d0})
+               {**{k: k1[k] - k0[k] for k in k1}, "softnet drops": d1 - d0}, drops)
 
 
 # --------------------------------------------------------------------------- report
@@ -451,6 +589,8 @@ def summary(runs: Sequence[Run], line_gbs: float, target_from: int = 16 << 20,
                      f"MB through, {r.tbf[1]} packets dropped, {r.tbf[2]} overlimits")
         if r.tcp:
             lines.append(f"#   {name} TCP: " + ", ".join(f"{k} {v}" for k, v in r.tcp.items()))
+        if r.drops:
+            lines.append(f"#   {name} packets the kernel dropped: {r.drops}")
     return "\n".join(lines)
 
 
@@ -523,6 +663,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", default="4mb",
                    help="tbf queue limit in bytes, tc syntax (4mb: 3.4 ms at 10 Gbit/s)")
     p.add_argument("--hosts", type=int, default=4, help="hosts (namespaces), one rank each")
+    p.add_argument("--no-rps", action="store_true",
+                   help="leave the veths' receive steering off (packets of a flow then "
+                        "reach TCP out of order; see the module docstring)")
     p.add_argument("--libs", default="acoll,gloo", help="comma list of acoll, gloo")
     p.add_argument("-b", "--minbytes", default="1M")
     p.add_argument("-e", "--maxbytes", default="256M")
@@ -540,6 +683,9 @@ def _parser() -> argparse.ArgumentParser:
                         "size's best (damps other load on a shared machine)")
     p.add_argument("--profile", metavar="DIR",
                    help="run every rank under cProfile, writing DIR/<lib>-rank<i>.prof")
+    p.add_argument("--trace-drops", action="store_true",
+                   help="count every packet the kernel drops during each run, by reason "
+                        "and function (tracefs, skb:kfree_skb)")
     p.add_argument("--timeout", type=float, default=1200.0,
                    help="seconds one library's sweep may take (1200)")
     p.add_argument("--out", help="also write the report (with date, machine, command) here")
@@ -586,7 +732,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     stale = cleanup_stale()
     if stale:
         print(f"# removed namespaces of earlier runs: {' '.join(stale)}", file=sys.stderr)
-    topo = Topology(args.hosts, args.rate, args.burst, args.limit)
+    topo = Topology(args.hosts, args.rate, args.burst, args.limit, rps=not args.no_rps)
     sweep = ["-b", args.minbytes, "-e", args.maxbytes, "-f", args.stepfactor,
              "-n", args.iters, "-w", args.warmup_iters, *(["-c", "0"] if args.no_check else [])]
     date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
@@ -595,7 +741,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     header = [f"# {command}", f"# date {date}", f"# machine {_machine()}",
               f"# {_versions()}",
               f"# {topo.hosts} hosts (network namespaces) on one bridge; every link tbf "
-              f"rate {topo.rate} burst {topo.burst} limit {topo.limit}, both directions",
+              f"rate {topo.rate} burst {topo.burst} limit {topo.limit}, both directions; "
+              + (f"receive steering (RPS) of every veth end over CPUs {cpu_mask()}"
+                 if topo.rps else "no receive steering (--no-rps)"),
               f"# acoll: ACOLL_SOCKET_IFNAME==eth0 ACOLL_SHM_DISABLE=1 "
               f"ACOLL_INPROC_DISABLE=1 {' '.join(f'{k}={v}' for k, v in extra.items())}"
               .rstrip(), "# gloo: torch.distributed gloo, GLOO_SOCKET_IFNAME=eth0"]
@@ -619,7 +767,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for rep in range(max(1, args.repeat)):
             for k, lib in enumerate(libs):
                 run = run_library(topo, lib, sweep, extra, args.timeout,
-                                  29400 + 10 * (rep * len(libs) + k), profile)
+                                  29400 + 10 * (rep * len(libs) + k), profile,
+                                  args.trace_drops)
                 print(f"#\n# ---- {lib} (rank 0's table)\n{run.table.rstrip()}", flush=True)
                 runs.append(run)
     text = summary(runs, line_gbs)

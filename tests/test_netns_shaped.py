@@ -71,6 +71,11 @@ def test_hosts_links_and_shaping(topo: Any) -> None:
             q = ns_shaped.sh("tc", "-n", ns, "qdisc", "show", "dev", dev)
             assert "qdisc tbf" in q, q
             assert "rate 1Gbit" in q, q
+    # every veth end steers its received packets by flow over all CPUs
+    masks = t.steering()
+    assert len(masks) == 6
+    for m in masks:
+        assert int(m.split("=")[1].replace(",", ""), 16) == (1 << (os.cpu_count() or 1)) - 1, m
     # traffic flows, and no faster than the shaped rate (unshaped, this path carries ~6 Gbit/s)
     gbit = ns_shaped.check_stream(t, seconds=0.5)
     assert 0.05 < gbit < 1.1
@@ -176,6 +181,17 @@ def test_needs_root_says_so() -> None:
 
 # --------------------------------------------------------------------------- report arithmetic
 
+def test_cpu_mask() -> None:
+    assert ns_shaped.cpu_mask(1) == "1"
+    assert ns_shaped.cpu_mask(2) == "3"
+    assert ns_shaped.cpu_mask(16) == "ffff"
+    assert ns_shaped.cpu_mask(32) == "ffffffff"
+    assert ns_shaped.cpu_mask(36) == "f,ffffffff"
+    assert ns_shaped.cpu_mask(64) == "ffffffff,ffffffff"
+    with pytest.raises(ValueError, match="cpus must be >= 1"):
+        ns_shaped.cpu_mask(0)
+
+
 def test_rate_parsing() -> None:
     assert ns_shaped.rate_bits("10gbit") == 10e9
     assert ns_shaped.rate_bits("2500Mbit") == 2.5e9
@@ -213,3 +229,47 @@ def test_summary_against_line_rate() -> None:
     assert "gloo at >= 16M): missed at 32M" in text
     assert "# acoll: wall 10.0 s, ranks' CPU 12.0 s (user 8.0, sys 4.0) = 1.20 cores; " \
            "all CPUs 90% busy; tbf: 1000 MB through, 0 packets dropped, 5 overlimits" in text
+
+
+def test_drop_trace_parsing() -> None:
+    text = ("# tracer: nop\n#\n"
+            "  python3-812 [001] ..s1. 50.1: kfree_skb: skbaddr=0000000012 rx_sk=0000000000 "
+            "protocol=2048 location=tcp_v4_rcv+0x1c1/0x1010 reason: NO_SOCKET\n"
+            "  <idle>-0 [000] ..s2. 50.2: kfree_skb: skbaddr=0000000013 rx_sk=0000000000 "
+            "protocol=2048 location=tcp_data_queue+0x4b0/0x1230 reason: TCP_OFO_DROP\n"
+            "  <idle>-0 [000] ..s2. 50.3: kfree_skb: skbaddr=0000000014 rx_sk=0000000000 "
+            "protocol=2048 location=tcp_data_queue+0x4b0/0x1230 reason: TCP_OFO_DROP\n"
+            "  x-1 [000] ..s2. 50.4: kfree_skb: skbaddr=0000000015 rx_sk=0000000000 "
+            "protocol=2048 location=0xffffffff81a2b3c4 reason: NOT_SPECIFIED\n")
+    got = ns_shaped.parse_drops(text)
+    assert got == {"TCP_OFO_DROP at tcp_data_queue": 2, "NO_SOCKET at tcp_v4_rcv": 1,
+                   "NOT_SPECIFIED at ffffffff81a2b3c4": 1}
+    assert next(iter(got)) == "TCP_OFO_DROP at tcp_data_queue"  # most frequent first
+
+
+@needs_root
+def test_drop_trace_sees_a_dropped_datagram() -> None:
+    """A UDP datagram to a port nobody listens on is dropped by the kernel (no socket):
+    the trace names it; and the tracefs instance is gone afterwards."""
+    import socket
+
+    tracer = ns_shaped.DropTrace(buffer_kb=1024)
+    error = tracer.start()
+    if error is not None:
+        pytest.skip(error)
+    try:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()  # now nobody listens there
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            for _ in range(3):
+                s.sendto(b"x", ("127.0.0.1", port))
+        time.sleep(0.2)
+        drops, _ = tracer.stop()
+    finally:
+        inst = tracer.dir
+        tracer.close()
+    assert inst is not None
+    assert not inst.exists()
+    assert sum(v for k, v in drops.items() if k.startswith("NO_SOCKET at ")) >= 3, drops
