@@ -54,7 +54,7 @@ device_netns() {
     bench/netns_shaped.py --rate 10gbit -b 16M -e 64M -f 2 -n 20 -w 5 --timeout 90 "$@" \
     >"$dir/$name.log" 2>&1
   { echo "## $name: exit $? at $SECONDS s"; grep -A5 "acoll_busbw\|gloo_busbw" \
-      "$dir/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native" \
+      "$dir/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native\|kernel dropped\|steering" \
       "$dir/$name.log"; } >>"$dir/netns.txt"
   rm -f "$dir/$name.log"
 }

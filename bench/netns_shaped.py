@@ -264,6 +264,27 @@ class Topology:
                         total[k] += int(m.group(k + 1))
         return total[0], total[1], total[2]
 
+    def _link_packets(self, ns: str, dev: str) -> tuple[int, int]:
+        """(received, sent) packets of one veth end, from ``ip -s -j link``."""
+        text = sh("ip", "-n", ns, "-s", "-j", "link", "show", "dev", dev, check=False)
+        try:
+            stats = json.loads(text)[0]["stats64"]
+            return int(stats["rx"]["packets"]), int(stats["tx"]["packets"])
+        except (ValueError, LookupError, TypeError):
+            return -1, -1
+
+    def link_packets(self) -> tuple[int, int]:
+        """Packets the veth ends sent and those their peers received, summed over every
+        link and direction (a veth packet may be a TCP segmentation-offload burst): a gap
+        means packets lost between the two ends of a link."""
+        sent = received = 0
+        for i in range(self.hosts):
+            h_rx, h_tx = self._link_packets(self.host(i), "eth0")
+            s_rx, s_tx = self._link_packets(self.switch, f"vh{i}")
+            sent += h_tx + s_tx
+            received += s_rx + h_rx
+        return sent, received
+
     def tcp_counters(self) -> dict[str, int]:
         """TCP's counters of :data:`TCP_COUNTERS`, summed over the hosts' namespaces (from
         their ``/proc/net/snmp`` and ``/proc/net/netstat``)."""
@@ -472,6 +493,7 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
     with tempfile.TemporaryDirectory(prefix="acoll-netns-") as tmp:
         result_file = Path(tmp, "rank0.json")
         q0, k0, d0 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
+        p0 = topo.link_packets()
         tracer = DropTrace() if trace_drops else None
         trace_error = tracer.start() if tracer is not None else None
         t0, r0, c0 = time.monotonic(), resource.getrusage(resource.RUSAGE_CHILDREN), \
@@ -512,6 +534,7 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
         if codes is None:
             table += f"\n--- stopped: still running after {timeout:g} s"
     q1, k1, d1 = topo.tbf_counters(), topo.tcp_counters(), topo.softnet_drops()
+    p1 = topo.link_packets()
     drops = ""
     if tracer is not None:
         drops = trace_error or (", ".join(f"{k} {v}" for k, v in dropped.items()) or "none")
@@ -520,7 +543,9 @@ def run_library(topo: Topology, lib: str, sweep: Sequence[str], extra_env: dict[
     return Run(lib, result, table, codes, wall, r1.ru_utime - r0.ru_utime,
                r1.ru_stime - r0.ru_stime, (c1[0] - c0[0]) / max(c1[1] - c0[1], 1.0),
                (q1[0] - q0[0], q1[1] - q0[1], q1[2] - q0[2]),
-               {**{k: k1[k] - k0[k] for k in k1}, "softnet drops": d1 - d0}, drops)
+               {**{k: k1[k] - k0[k] for k in k1}, "softnet drops": d1 - d0,
+                "link packets sent": p1[0] - p0[0],
+                "not received": (p1[0] - p0[0]) - (p1[1] - p0[1])}, drops)
 
 
 # --------------------------------------------------------------------------- report

@@ -77,8 +77,13 @@ def test_hosts_links_and_shaping(topo: Any) -> None:
     for m in masks:
         assert int(m.split("=")[1].replace(",", ""), 16) == (1 << (os.cpu_count() or 1)) - 1, m
     # traffic flows, and no faster than the shaped rate (unshaped, this path carries ~6 Gbit/s)
+    before = t.link_packets()
     gbit = ns_shaped.check_stream(t, seconds=0.5)
     assert 0.05 < gbit < 1.1
+    after = t.link_packets()
+    sent, received = after[0] - before[0], after[1] - before[1]
+    assert sent > 1000  # (both directions of both hops: data and ACKs)
+    assert received == sent  # every packet a veth end sent, its peer received
 
 
 @pytest.mark.netns
