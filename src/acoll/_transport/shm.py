@@ -83,13 +83,13 @@ from . import shmlane, shmring
 from .base import (
     META_SIZE,
     Capability,
-    Connection,
     ConnectionLost,
     PeerInfo,
     QueuedListener,
     Transport,
 )
 from .copyout import PacedCopies
+from .lifecycle import LoopConnection
 from .matching import Matcher, Message
 
 __all__ = ["DISABLE", "LANE_MAX", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
@@ -251,7 +251,7 @@ class _Send:
 _Msg = Message[asyncio.Future[bytes], None]
 
 
-class ShmConnection(Connection):
+class ShmConnection(LoopConnection[asyncio.Future[bytes], None]):
     """A :class:`~.base.Connection` over a shared segment and its control socket (see the
     module doc). ``rx_index`` is the ring this end reads (0 for the acceptor)."""
 
@@ -301,10 +301,6 @@ class ShmConnection(Connection):
             self._schedule()
 
     # ------------------------------------------------------------------ public
-    @property
-    def failed(self) -> ConnectionLost | None:
-        return self._failed
-
     def mailboxes(self) -> tuple[shmlane.Outbox, shmlane.Inbox] | None:
         """This end's mailboxes for the communicator's lane (:mod:`.shmlane`): views of the
         segment that the caller owns (they stay valid after the connection closes, until
@@ -326,11 +322,6 @@ class ShmConnection(Connection):
         if self._fd < 0:
             with contextlib.suppress(BufferError):
                 self._mm.close()
-
-    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
-        self._on_failure = callback
-        if self._failed is not None:
-            self._loop.call_soon(callback, self._failed)
 
     def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
@@ -449,25 +440,9 @@ class ShmConnection(Connection):
         if sends:
             self._fail_sends(exc)
 
-    def _lost(self, exc: ConnectionLost) -> None:
-        if self._failed is not None:
-            return
-        self._failed = exc
-        if exc.orderly and not self._closing:
-            # messages that had fully arrived stay receivable (everything sent before an
-            # orderly close is delivered)
-            for msg in self._match.peer_closed(exc):
-                self._deliver(msg)
-        if self._closing and not exc.orderly:
-            exc = ConnectionLost(str(exc), orderly=True)
+    def _settle_lost(self, exc: ConnectionLost) -> None:
         self._fail_pending(exc, sends=True)
         self._release()
-        if self._on_failure is not None and not self._closing:
-            # Synchronously, so the owner's state is updated before waiters resume.
-            try:
-                self._on_failure(exc)
-            except Exception:
-                log.exception("connection failure callback raised")
 
     def _release(self) -> None:
         # Whatever is still pending can no longer complete: fail it, never leave it hanging.
@@ -493,20 +468,6 @@ class ShmConnection(Connection):
             self._failed = ConnectionLost("the connection was closed locally", orderly=True)
         if not self._released.done():
             self._released.set_result(None)
-
-    def _release_guarded(self) -> None:
-        try:
-            self._release()
-        except Exception as exc:
-            self._internal_error("releasing the connection to", exc)
-
-    def _internal_error(self, what: str, exc: BaseException) -> None:
-        """Last resort of every loop callback: a bug fails the connection, never the loop."""
-        log.error("internal error while %s %s", what, self.peer, exc_info=exc)
-        try:
-            self._lost(ConnectionLost(f"internal error while {what} {self.peer}: {exc!r}"))
-        except Exception:
-            log.exception("failing the connection to %s raised", self.peer)
 
     # ------------------------------------------------------------------ the loop side
     def _schedule(self) -> None:

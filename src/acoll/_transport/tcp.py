@@ -101,6 +101,7 @@ from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
 from .base import META_SIZE, Connection, ConnectionLost, QueuedListener, Transport
 from .copyout import PacedCopies
+from .lifecycle import LoopConnection
 from .matching import Matcher, Message
 
 __all__ = ["RawLink", "TcpConnection", "TcpListener", "TcpTransport"]
@@ -405,7 +406,7 @@ def _fail_items(items: deque[list[Any]], exc: ConnectionLost) -> None:
     items.clear()
 
 
-class TcpConnection(Connection):
+class TcpConnection(LoopConnection[asyncio.Future[bytes], None]):
     """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
 
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
@@ -447,15 +448,6 @@ class TcpConnection(Connection):
             self._loop.add_reader(s.fd, self._on_readable, s)
 
     # ------------------------------------------------------------------ public
-    @property
-    def failed(self) -> ConnectionLost | None:
-        return self._failed
-
-    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
-        self._on_failure = callback
-        if self._failed is not None:
-            self._loop.call_soon(callback, self._failed)
-
     def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = self._loop.create_future()
@@ -565,25 +557,9 @@ class TcpConnection(Connection):
             for s in self._socks:
                 _fail_items(s.queue, exc)  # (a batch in flight settles its sends on return)
 
-    def _lost(self, exc: ConnectionLost) -> None:
-        if self._failed is not None:
-            return
-        self._failed = exc
-        if exc.orderly and not self._closing:
-            # messages that had fully arrived stay receivable (everything sent before an
-            # orderly close is delivered)
-            for msg in self._match.peer_closed(exc):
-                self._deliver(msg)
-        if self._closing and not exc.orderly:
-            exc = ConnectionLost(str(exc), orderly=True)
+    def _settle_lost(self, exc: ConnectionLost) -> None:
         self._fail_pending(exc, sends=True)
         self._release()
-        if self._on_failure is not None and not self._closing:
-            # Synchronously, so the owner's state is updated before waiters resume.
-            try:
-                self._on_failure(exc)
-            except Exception:
-                log.exception("connection failure callback raised")
 
     def _release(self) -> None:
         # Whatever is still pending can no longer complete: fail it, never leave it hanging.
@@ -619,20 +595,6 @@ class TcpConnection(Connection):
     def _check_released(self) -> None:
         if not self._released.done() and all(x.fd < 0 for x in self._socks):
             self._released.set_result(None)
-
-    def _release_guarded(self) -> None:
-        try:
-            self._release()
-        except Exception as exc:
-            self._internal_error("releasing the connection to", exc)
-
-    def _internal_error(self, what: str, exc: BaseException) -> None:
-        """Last resort of every loop callback: a bug fails the connection, never the loop."""
-        log.error("internal error while %s %s", what, self.peer, exc_info=exc)
-        try:
-            self._lost(ConnectionLost(f"internal error while {what} {self.peer}: {exc!r}"))
-        except Exception:
-            log.exception("failing the connection to %s raised", self.peer)
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._released)

@@ -98,7 +98,6 @@ from ...errors import AcollError, ClosedError, ProtocolError, TransportError
 from ..base import (
     META_SIZE,
     Capability,
-    Connection,
     ConnectionLost,
     MessageSizeError,
     PeerInfo,
@@ -106,6 +105,7 @@ from ..base import (
     Transport,
 )
 from ..copyout import PacedCopies
+from ..lifecycle import LoopConnection
 from ..matching import Matcher, Message
 from ..tcp import MAX_EARLY, TcpConnection, TcpListener, TcpTransport
 from . import gdr, wire
@@ -903,7 +903,7 @@ class _Write:
         self.outstanding = 0
 
 
-class RdmaConnection(Connection):
+class RdmaConnection(LoopConnection["_RecvOp", "_Incoming"]):
     """A :class:`~.base.Connection` over one RC queue pair. See the module doc."""
 
     def __init__(self, transport: RdmaTransport, ep: Endpoint, tcp: TcpConnection,
@@ -987,10 +987,6 @@ class RdmaConnection(Connection):
             self._released_fut.set_result(None)
 
     @property
-    def failed(self) -> ConnectionLost | None:
-        return self._failed
-
-    @property
     def _gone(self) -> bool:
         """Released (a property, so that type narrowing does not outlive a call)."""
         return self._released
@@ -1000,11 +996,6 @@ class RdmaConnection(Connection):
             return self._ep.state() == QPS_ERR
         except TransportError:
             return True
-
-    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
-        self._on_failure = callback
-        if self._failed is not None:
-            self._loop.call_soon(callback, self._failed)
 
     async def wait_closed(self) -> None:
         await asyncio.shield(self._released_fut)
@@ -1677,28 +1668,11 @@ class RdmaConnection(Connection):
         self._lost(ConnectionLost(f"{self.peer}: {why}"))
 
     # ------------------------------------------------------------------ failure
-    def _lost(self, exc: ConnectionLost) -> None:
-        if self._failed is not None or self._released:
-            return
-        self._failed = exc
-        if exc.orderly and not self._closing:
-            for msg in self._match.peer_closed(exc):
-                self._deliver(msg)
-        if self._closing and not exc.orderly:
-            exc = ConnectionLost(str(exc), orderly=True)
-        self._release(abort=not exc.orderly)
-        if self._on_failure is not None and not self._closing:
-            try:
-                self._on_failure(exc)
-            except Exception:
-                log.exception("connection failure callback raised")
+    def _ended(self) -> bool:
+        return self._released
 
-    def _internal_error(self, what: str, exc: BaseException) -> None:
-        log.error("internal error while %s %s", what, self.peer, exc_info=exc)
-        try:
-            self._lost(ConnectionLost(f"internal error while {what} {self.peer}: {exc!r}"))
-        except Exception:
-            log.exception("failing the connection to %s raised", self.peer)
+    def _settle_lost(self, exc: ConnectionLost) -> None:
+        self._release(abort=not exc.orderly)
 
     def _release(self, *, abort: bool = False) -> None:
         """Stop the queue pair, then fail whatever is pending and free everything."""

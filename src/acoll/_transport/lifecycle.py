@@ -1,0 +1,110 @@
+"""How a loop-driven connection ends: the part the TCP, shared-memory and RDMA connections
+share.
+
+Contracts (every subclass keeps them; ``tests/transport_conformance.py`` checks them):
+
+- The first error recorded ends the connection (``_failed``); later ones are ignored.
+- When the peer closes in order, messages that had fully arrived stay receivable: they are
+  handed to their posted (or later) receives before anything else is failed.
+- An error that arrives while this side is closing is reported as an orderly end (the
+  close was asked for), and the owner's failure callback is not called for it.
+- The owner's failure callback runs synchronously, once, before the waiters of failed
+  operations resume; if it raises, that is logged and the connection still ends.
+- A bug inside one of the connection's loop callbacks fails that connection (with the
+  internal error named), never the event loop.
+
+A subclass provides ``_loop``, ``peer``, ``_match`` and sets ``_failed = None``,
+``_on_failure = None`` and ``_closing = False`` in its ``__init__``; it implements
+:meth:`_deliver` (hand an arrived message to its receive), :meth:`_settle_lost` (fail what
+is pending and release the resources) and :meth:`_release`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from abc import abstractmethod
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+from .._config import get_logger
+from .base import Connection, ConnectionLost
+from .matching import Matcher, Message
+
+log = get_logger("NET")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+class LoopConnection(Connection, Generic[T, R]):
+    """A :class:`~.base.Connection` whose work runs in event-loop callbacks, with the
+    ending rules of the module docstring. ``T``, ``R``: its :class:`~.matching.Matcher`'s
+    receive and stored-message types."""
+
+    _loop: asyncio.AbstractEventLoop
+    _match: Matcher[T, R]
+    peer: str
+    _failed: ConnectionLost | None
+    _on_failure: Callable[[ConnectionLost], None] | None
+    _closing: bool
+
+    @property
+    def failed(self) -> ConnectionLost | None:
+        return self._failed
+
+    def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
+        self._on_failure = callback
+        if self._failed is not None:
+            self._loop.call_soon(callback, self._failed)
+
+    def _ended(self) -> bool:
+        """Whether the connection is already over in a way ``_failed`` does not record
+        (released without an error); ``_lost`` then does nothing."""
+        return False
+
+    def _lost(self, exc: ConnectionLost) -> None:
+        """End the connection with ``exc`` (the first such call wins)."""
+        if self._failed is not None or self._ended():
+            return
+        self._failed = exc
+        if exc.orderly and not self._closing:
+            # messages that had fully arrived stay receivable (everything sent before an
+            # orderly close is delivered)
+            for msg in self._match.peer_closed(exc):
+                self._deliver(msg)
+        if self._closing and not exc.orderly:
+            exc = ConnectionLost(str(exc), orderly=True)
+        self._settle_lost(exc)
+        if self._on_failure is not None and not self._closing:
+            # Synchronously, so the owner's state is updated before waiters resume.
+            try:
+                self._on_failure(exc)
+            except Exception:
+                log.exception("connection failure callback raised")
+
+    def _release_guarded(self) -> None:
+        try:
+            self._release()
+        except Exception as exc:
+            self._internal_error("releasing the connection to", exc)
+
+    def _internal_error(self, what: str, exc: BaseException) -> None:
+        """Last resort of every loop callback: a bug fails the connection, never the loop."""
+        log.error("internal error while %s %s", what, self.peer, exc_info=exc)
+        try:
+            self._lost(ConnectionLost(f"internal error while {what} {self.peer}: {exc!r}"))
+        except Exception:
+            log.exception("failing the connection to %s raised", self.peer)
+
+    @abstractmethod
+    def _deliver(self, msg: Message[T, R]) -> None:
+        """Hand a fully arrived message to its receive (or keep it for a later one)."""
+
+    @abstractmethod
+    def _settle_lost(self, exc: ConnectionLost) -> None:
+        """After ``_failed`` is set: fail whatever is pending with ``exc`` and release the
+        connection's resources."""
+
+    @abstractmethod
+    def _release(self) -> None:
+        """Free every resource of the connection, failing what is still pending. Idempotent."""
