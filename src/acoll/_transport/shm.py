@@ -62,7 +62,6 @@ import array
 import asyncio
 import contextlib
 import fcntl
-import functools
 import mmap
 import os
 import platform
@@ -80,12 +79,12 @@ from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
 from . import shmlane, shmring
+from .accepting import Evicted, HandshakeListener
 from .base import (
     META_SIZE,
     Capability,
     ConnectionLost,
     PeerInfo,
-    QueuedListener,
     Transport,
 )
 from .copyout import PacedCopies
@@ -154,7 +153,6 @@ _REFUSED = bytes(_ACK.size)  # sent instead of the answer: "you do not hold the 
 _MAX_HELLO = _auth.PREAUTH_MAX_FRAME
 _MAX_RING = 1 << 30
 _EVICTED_RETRIES = 20
-_ACCEPT_BUDGET = 64
 _LINGER = 5.0  # how long a closing connection waits for the peer's close or end of file
 _IO_NS = 200_000  # a callback or poll starts no new copy after this (ns)
 _COPY_SLICE = 128 << 10  # bytes copied out of the ring between two looks at the clock
@@ -852,16 +850,7 @@ def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
     return mm
 
 
-class _Evicted(Exception):
-    """The listener closed a handshake without answering (not a refusal): try again."""
-
-
-def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
-    if task.cancelled():
-        sock.close()
-
-
-class ShmListener(QueuedListener):
+class ShmListener(HandshakeListener):
     """Accepts authenticated shared-memory connections on an abstract Unix socket.
 
     Every accepted socket runs the exchange of :mod:`acoll._auth` (see the module doc)
@@ -870,6 +859,8 @@ class ShmListener(QueuedListener):
     authenticated connectors.
     """
 
+    kind = "shm"
+
     def __init__(self, sock: socket.socket, handle: bytes, key: bytes, capacity: int,
                  handshake_timeout: float, lane: int = 0) -> None:
         self._sock = sock
@@ -877,35 +868,9 @@ class ShmListener(QueuedListener):
         self._key = key
         self._capacity = capacity
         self._lane = lane
-        self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
-        self._gate = _auth.PreAuthGate()
-        self._refusals = _auth.RefusalLog(log)
-        super().__init__()
-        self._tasks: set[asyncio.Task[None]] = set()
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), self._on_acceptable)
+        super().__init__(sock, handshake_timeout)
 
-    def _on_acceptable(self) -> None:
-        for _ in range(_ACCEPT_BUDGET):
-            try:
-                conn, _addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: say so, try again on next wake-up
-                log.warning("shm listener accept failed: %s", exc)
-                return
-            conn.setblocking(False)
-            task = self._loop.create_task(self._handshake(conn))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-            task.add_done_callback(functools.partial(_close_if_cancelled, conn))
-            token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
-            task.add_done_callback(functools.partial(self._left_gate, token))
-
-    def _left_gate(self, token: int, _task: asyncio.Task[None]) -> None:
-        self._gate.leave(token)
-
-    async def _handshake(self, sock: socket.socket) -> None:
+    async def _handshake(self, sock: socket.socket, _addr: object) -> None:
         loop = self._loop
         peer = _peer_name(sock)
         fd = -1
@@ -964,15 +929,6 @@ class ShmListener(QueuedListener):
             return
         self._offer(hello, ShmConnection(sock, mm, 0, peer))
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.remove_reader(self._sock.fileno())
-        for task in self._tasks:
-            task.cancel()
-        self._sock.close()
-        self._close_queue()
 
 
 class ShmTransport(Transport):
@@ -1052,7 +1008,7 @@ class ShmTransport(Transport):
                 peer = _peer_name(sock)
                 mm = await wait_until(self._authenticate(loop, sock, hello), deadline,
                                       f"handshake with {peer}")
-            except _Evicted:
+            except Evicted:
                 sock.close()
                 log.info("shm connection dropped during its handshake; retrying (%d)",
                          attempt + 1)
@@ -1073,7 +1029,7 @@ class ShmTransport(Transport):
             magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock,
                                                                        _CHAL.size))
         except ConnectionError:
-            raise _Evicted from None
+            raise Evicted from None
         if magic != _MAGIC or version != _VERSION:
             raise ProtocolError("the listener is not an acoll shm listener")
         nonce_c = _auth.new_nonce()
@@ -1085,7 +1041,7 @@ class ShmTransport(Transport):
             try:
                 ack = await _recv_exactly(loop, sock, _ACK.size, fds)
             except ConnectionError:
-                raise _Evicted from None
+                raise Evicted from None
             proof, capacity, lane = _ACK.unpack(ack)
             if ack == _REFUSED:
                 raise ProtocolError("the listener refused the connection: this rank does "

@@ -79,7 +79,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import queue
 import select
@@ -99,7 +98,8 @@ from .._deadline import wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
-from .base import META_SIZE, Connection, ConnectionLost, QueuedListener, Transport
+from .accepting import Evicted, HandshakeListener
+from .base import META_SIZE, Connection, ConnectionLost, Transport
 from .copyout import PacedCopies
 from .lifecycle import LoopConnection
 from .matching import Matcher, Message
@@ -153,7 +153,6 @@ _SEND_SLICE = 512 << 10  # bytes per sendmsg call (loopback sendmsg costs more p
 _IO_NS = 200_000  # a reader/writer callback or poll starts no new call after this (ns)
 _IOV = 64  # queued buffers per sendmsg call
 _LINGER = 5.0  # how long a closing socket waits for the peer's EOF
-_ACCEPT_BUDGET = 64  # connections accepted per readiness callback
 _SPLIT_FLAG = 0x8000  # in the handshake's socket count: the connection's sockets are split
 _RAW_FLAG = 0x4000  # in the handshake's socket count: one socket for the native ring (RawLink)
 _MAX_SOCKS = 16  # sockets per connection, twice this when split
@@ -999,7 +998,7 @@ class TcpConnection(LoopConnection[asyncio.Future[bytes], None]):
             fut.set_result(msg.meta)
 
 
-class TcpListener(QueuedListener):
+class TcpListener(HandshakeListener):
     """Accepts authenticated TCP connections and assembles multi-socket ones.
 
     Every accepted socket runs the exchange of :mod:`acoll._auth` (see the module doc)
@@ -1008,6 +1007,8 @@ class TcpListener(QueuedListener):
     that announced several wait for the others at most that long too, in at most that
     many incomplete connections.
     """
+
+    kind = "data"
 
     def __init__(self, sock: socket.socket, handle: bytes, stripe: int, bufsize: int,
                  handshake_timeout: float, key: bytes, threads: _SendThreads | None = None,
@@ -1019,42 +1020,10 @@ class TcpListener(QueuedListener):
         self._recv_threads = recv_threads
         self._bufsize = bufsize
         self._key = key
-        self._timeout = min(handshake_timeout, _auth.PREAUTH_TIMEOUT.resolve())
-        self._gate = _auth.PreAuthGate()
-        self._refusals = _auth.RefusalLog(log)
         # connection id -> (socket count, sockets by index, expiry timer) while they arrive
         self._partial: dict[int, tuple[int, dict[int, socket.socket], asyncio.TimerHandle]]
         self._partial = {}
-        super().__init__()
-        self._tasks: set[asyncio.Task[None]] = set()
-        # Accepting from a readiness callback, not a task awaiting sock_accept: a task
-        # cancelled just after the kernel handed it a socket would drop that socket.
-        self._loop = asyncio.get_running_loop()
-        self._loop.add_reader(sock.fileno(), self._on_acceptable)
-
-    def _on_acceptable(self) -> None:
-        for _ in range(_ACCEPT_BUDGET):
-            try:
-                conn, addr = self._sock.accept()
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as exc:  # EMFILE and friends: say so, try again on next wake-up
-                log.warning("data listener accept failed: %s", exc)
-                return
-            conn.setblocking(False)
-            self._start_handshake(conn, addr)
-
-    def _start_handshake(self, conn: socket.socket, addr: Any) -> None:
-        task = self._loop.create_task(self._handshake(conn, addr))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        # cancelled before it ran, the handshake never reached its own cleanup
-        task.add_done_callback(functools.partial(_close_if_cancelled, conn))
-        token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
-        task.add_done_callback(functools.partial(self._left_gate, token))
-
-    def _left_gate(self, token: int, _task: asyncio.Task[None]) -> None:
-        self._gate.leave(token)
+        super().__init__(sock, handshake_timeout)
 
     async def _handshake(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
@@ -1137,17 +1106,9 @@ class TcpListener(QueuedListener):
         for sock in group.values():
             sock.close()
 
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self._loop.remove_reader(self._sock.fileno())
-        for task in self._tasks:
-            task.cancel()
+    def _close_pending(self) -> None:
         for conn_id in list(self._partial):
             self._expire(conn_id)
-        self._sock.close()
-        self._close_queue()
 
 
 class RawLink(Connection):
@@ -1214,15 +1175,6 @@ class RawLink(Connection):
 
     async def wait_closed(self) -> None:
         return
-
-
-class _Evicted(Exception):
-    """The listener closed a handshake without answering (not a refusal): try again."""
-
-
-def _close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
-    if task.cancelled():
-        sock.close()
 
 
 def _claims(index: int, nsocks: int, conn_id: int, hello: bytes) -> bytes:
@@ -1323,7 +1275,7 @@ class TcpTransport(Transport):
                                                             wire_count),
                                          deadline, f"handshake with {host}:{port}")
                         break
-                    except _Evicted:
+                    except Evicted:
                         # the listener dropped us unanswered (busy, or making room under
                         # a flood of unauthenticated connections): connect again
                         socks.pop().close()
@@ -1346,7 +1298,7 @@ class TcpTransport(Transport):
         try:
             magic, version, nonce_a = _CHAL.unpack(await _recv_exactly(loop, sock, _CHAL.size))
         except ConnectionError:
-            raise _Evicted from None
+            raise Evicted from None
         if magic != _HS_MAGIC or version != _HS_VERSION:
             raise ProtocolError("the listener is not an acoll data listener")
         nonce_c = _auth.new_nonce()
@@ -1358,7 +1310,7 @@ class TcpTransport(Transport):
         try:
             proof = await _recv_exactly(loop, sock, _auth.PROOF_SIZE)
         except ConnectionError:
-            raise _Evicted from None
+            raise Evicted from None
         if proof == _REFUSED:
             raise ProtocolError("the listener refused the connection: this rank does not "
                                 "hold the job's key")
