@@ -678,6 +678,50 @@ class TransportConformance:
         assert len(late.calls) == 1
         assert len(rec.calls) == 1
 
+    async def test_no_failure_callback_for_a_local_close(self, harness: TransportHarness,
+                                                         pair: Pair) -> None:
+        """The side that closes (or aborts) hears nothing: the owner asked for it; the
+        peer hears of it once."""
+        mine, theirs = FailureRecorder(), FailureRecorder()
+        pair.a.set_failure_callback(mine)
+        pair.b.set_failure_callback(theirs)
+        pair.a.close(notice=b"done")
+        await within(theirs.event.wait())
+        await within(pair.a.wait_closed())
+        pair.a.abort()
+        await asyncio.sleep(0.05)
+        assert mine.calls == []
+        assert len(theirs.calls) == 1
+        assert theirs.calls[0].orderly
+
+    async def test_raising_failure_callback_still_ends_the_connection(
+            self, harness: TransportHarness, pair: Pair) -> None:
+        """A failure callback that raises does not reach the loop's exception handler and
+        does not stop the connection from ending: its receives fail, it releases."""
+        loop = asyncio.get_running_loop()
+        seen: list[dict[str, Any]] = []
+        old = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, ctx: seen.append(ctx))
+        calls: list[ConnectionLost] = []
+
+        def bad(exc: ConnectionLost) -> None:
+            calls.append(exc)
+            raise RuntimeError("the owner's callback is broken")
+
+        try:
+            pair.a.set_failure_callback(bad)
+            pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
+            pair.b.abort()
+            with pytest.raises(ConnectionLost):
+                await within(pending)
+            await within(pair.a.wait_closed())
+            await asyncio.sleep(0.05)
+        finally:
+            loop.set_exception_handler(old)
+        assert len(calls) == 1
+        assert pair.a.failed is not None
+        assert seen == []
+
     async def test_local_close(self, harness: TransportHarness, pair: Pair) -> None:
         pending = pair.a.irecv(harness.buffer(bytearray(10)), 1)
         pair.a.close()

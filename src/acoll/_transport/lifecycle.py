@@ -13,10 +13,12 @@ Contracts (every subclass keeps them; ``tests/transport_conformance.py`` checks 
 - A bug inside one of the connection's loop callbacks fails that connection (with the
   internal error named), never the event loop.
 
-A subclass provides ``_loop``, ``peer``, ``_match`` and sets ``_failed = None``,
-``_on_failure = None`` and ``_closing = False`` in its ``__init__``; it implements
-:meth:`_deliver` (hand an arrived message to its receive), :meth:`_settle_lost` (fail what
-is pending and release the resources) and :meth:`_release`.
+:class:`FutureConnection` adds the delivery of the connections whose receives are
+futures (TCP, shared memory). A subclass provides
+``_loop``, ``peer`` and ``_match``, sets ``_failed = None``, ``_on_failure = None`` and
+``_closing = False`` in its ``__init__``, and implements :meth:`_deliver` (hand an arrived
+message to its receive), :meth:`_settle_lost` (fail what is pending and release the
+resources) and :meth:`_release`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Generic, TypeVar
 
 from .._config import get_logger
 from .base import Connection, ConnectionLost
+from .copyout import PacedCopies
 from .matching import Matcher, Message
 
 log = get_logger("NET")
@@ -108,3 +111,24 @@ class LoopConnection(Connection, Generic[T, R]):
     @abstractmethod
     def _release(self) -> None:
         """Free every resource of the connection, failing what is still pending. Idempotent."""
+
+
+class FutureConnection(LoopConnection["asyncio.Future[bytes]", None]):
+    """A :class:`LoopConnection` whose receives are futures of the sender's meta, and whose
+    messages kept in storage are copied out into their receive by ``_copies``."""
+
+    _copies: PacedCopies
+
+    def _deliver(self, msg: Message[asyncio.Future[bytes], None]) -> None:
+        """Carry out a delivery the matcher handed back (see :class:`~.matching.Message`)."""
+        fut = msg.token
+        if fut is None or fut.done():
+            return
+        if msg.error is not None:
+            fut.set_exception(msg.error)
+            fut.exception()  # awaiting it still raises; abandoned, it must not log
+        elif msg.storage is not None:
+            assert msg.dest is not None
+            self._copies.start(msg.dest, msg.storage, fut, msg.meta)
+        else:
+            fut.set_result(msg.meta)

@@ -88,7 +88,7 @@ from .base import (
     Transport,
 )
 from .copyout import PacedCopies
-from .lifecycle import LoopConnection
+from .lifecycle import FutureConnection
 from .matching import Matcher, Message
 
 __all__ = ["DISABLE", "LANE_MAX", "RING_SIZE", "ShmConnection", "ShmListener", "ShmTransport",
@@ -249,7 +249,7 @@ class _Send:
 _Msg = Message[asyncio.Future[bytes], None]
 
 
-class ShmConnection(LoopConnection[asyncio.Future[bytes], None]):
+class ShmConnection(FutureConnection):
     """A :class:`~.base.Connection` over a shared segment and its control socket (see the
     module doc). ``rx_index`` is the ring this end reads (0 for the acceptor)."""
 
@@ -677,19 +677,6 @@ class ShmConnection(LoopConnection[asyncio.Future[bytes], None]):
             if time.perf_counter_ns() >= until:
                 return rx.pending()
 
-    def _deliver(self, msg: _Msg) -> None:
-        """Carry out a delivery the matcher handed back (see :class:`~.matching.Message`)."""
-        fut = msg.token
-        if fut is None or fut.done():
-            return
-        if msg.error is not None:
-            fut.set_exception(msg.error)
-            fut.exception()  # awaiting it still raises; abandoned, it must not log
-        elif msg.storage is not None:
-            assert msg.dest is not None
-            self._copies.start(msg.dest, msg.storage, fut, msg.meta)
-        else:
-            fut.set_result(msg.meta)
 
 
 def _discard_input(sock: socket.socket) -> None:

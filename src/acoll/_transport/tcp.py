@@ -101,7 +101,7 @@ from ..errors import AcollError, ProtocolError, TransportError
 from .accepting import Evicted, HandshakeListener
 from .base import META_SIZE, Connection, ConnectionLost, Transport
 from .copyout import PacedCopies
-from .lifecycle import LoopConnection
+from .lifecycle import FutureConnection
 from .matching import Matcher, Message
 
 __all__ = ["RawLink", "TcpConnection", "TcpListener", "TcpTransport"]
@@ -405,7 +405,7 @@ def _fail_items(items: deque[list[Any]], exc: ConnectionLost) -> None:
     items.clear()
 
 
-class TcpConnection(LoopConnection[asyncio.Future[bytes], None]):
+class TcpConnection(FutureConnection):
     """A :class:`~.base.Connection` over one or more TCP sockets. See the module doc."""
 
     def __init__(self, socks: list[socket.socket], peer: str, stripe: int, *,
@@ -983,19 +983,6 @@ class TcpConnection(LoopConnection[asyncio.Future[bytes], None]):
                 stage[:rest] = stage[pos:end]
             s.stage_len = rest
 
-    def _deliver(self, msg: _Msg) -> None:
-        """Carry out a delivery the matcher handed back (see :class:`~.matching.Message`)."""
-        fut = msg.token
-        if fut is None or fut.done():
-            return
-        if msg.error is not None:
-            fut.set_exception(msg.error)
-            fut.exception()  # awaiting it still raises; abandoned, it must not log
-        elif msg.storage is not None:
-            assert msg.dest is not None
-            self._copies.start(msg.dest, msg.storage, fut, msg.meta)
-        else:
-            fut.set_result(msg.meta)
 
 
 class TcpListener(HandshakeListener):
