@@ -59,6 +59,7 @@ PREFIX = "acollb"
 SUBNET = "10.78.0"
 CMD_TIMEOUT = 20.0
 _NAME_RE = re.compile(rf"^{PREFIX}(\d+)(sw|h\d+)$")
+_TRACE_RE = re.compile(r"^acoll-netns-(\d+)$")
 _RATE_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([kmgt]?)(bit|bps)?$", re.IGNORECASE)
 _STATS_RE = re.compile(r"Sent (\d+) bytes \d+ pkt \(dropped (\d+), overlimits (\d+)")
 _SCALE = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
@@ -121,6 +122,16 @@ def cleanup_stale() -> list[str]:
         if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
             sh("ip", "netns", "del", name, check=False)
             gone.append(name)
+    for root in TRACEFS:  # drop-trace instances of runs killed before they removed them
+        with contextlib.suppress(OSError):
+            for inst in (root / "instances").iterdir():
+                m = _TRACE_RE.match(inst.name)
+                if m and int(m.group(1)) != os.getpid() and not _alive(int(m.group(1))):
+                    with contextlib.suppress(OSError):
+                        (inst / "events" / "skb" / "kfree_skb" / "enable").write_text("0")
+                    with contextlib.suppress(OSError):
+                        inst.rmdir()
+                        gone.append(f"tracefs instance {inst.name}")
     return gone
 
 

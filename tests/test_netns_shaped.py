@@ -278,3 +278,26 @@ def test_drop_trace_sees_a_dropped_datagram() -> None:
     assert inst is not None
     assert not inst.exists()
     assert sum(v for k, v in drops.items() if k.startswith("NO_SOCKET at ")) >= 3, drops
+
+
+@needs_root
+def test_stale_drop_trace_instance_is_removed() -> None:
+    """A run killed while tracing leaves its tracefs instance; the next start removes it
+    (and keeps those of live runs)."""
+    tracer = ns_shaped.DropTrace(buffer_kb=64)
+    error = tracer.start()  # (mounts tracefs if needed)
+    if error is not None:
+        pytest.skip(error)
+    tracer.close()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    root = next(r for r in ns_shaped.TRACEFS if (r / "instances").is_dir())
+    stale = root / "instances" / f"acoll-netns-{dead.pid}"
+    stale.mkdir()
+    try:
+        gone = ns_shaped.cleanup_stale()
+        assert f"tracefs instance {stale.name}" in gone
+        assert not stale.exists()
+    finally:
+        if stale.exists():
+            stale.rmdir()
