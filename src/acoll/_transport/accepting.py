@@ -1,6 +1,8 @@
 """Accepting sockets for a listener that authenticates each one (TCP and shared memory).
 
-Contracts (``tests/transport_conformance.py`` and the transports' own tests check them):
+What it does (the conformance battery checks that strangers and garbage are refused and
+that close fails ``accept``; ``tests/test_transport_tcp.py`` checks the pre-auth limit, over
+TCP):
 
 - Sockets are accepted from a readiness callback of the listening socket, at most
   ``_ACCEPT_BUDGET`` per callback; an accept error (EMFILE and friends) is logged and the

@@ -1,24 +1,31 @@
 """How a loop-driven connection ends: the part the TCP, shared-memory and RDMA connections
 share.
 
-Contracts (every subclass keeps them; ``tests/transport_conformance.py`` checks them):
+Rules of :meth:`LoopConnection._lost`, the one way these connections end on an error:
 
 - The first error recorded ends the connection (``_failed``); later ones are ignored.
 - When the peer closes in order, messages that had fully arrived stay receivable: they are
   handed to their posted (or later) receives before anything else is failed.
 - An error that arrives while this side is closing is reported as an orderly end (the
   close was asked for), and the owner's failure callback is not called for it.
-- The owner's failure callback runs synchronously, once, before the waiters of failed
-  operations resume; if it raises, that is logged and the connection still ends.
-- A bug inside one of the connection's loop callbacks fails that connection (with the
-  internal error named), never the event loop.
+- The owner's failure callback is called once, synchronously (before the waiters of the
+  failed operations resume); one set after the failure is scheduled with ``call_soon``.
+  If it raises, that is logged and the connection still ends.
+- A bug inside one of the connection's loop callbacks (``_internal_error``) fails that
+  connection with the error named, never the event loop.
+
+(A transport may also end a connection without ``_lost``: the RDMA connection records a
+staging failure during its own close directly.) ``tests/transport_conformance.py`` checks,
+for every transport, what these rules promise the owner: the error kept, messages
+delivered after an orderly close, no callback for the closing side, one callback, a
+raising callback; the TCP and shared-memory tests check internal errors.
 
 :class:`FutureConnection` adds the delivery of the connections whose receives are
-futures (TCP, shared memory). A subclass provides
-``_loop``, ``peer`` and ``_match``, sets ``_failed = None``, ``_on_failure = None`` and
-``_closing = False`` in its ``__init__``, and implements :meth:`_deliver` (hand an arrived
-message to its receive), :meth:`_settle_lost` (fail what is pending and release the
-resources) and :meth:`_release`.
+futures (TCP, shared memory; it needs ``_copies``). A subclass provides ``_loop``,
+``peer`` and ``_match``, sets ``_failed = None``, ``_on_failure = None`` and
+``_closing = False`` in its ``__init__``, and implements :meth:`_settle_lost` (fail what
+is pending and release the resources), :meth:`_release`, and :meth:`_deliver` unless
+:class:`FutureConnection` provides it.
 """
 
 from __future__ import annotations
