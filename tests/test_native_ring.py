@@ -528,14 +528,17 @@ async def test_a_count_mismatch_is_named_on_every_rank() -> None:
 async def test_a_rank_that_never_calls_is_named_by_every_timeout() -> None:
     async def job(comm: acoll.Communicator) -> str:
         if comm.rank == 2:
-            await asyncio.sleep(6)
+            await asyncio.sleep(9)
             return ""
         with pytest.raises(acoll.TimeoutError) as info:
             await comm.all_reduce(np.ones(1 << 18, np.float32))
         return str(info.value)
 
+    # (a 6 s timeout gives probes 0.4 s to be answered: with every rank in one loop, a
+    # 2 s timeout's 0.2 s was once too short on a slow CI machine, and rank 0 named its
+    # neighbour rank 3, whose loop -- the same loop -- had not answered in time)
     uid = acoll.get_unique_id()
-    comms = await asyncio.gather(*(acoll.init_rank(4, uid, r, timeout=2) for r in range(4)))
+    comms = await asyncio.gather(*(acoll.init_rank(4, uid, r, timeout=6) for r in range(4)))
     try:
         msgs = await asyncio.gather(*(job(c) for c in comms))
     finally:
