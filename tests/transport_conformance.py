@@ -715,10 +715,11 @@ class TransportConformance:
             with pytest.raises(ConnectionLost):
                 await within(pending)
             await within(pair.a.wait_closed())
+            pair.a.set_failure_callback(bad)  # set after the failure: called later, once
             await asyncio.sleep(0.05)
         finally:
             loop.set_exception_handler(old)
-        assert len(calls) == 1
+        assert len(calls) == 2
         assert pair.a.failed is not None
         assert seen == []
 

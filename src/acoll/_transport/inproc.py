@@ -64,6 +64,7 @@ from .base import (
     QueuedListener,
     Transport,
 )
+from .lifecycle import call_failure_callback
 from .matching import Matcher, Message
 
 __all__ = ["DISABLE", "EAGER", "InprocConnection", "InprocListener", "InprocTransport",
@@ -171,7 +172,7 @@ class InprocConnection(Connection):
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._on_failure = callback
         if self._failed is not None:
-            self._loop.call_soon(_call_guarded, callback, self._failed)
+            self._loop.call_soon(call_failure_callback, callback, self._failed)
 
     def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
@@ -384,7 +385,7 @@ class InprocConnection(Connection):
         if self._failed is None:
             self._failed = exc
             if report and self._on_failure is not None and not self._closing:
-                _call_guarded(self._on_failure, exc)
+                call_failure_callback(self._on_failure, exc)
         elif self._released.done():
             return
         peer, self._peer = self._peer, None
@@ -425,13 +426,6 @@ def _release(send: _Send) -> None:
 
 def _storage(nbytes: int) -> memoryview:
     return empty_bytes(nbytes).data  # pages faulted in as written, no zeroing pass
-
-
-def _call_guarded(callback: Callable[[ConnectionLost], None], exc: ConnectionLost) -> None:
-    try:
-        callback(exc)
-    except Exception:
-        log.exception("connection failure callback raised")
 
 
 class InprocListener(QueuedListener):

@@ -10,7 +10,8 @@ Rules of :meth:`LoopConnection._lost`, the one way these connections end on an e
   close was asked for), and the owner's failure callback is not called for it.
 - The owner's failure callback is called once, synchronously (before the waiters of the
   failed operations resume); one set after the failure is scheduled with ``call_soon``.
-  If it raises, that is logged and the connection still ends.
+  If it raises, that is logged (:func:`call_failure_callback`) and the connection still
+  ends.
 - A bug inside one of the connection's loop callbacks (``_internal_error``) fails that
   connection with the error named, never the event loop.
 
@@ -46,6 +47,16 @@ T = TypeVar("T")
 R = TypeVar("R")
 
 
+def call_failure_callback(callback: Callable[[ConnectionLost], None],
+                          exc: ConnectionLost) -> None:
+    """Call an owner's failure callback; if it raises, log that (never the loop's
+    exception handler, never the connection's own ending)."""
+    try:
+        callback(exc)
+    except Exception:
+        log.exception("connection failure callback raised")
+
+
 class LoopConnection(Connection, Generic[T, R]):
     """A :class:`~.base.Connection` whose work runs in event-loop callbacks, with the
     ending rules of the module docstring. ``T``, ``R``: its :class:`~.matching.Matcher`'s
@@ -65,7 +76,7 @@ class LoopConnection(Connection, Generic[T, R]):
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._on_failure = callback
         if self._failed is not None:
-            self._loop.call_soon(callback, self._failed)
+            self._loop.call_soon(call_failure_callback, callback, self._failed)
 
     def _ended(self) -> bool:
         """Whether the connection is already over in a way ``_failed`` does not record
@@ -87,10 +98,7 @@ class LoopConnection(Connection, Generic[T, R]):
         self._settle_lost(exc)
         if self._on_failure is not None and not self._closing:
             # Synchronously, so the owner's state is updated before waiters resume.
-            try:
-                self._on_failure(exc)
-            except Exception:
-                log.exception("connection failure callback raised")
+            call_failure_callback(self._on_failure, exc)
 
     def _release_guarded(self) -> None:
         try:

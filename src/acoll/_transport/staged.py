@@ -35,6 +35,7 @@ from collections.abc import Callable
 from .._memory import Buffer, Fence, MemoryKind, Staging, host_buffer
 from ..errors import AcollError, TransportError
 from .base import Connection, ConnectionLost
+from .lifecycle import call_failure_callback
 
 __all__ = ["StagedConnection", "staged"]
 
@@ -222,7 +223,7 @@ class StagedConnection(Connection):
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._callback = callback
         if self._failed is not None:
-            self._loop.call_soon(callback, self._failed)
+            self._loop.call_soon(call_failure_callback, callback, self._failed)
         elif self.inner.failed is not None:
             self._loop.call_soon(self._lost, self.inner.failed)
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from .._memory import Buffer
 from .base import Connection, ConnectionLost
+from .lifecycle import call_failure_callback
 
 __all__ = ["WindowedConnection", "windowed"]
 
@@ -126,7 +127,7 @@ class WindowedConnection(Connection):
     def set_failure_callback(self, callback: Callable[[ConnectionLost], None]) -> None:
         self._callback = callback
         if self.inner.failed is not None:
-            self._loop.call_soon(callback, self.inner.failed)
+            self._loop.call_soon(call_failure_callback, callback, self.inner.failed)
 
     def set_arrival_callback(self, callback: Callable[[int, bytes], None] | None) -> None:
         self.inner.set_arrival_callback(callback)
