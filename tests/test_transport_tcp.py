@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -961,7 +962,15 @@ async def test_a_peer_stalled_mid_frame_leaves_the_receive_thread_idle(
         got = p.b.irecv(_owned_buffer(out), 7)
         sock = p.a._send_socks[0].sock
         await _raw_send(sock, _data_header(7, size) + data[:1 << 20])
-        await asyncio.sleep(0.1)
+        # Until the thread has read what came (no new job for 0.2 s; on a loaded machine
+        # the first MiB can take longer than any fixed pause), at most 10 s: a thread that
+        # polls the silent peer never goes quiet, and the check below then fails.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            before = len(jobs)
+            await asyncio.sleep(0.2)
+            if len(jobs) == before:
+                break
         during = len(jobs)
         await asyncio.sleep(0.4)
         assert len(jobs) - during <= 1, "the receive thread polled a silent peer"

@@ -22,11 +22,11 @@ delivered after an orderly close, no callback for the closing side, one callback
 raising callback; the TCP and shared-memory tests check internal errors.
 
 :class:`FutureConnection` adds the delivery of the connections whose receives are
-futures (TCP, shared memory; it needs ``_copies``). A subclass provides ``_loop``,
-``peer`` and ``_match``, sets ``_failed = None``, ``_on_failure = None`` and
-``_closing = False`` in its ``__init__``, and implements :meth:`_settle_lost` (fail what
-is pending and release the resources), :meth:`_release`, and :meth:`_deliver` unless
-:class:`FutureConnection` provides it.
+futures (TCP, shared memory; it needs ``_copies``) and their ``irecv``. A subclass
+provides ``_loop``, ``peer`` and ``_match``, sets ``_failed = None``, ``_on_failure =
+None`` and ``_closing = False`` in its ``__init__``, and implements :meth:`_settle_lost`
+(fail what is pending and release the resources), :meth:`_release`, and :meth:`_deliver`
+unless :class:`FutureConnection` provides it.
 """
 
 from __future__ import annotations
@@ -37,6 +37,8 @@ from collections.abc import Callable
 from typing import Generic, TypeVar
 
 from .._config import get_logger
+from .._memory import Buffer
+from ..errors import ProtocolError
 from .base import Connection, ConnectionLost
 from .copyout import PacedCopies
 from .matching import Matcher, Message
@@ -133,6 +135,17 @@ class FutureConnection(LoopConnection["asyncio.Future[bytes]", None]):
     messages kept in storage are copied out into their receive by ``_copies``."""
 
     _copies: PacedCopies
+
+    def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
+        fut: asyncio.Future[bytes] = self._loop.create_future()
+        try:
+            msg = self._match.post(tag, buffer.view(), fut, owned=buffer.owned)
+        except ProtocolError as exc:  # a receive for the tag is already posted
+            fut.set_exception(exc)
+            return fut
+        if msg is not None:
+            self._deliver(msg)
+        return fut
 
     def _deliver(self, msg: Message[asyncio.Future[bytes], None]) -> None:
         """Carry out a delivery the matcher handed back (see :class:`~.matching.Message`)."""

@@ -359,17 +359,6 @@ class ShmConnection(FutureConnection):
             fut.set_exception(self._failed or ConnectionLost("the connection failed"))
             fut.exception()
 
-    def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
-        fut: asyncio.Future[bytes] = self._loop.create_future()
-        try:
-            msg = self._match.post(tag, buffer.view(), fut)
-        except ProtocolError as exc:
-            fut.set_exception(exc)
-            return fut
-        if msg is not None:
-            self._deliver(msg)
-        return fut
-
     def poll(self) -> None:
         """Consume what has arrived and write what fits, within one ``_IO_NS`` budget.
 

@@ -475,18 +475,6 @@ class TcpConnection(FutureConnection):
                 self._flush(s)
         return fut
 
-    def irecv(self, buffer: Buffer, tag: int) -> asyncio.Future[bytes]:
-        fut: asyncio.Future[bytes] = self._loop.create_future()
-        buf = buffer.view()
-        try:
-            msg = self._match.post(tag, buf, fut, owned=buffer.owned)
-        except ProtocolError as exc:
-            fut.set_exception(exc)
-            return fut
-        if msg is not None:
-            self._deliver(msg)
-        return fut
-
     def poll(self) -> None:
         """Read what has arrived on every socket the peer sends on, within one ``_IO_NS``
         time budget."""
