@@ -21,7 +21,8 @@ T = TypeVar("T")
 
 
 async def run_ranks(n: int, fn: Callable[[Communicator], Awaitable[T]], *,
-                    ifname: str | None = None, **init_kw: Any) -> list[T]:
+                    ifname: str | None = None, together: bool = False,
+                    **init_kw: Any) -> list[T]:
     """Run ``await fn(comm)`` on ``n`` ranks in the running loop; results in rank order.
 
     Args:
@@ -29,6 +30,10 @@ async def run_ranks(n: int, fn: Callable[[Communicator], Awaitable[T]], *,
         fn: coroutine function called with each rank's communicator.
         ifname: interface rules; defaults to ``ACOLL_SOCKET_IFNAME`` or else loopback
             (``=lo``), since all ranks live in this process.
+        together: form every rank first, then start ``fn`` on all of them at once
+            (without it each rank's ``fn`` starts when its own formation ends: a test that
+            shortens ``comm.timeout`` in ``fn`` wants ``together=True``, so that no rank's
+            short deadline runs while a slow peer is still forming).
         init_kw: passed to :func:`acoll.init_rank` (``timeout=``, ``check=``, ...).
 
     Raises:
@@ -39,10 +44,15 @@ async def run_ranks(n: int, fn: Callable[[Communicator], Awaitable[T]], *,
         ifname = "=lo"
     uid = get_unique_id(ifname=ifname)
     comms: list[Communicator | None] = [None] * n
+    formed = asyncio.Event()
 
     async def one(rank: int) -> T:
         comm = await init_rank(n, uid, rank, ifname=ifname, **init_kw)
         comms[rank] = comm
+        if together:
+            if all(c is not None for c in comms):
+                formed.set()
+            await formed.wait()
         try:
             result = await fn(comm)
         except BaseException:
