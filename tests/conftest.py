@@ -18,6 +18,14 @@ try:
 except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
     uvloop = None
 
+try:  # property tests: no per-example deadline (a slow machine's example is not a failure)
+    from hypothesis import settings as _hypothesis_settings
+except ImportError:  # pragma: no cover - hypothesis is a test dependency
+    pass
+else:
+    _hypothesis_settings.register_profile("acoll", deadline=None)
+    _hypothesis_settings.load_profile("acoll")
+
 # The suite runs with acoll's defaults: settings of the calling shell would change what is
 # tested (ACOLL_IB_DISABLE=1, say, fails the transport selection tests). ACOLL_TIMEOUT (the
 # tests' deadlines) and ACOLL_TEST_* (the suite's own switches) are kept.

@@ -19,7 +19,14 @@ import acoll
 
 async def main(rank: int, n: int, victim: int, how: str) -> int:
     uid = acoll.get_unique_id()  # ACOLL_COMM_ID is set: rank 0 hosts the root
-    comm = await acoll.init_rank(n, uid, rank)
+    # (formed with a long deadline: 4 to 6 interpreters starting on a slow machine; the
+    # collectives then run with MP_KILL_TIMEOUT, and a grace of 2 s for the probes' answers
+    # and the blocked ranks' reports, which on one shared CPU need more than 0.5 s)
+    comm = await acoll.init_rank(n, uid, rank, timeout=60)
+    comm.timeout = float(os.environ["MP_KILL_TIMEOUT"])
+    if comm.timeout < 10:
+        from acoll._comm.executor import Executor
+        Executor._grace = lambda self: 2.0  # type: ignore[method-assign]
     x = np.ones(1 << 18, np.float32)
     for i in range(1000):
         if rank == victim and i == 3:

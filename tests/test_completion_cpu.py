@@ -98,7 +98,7 @@ async def test_busy_waiter_threads_leave_later_waits_to_the_pipe(
     assert len(piped) == 1
     for ev in _Event.made:
         ev.gate.set()
-    for _ in range(100):  # the released threads come back as idle
+    for _ in range(1000):  # the released threads come back as idle
         if C._threads[1] == C.MOST_WAITER_THREADS:
             break
         await asyncio.sleep(0.01)

@@ -22,9 +22,18 @@ from ports import free_port
 HERE = Path(__file__).parent
 
 
-async def _ranks(n: int, **kw: Any) -> list[acoll.Communicator]:
+async def _ranks(n: int, timeout: float | None = None, **kw: Any
+                 ) -> list[acoll.Communicator]:
+    """``n`` ranks in this loop; with ``timeout``, formed with at least 30 s (a slow
+    machine), then given ``timeout`` for their collectives."""
     uid = acoll.get_unique_id()
-    return list(await asyncio.gather(*(acoll.init_rank(n, uid, r, **kw) for r in range(n))))
+    form = {} if timeout is None else {"timeout": max(timeout, 30.0)}
+    comms = list(await asyncio.gather(*(acoll.init_rank(n, uid, r, **form, **kw)
+                                        for r in range(n))))
+    if timeout is not None:
+        for c in comms:
+            c.timeout = timeout
+    return comms
 
 
 async def _settle(comms: list[acoll.Communicator]) -> None:
@@ -87,7 +96,7 @@ def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
     host) the bootstrap connection; never a message over TCP."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
-    env["ACOLL_TIMEOUT"] = "60"
+    env["MP_KILL_TIMEOUT"] = "60"
     if not shm:
         env["ACOLL_SHM_DISABLE"] = "1"
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3", "2"],
@@ -113,7 +122,7 @@ def _run_victim_job(n: int, victim: int, how: str, timeout: str, **extra: str) -
     env.update(extra)
     env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
     env["ACOLL_COMM_SECRET"] = os.urandom(32).hex()
-    env["ACOLL_TIMEOUT"] = timeout
+    env["MP_KILL_TIMEOUT"] = timeout
     procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), str(n),
                                str(victim), how], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True) for r in range(n)]

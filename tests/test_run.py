@@ -225,8 +225,8 @@ def test_timeout_exits_124(pid_dir: Path) -> None:
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_to_launcher_is_forwarded(pid_dir: Path, sig: signal.Signals) -> None:
-    body = ("record(f'rank{r}', os.getpid())\n"
-            "try:\n"
+    body = ("try:\n"  # (recorded inside: the signal is sent once every rank recorded)
+            "    record(f'rank{r}', os.getpid())\n"
             "    time.sleep(60)\n"
             "finally:\n"
             "    record(f'exit{r}', 0)\n")
@@ -468,7 +468,7 @@ def test_exits_reaped_together_are_judged_before_blame(monkeypatch: pytest.Monke
 
 def test_real_job_blames_the_rank_that_left() -> None:
     jobs = 4
-    env = {**os.environ, "ACOLL_TIMEOUT": "20"}
+    env = {**os.environ, "ACOLL_TIMEOUT": "45"}
     procs = [subprocess.Popen([PY, "-m", "acoll.run", "-n", "3", "--", PY, "-c", _REAL],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                               env=env) for _ in range(jobs)]

@@ -199,7 +199,7 @@ def test_comm_id_job_with_a_secret_refuses_a_stranger_who_knows_the_address() ->
     port = free_port()
     base = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env = {**base, "ACOLL_COMM_ID": f"127.0.0.1:{port}", "ACOLL_COMM_SECRET": os.urandom(32).hex(),
-           "ACOLL_WORLD_SIZE": "3", "ACOLL_TIMEOUT": "20", "ACOLL_SOCKET_IFNAME": "=lo"}
+           "ACOLL_WORLD_SIZE": "3", "ACOLL_TIMEOUT": "45", "ACOLL_SOCKET_IFNAME": "=lo"}
     ranks = {r: subprocess.Popen([sys.executable, "-c", _RANK, str(r)],
                                  env={**env, "ACOLL_RANK": str(r)}, stdout=subprocess.PIPE,
                                  text=True) for r in (0, 1)}

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from acoll._coll.base import chunk_ranges, split_even
 
 
+@settings(deadline=None)
 @given(st.integers(0, 10**7), st.integers(1, 2048))
 def test_split_even_covers_exactly_and_is_balanced(count: int, parts: int) -> None:
     ranges = split_even(count, parts)

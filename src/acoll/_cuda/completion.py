@@ -224,8 +224,8 @@ def _event_sync() -> Any:
 def _serve(sync: Any) -> None:
     """A waiter thread: ``cuEventSynchronize`` each job's event through ctypes (the GIL is
     released meanwhile; the driver polls the event, so the thread keeps a core busy for
-    the wait), then close its pipe's write end. A failed synchronize closes it too: the
-    waiting side checks the work's own errors, and has a deadline."""
+    the wait), then count itself idle and close its pipe's write end. A failed synchronize
+    closes it too: the waiting side checks the work's own errors, and has a deadline."""
     import cupy as cp
     while True:
         device, event, fd = _jobs.get()
@@ -235,10 +235,12 @@ def _serve(sync: Any) -> None:
         except Exception:  # the waiting side has a deadline
             pass
         finally:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            # (idle first, then the wake-up: the waiting side sees this thread idle when it
+            # wakes, and a job given meanwhile is taken when the loop comes round)
             with _threads_lock:
                 _threads[1] += 1
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
 
 def _reserve() -> bool:
