@@ -5,6 +5,8 @@
 #   device_site          install the carried wheels into $SITE and put src/ and $SITE first
 #   device_start DIR     mkdir DIR, device_site, device_machine DIR, build the native ring
 #   device_perf DIR FILE ARGS...  acoll-perf ARGS --vs gloo, TCP only, CPU only, into DIR/FILE
+#   device_shm_mpi DIR ROUNDS all_reduce against Open MPI over shared memory, 8 ranks,
+#                        512 KiB to 4 MiB, NumPy arrays (R0) and registered buffers (R1)
 #   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
@@ -57,6 +59,16 @@ device_netns() {
       "$dir/$name.log" | grep -v "^# target"; grep "^# \(acoll\|gloo\)\|TCP:\|native\|kernel dropped\|steering" \
       "$dir/$name.log"; } >>"$dir/netns.txt"
   rm -f "$dir/$name.log"
+}
+
+device_shm_mpi() {
+  local R
+  for R in 0 1; do
+    CUDA_VISIBLE_DEVICES= timeout 110 python3 -m acoll.perf all_reduce -N 8 -b 512K -e 4M \
+      -f 2 -n 20 -w 5 -R $R --vs mpi --rounds "$2" >"$1/shm_mpi_R$R.txt" 2>&1
+    echo "== exit $? at $SECONDS s" >>"$1/shm_mpi_R$R.txt"
+    grep -A8 "acoll vs mpi" "$1/shm_mpi_R$R.txt" | tail -7
+  done
 }
 
 device_start() {

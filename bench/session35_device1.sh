@@ -21,9 +21,4 @@ big acoll --libs acoll
 big gloo --libs gloo
 big acoll_nocheck --libs acoll --no-check
 cat "$OUT/netns.txt" | grep -v "^#   "
-for R in 0 1; do
-  CUDA_VISIBLE_DEVICES= timeout 110 python3 -m acoll.perf all_reduce -N 8 -b 512K -e 4M -f 2 \
-    -n 20 -w 5 -R $R --vs mpi --rounds 5 >"$OUT/shm_mpi_R$R.txt" 2>&1
-  echo "== exit $? at $SECONDS s" >>"$OUT/shm_mpi_R$R.txt"
-  grep -A8 "acoll vs mpi" "$OUT/shm_mpi_R$R.txt" | tail -7
-done
+device_shm_mpi "$OUT" 5

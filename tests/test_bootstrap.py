@@ -231,3 +231,33 @@ async def test_connect_retries_stop_once_the_bootstrap_failed() -> None:
     with pytest.raises(acoll.BootstrapError, match="failed meanwhile"):
         await connect_with_retry(("127.0.0.1", port), start + 60, "rank 1", stop)
     assert loop.time() - start < 3
+
+
+@pytest.mark.parametrize("together", [False, True])
+async def test_run_ranks_together_starts_fn_once_every_rank_formed(
+        together: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``together=True`` no rank's ``fn`` runs while a peer is still forming (rank 2
+    forms 0.5 s late here); without it, the early ranks start at once."""
+    import acoll.testing as testing
+
+    real = testing.init_rank
+    formed: set[int] = set()
+
+    async def late_init(n: int, uid: object, rank: int, **kw: object) -> acoll.Communicator:
+        comm = await real(n, uid, rank, **kw)  # type: ignore[arg-type]
+        if rank == 2:
+            await asyncio.sleep(0.5)
+        formed.add(rank)
+        return comm
+
+    monkeypatch.setattr(testing, "init_rank", late_init)
+
+    async def fn(comm: acoll.Communicator) -> int:
+        return len(formed)
+
+    seen = await testing.run_ranks(3, fn, together=together, timeout=30)
+    if together:
+        assert seen == [3, 3, 3]
+    else:
+        assert seen[0] < 3, seen
+        assert seen[1] < 3, seen
