@@ -344,6 +344,99 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=2).nsocks == 2
 
 
+def _available_congestion() -> list[str]:
+    try:
+        with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
+            return f.read().split()
+    except OSError:
+        return []
+
+
+def _congestion_of(sock: socket.socket) -> str:
+    raw = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+    return raw.split(b"\0", 1)[0].decode()
+
+
+def test_unknown_congestion_control_is_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", "no-such-algorithm")
+    with pytest.raises(InvalidUsage, match="ACOLL_SOCKET_CONGESTION='no-such-algorithm'"):
+        TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY)
+
+
+@pytest.mark.skipif(not hasattr(socket, "TCP_CONGESTION") or "reno" not in
+                    _available_congestion(), reason="needs Linux's TCP_CONGESTION and reno")
+async def test_congestion_control_set_on_both_ends_of_every_socket() -> None:
+    """ACOLL_SOCKET_CONGESTION reaches every data socket of a connection, both ends (reno:
+    built into every Linux kernel and allowed to any user)."""
+    def make() -> TcpTransport:
+        return TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=2,
+                            timeout=HANDSHAKE_TIMEOUT, send_threads=0, split=1,
+                            congestion="reno")
+
+    harness = TransportHarness("reno", make, GARBAGE, stranger=make)
+    p = await connect_pair(harness)
+    try:
+        assert isinstance(p.a, TcpConnection)
+        assert isinstance(p.b, TcpConnection)
+        ends = [s.sock for c in (p.a, p.b) for s in c._socks]
+        assert len(ends) == 8  # 2 sockets a direction, split, both ends
+        assert {_congestion_of(s) for s in ends} == {"reno"}
+        data = payload(1 << 20, 3)
+        out = bytearray(len(data))
+        rfut = p.b.irecv(host_buffer(out), 1)
+        await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
+        await within(rfut)
+        assert out == data
+    finally:
+        await p.aclose()
+    # "system" leaves the system's default
+    plain = await connect_pair(TransportHarness(
+        "system", lambda: TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY,
+                                       timeout=HANDSHAKE_TIMEOUT, congestion="system"),
+        GARBAGE))
+    try:
+        assert isinstance(plain.a, TcpConnection)
+        assert isinstance(plain.b, TcpConnection)
+        default = tcp._proc_text("tcp_congestion_control")
+        assert _congestion_of(plain.a._socks[0].sock) == default
+        assert _congestion_of(plain.b._socks[0].sock) == default
+    finally:
+        await plain.aclose()
+
+
+@pytest.mark.parametrize(("system", "cubic_allowed", "chosen"), [
+    ("bbr", True, b"cubic"),  # the one system choice auto replaces
+    ("bbr", False, b""),  # cubic refused (no CAP_NET_ADMIN, not allowed): bbr stays
+    ("cubic", True, b""),
+    ("dctcp", True, b""),  # an administrator's choice stays
+    ("", True, b""),  # no /proc
+])
+def test_auto_congestion_replaces_only_bbr(monkeypatch: pytest.MonkeyPatch, system: str,
+                                           cubic_allowed: bool, chosen: bytes) -> None:
+    asked: list[str] = []
+
+    def can_set(name: str) -> OSError | None:
+        asked.append(name)
+        return None if cubic_allowed else PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(tcp, "_proc_text",
+                        lambda name: system if name == "tcp_congestion_control" else "")
+    monkeypatch.setattr(tcp, "_can_set", can_set)
+    monkeypatch.setattr(tcp, "_auto_choice", [])
+    assert tcp._congestion_for("auto") == chosen
+    assert tcp._congestion_for("auto") == chosen  # (decided once a process)
+    assert asked == (["cubic"] if system == "bbr" else [])
+    assert tcp._congestion_for("system") == b"" == tcp._congestion_for("")
+
+
+def test_congestion_setting_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("ACOLL_SOCKET_CONGESTION", raising=False)
+    monkeypatch.setattr(tcp, "_auto_choice", [b"cubic"])
+    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b"cubic"
+    monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", "system")
+    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b""
+
+
 async def test_listener_close_with_handshakes_in_progress() -> None:
     """Closing a listener while connections are half-way through their handshake."""
     listener = await within(_transport(3).listen())
