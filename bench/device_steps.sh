@@ -9,6 +9,8 @@
 #                        512 KiB to 4 MiB, NumPy arrays (R0) and registered buffers (R1)
 #   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
+#   device_netns_queues DIR NAME ARGS... the same, with the links' queues sampled
+#                        (bench/qdisc_backlog.py) into DIR/backlog_NAME.txt and netns.txt
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
 
@@ -76,4 +78,15 @@ device_start() {
   device_site
   device_machine "$1"
   python3 -m acoll._native >"$1/build.txt" 2>&1
+}
+
+device_netns_queues() {  # DIR NAME ARGS...: device_netns with bench/qdisc_backlog.py beside
+  local dir=$1 name=$2; shift 2
+  PATH="$PWD/${NETBIN:-.netbin}:$PATH" python3 bench/qdisc_backlog.py --rate 10gbit \
+    --every 0.05 --seconds 95 >"$dir/backlog_$name.txt" 2>&1 &
+  local sampler=$!
+  device_netns "$dir" "$name" "$@"
+  wait $sampler
+  { echo "## queues during $name"; grep -v "tcp_congestion_control" "$dir/backlog_$name.txt"
+    grep -m1 "tcp_congestion_control" "$dir/backlog_$name.txt"; } >>"$dir/netns.txt"
 }

@@ -4,6 +4,8 @@
 # settings, then acoll and Gloo with a sampler of the links' tbf queues beside each run
 # (bench/qdisc_backlog.py), and acoll with its sockets' congestion control set to cubic and
 # to bbr (ACOLL_SOCKET_CONGESTION); then the same with 1 MB tbf bursts.
+# (It ran before auto became the default: its system-default runs now say
+# ACOLL_SOCKET_CONGESTION=system.)
 # OUT=dir NETBIN=.netbin bash bench/session36_device1.sh
 set -u
 OUT=${OUT:-$PWD/session36_device1}
@@ -16,19 +18,11 @@ device_start "$OUT"
     echo "net.ipv4.$k = $(cat /proc/sys/net/ipv4/$k)"; done
   echo "net.core.default_qdisc = $(cat /proc/sys/net/core/default_qdisc)"; } >"$OUT/sysctl.txt"
 cat "$OUT/sysctl.txt"
-sampled() {  # NAME ARGS...: device_netns NAME ARGS with the queue sampler beside it
-  local name=$1; shift
-  PATH="$PWD/${NETBIN:-.netbin}:$PATH" python3 bench/qdisc_backlog.py --rate 10gbit \
-    --every 0.05 --seconds 95 >"$OUT/backlog_$name.txt" 2>&1 &
-  local sampler=$!
-  device_netns "$OUT" "$name" "$@"
-  wait $sampler
-  { echo "## queues during $name"; cat "$OUT/backlog_$name.txt"; } >>"$OUT/netns.txt"
-}
-sampled acoll --libs acoll
-sampled gloo --libs gloo
-sampled acoll_cubic --libs acoll --acoll-env ACOLL_SOCKET_CONGESTION=cubic
-sampled acoll_bbr --libs acoll --acoll-env ACOLL_SOCKET_CONGESTION=bbr
-sampled acoll_burst1m --libs acoll --burst 1mb
-sampled gloo_burst1m --libs gloo --burst 1mb
+device_netns_queues "$OUT" acoll --libs acoll --acoll-env ACOLL_SOCKET_CONGESTION=system
+device_netns_queues "$OUT" gloo --libs gloo
+device_netns_queues "$OUT" acoll_cubic --libs acoll --acoll-env ACOLL_SOCKET_CONGESTION=cubic
+device_netns_queues "$OUT" acoll_bbr --libs acoll --acoll-env ACOLL_SOCKET_CONGESTION=bbr
+device_netns_queues "$OUT" acoll_burst1m --libs acoll --burst 1mb \
+  --acoll-env ACOLL_SOCKET_CONGESTION=system
+device_netns_queues "$OUT" gloo_burst1m --libs gloo --burst 1mb
 grep -v "^#   " "$OUT/netns.txt"

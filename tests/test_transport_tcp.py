@@ -344,6 +344,16 @@ def test_settings_from_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, nsocks=2).nsocks == 2
 
 
+async def _round_trip(p: Pair, size: int, seed: int) -> None:
+    """``size`` bytes from ``p.a`` to ``p.b``, checked."""
+    data = payload(size, seed)
+    out = bytearray(len(data))
+    rfut = p.b.irecv(host_buffer(out), 1)
+    await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
+    await within(rfut)
+    assert out == data
+
+
 def _available_congestion() -> list[str]:
     try:
         with open("/proc/sys/net/ipv4/tcp_available_congestion_control") as f:
@@ -381,12 +391,7 @@ async def test_congestion_control_set_on_both_ends_of_every_socket() -> None:
         ends = [s.sock for c in (p.a, p.b) for s in c._socks]
         assert len(ends) == 8  # 2 sockets a direction, split, both ends
         assert {_congestion_of(s) for s in ends} == {"reno"}
-        data = payload(1 << 20, 3)
-        out = bytearray(len(data))
-        rfut = p.b.irecv(host_buffer(out), 1)
-        await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
-        await within(rfut)
-        assert out == data
+        await _round_trip(p, 1 << 20, 3)
     finally:
         await p.aclose()
     # "system" leaves the system's default
@@ -486,12 +491,7 @@ async def test_ipv6_loopback() -> None:
     p = await connect_pair(harness, b"v6")
     try:
         assert p.hello == b"v6"
-        data = payload(50_000, 6)
-        out = bytearray(len(data))
-        rfut = p.b.irecv(host_buffer(out), 1)
-        await within(p.a.isend(host_buffer(data), 1, meta_for(1)))
-        await within(rfut)
-        assert out == data
+        await _round_trip(p, 50_000, 6)
     finally:
         await p.aclose()
 

@@ -114,7 +114,7 @@ STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
                  "NET")
 BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
                   "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
-CONGESTION = Setting("SOCKET_CONGESTION", str, "auto",
+CONGESTION = Setting("SOCKET_CONGESTION", lambda text: text.strip(), "auto",
                      "TCP congestion control of acoll's data sockets (TCP_CONGESTION): a "
                      "name such as cubic; system: the system's default; auto: cubic "
                      "where the system's default is bbr and this process may set it "
@@ -259,13 +259,11 @@ def _proc_text(name: str) -> str:
 def _can_set(name: str) -> OSError | None:
     """``None`` when a socket of this process may use congestion control ``name``."""
     assert _TCP_CONGESTION is not None
-    probe = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        probe.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
-    except OSError as exc:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
+    except OSError as exc:  # (refused, or no IPv4 socket to ask with)
         return exc
-    finally:
-        probe.close()
     return None
 
 
