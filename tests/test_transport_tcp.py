@@ -426,20 +426,43 @@ def test_auto_congestion_replaces_only_bbr(monkeypatch: pytest.MonkeyPatch, syst
 
     monkeypatch.setattr(tcp, "_proc_text",
                         lambda name: system if name == "tcp_congestion_control" else "")
-    monkeypatch.setattr(tcp, "_can_set", can_set)
-    monkeypatch.setattr(tcp, "_auto_choice", [])
+    monkeypatch.setattr(tcp, "_can_set", lambda name, family=None: can_set(name))
+    monkeypatch.setattr(tcp, "_auto_choice", {})
+    monkeypatch.setattr(tcp, "_TCP_CONGESTION", 13)  # (Linux's; the logic is everywhere)
     assert tcp._congestion_for("auto") == chosen
-    assert tcp._congestion_for("auto") == chosen  # (decided once a process)
+    assert tcp._congestion_for("auto") == chosen  # (decided once a network namespace)
     assert asked == (["cubic"] if system == "bbr" else [])
+    # another network namespace (setns, unshare) has its own sysctl: decided again there
+    monkeypatch.setattr(tcp, "_netns", lambda: -1)
+    assert tcp._congestion_for("auto") == chosen
+    assert asked == (["cubic", "cubic"] if system == "bbr" else [])
     assert tcp._congestion_for("system") == b"" == tcp._congestion_for("")
 
 
 def test_congestion_setting_defaults_to_auto(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("ACOLL_SOCKET_CONGESTION", raising=False)
-    monkeypatch.setattr(tcp, "_auto_choice", [b"cubic"])
+    monkeypatch.setattr(tcp, "_TCP_CONGESTION", 13)
+    monkeypatch.setattr(tcp, "_auto_choice",
+                        {(tcp._netns(), int(socket.AF_INET)): b"cubic"})
     assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b"cubic"
-    monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", "system")
-    assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b""
+    for blank_or_keyword in ("  ", "AUTO", " Auto "):
+        monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", blank_or_keyword)
+        assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b"cubic"
+    for system in ("system", "SYSTEM"):
+        monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", system)
+        assert TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY).congestion == b""
+
+
+@pytest.mark.parametrize("bad", ["cu\xffbic", "a" * 16, "cu\tbic"])
+def test_impossible_congestion_names_are_invalid_usage(monkeypatch: pytest.MonkeyPatch,
+                                                       bad: str) -> None:
+    bad = bad.encode().decode("unicode_escape")
+    monkeypatch.setenv("ACOLL_SOCKET_CONGESTION", bad)
+    with pytest.raises(InvalidUsage, match="ACOLL_SOCKET_CONGESTION"):
+        TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY)
+    monkeypatch.delenv("ACOLL_SOCKET_CONGESTION")
+    with pytest.raises(InvalidUsage, match="ACOLL_SOCKET_CONGESTION"):
+        TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=KEY, congestion=bad)
 
 
 async def test_listener_close_with_handshakes_in_progress() -> None:

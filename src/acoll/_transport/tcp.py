@@ -114,7 +114,19 @@ STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
                  "NET")
 BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
                   "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
-CONGESTION = Setting("SOCKET_CONGESTION", lambda text: text.strip(), "auto",
+def _parse_congestion(text: str) -> str:
+    """A congestion control's name, or the keywords ``auto``/``system`` (any case);
+    blank is ``auto``. Raises ``ValueError`` for what no kernel name can be."""
+    name = text.strip()
+    if name.lower() in ("", "auto", "system"):
+        return name.lower() or "auto"
+    if not name.isascii() or not name.isprintable() or len(name) > 15:
+        raise ValueError("not a congestion control's name (printable ASCII, at most 15 "
+                         "characters), nor auto or system")
+    return name
+
+
+CONGESTION = Setting("SOCKET_CONGESTION", _parse_congestion, "auto",
                      "TCP congestion control of acoll's data sockets (TCP_CONGESTION): a "
                      "name such as cubic; system: the system's default; auto: cubic "
                      "where the system's default is bbr and this process may set it "
@@ -256,22 +268,22 @@ def _proc_text(name: str) -> str:
         return ""
 
 
-def _can_set(name: str) -> OSError | None:
+def _can_set(name: str, family: socket.AddressFamily = socket.AF_INET) -> OSError | None:
     """``None`` when a socket of this process may use congestion control ``name``."""
     assert _TCP_CONGESTION is not None
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
             probe.setsockopt(socket.IPPROTO_TCP, _TCP_CONGESTION, name.encode())
     except OSError as exc:  # (refused, or no IPv4 socket to ask with)
         return exc
     return None
 
 
-def _auto() -> bytes:
+def _auto(family: socket.AddressFamily) -> bytes:
     """``auto``'s choice (see :func:`_congestion_for`)."""
     if _proc_text("tcp_congestion_control") != "bbr":
         return b""
-    refused = _can_set("cubic")
+    refused = _can_set("cubic", family)
     if refused is not None:
         log.info("ACOLL_SOCKET_CONGESTION=auto: keeping the system's bbr (cubic refused: "
                  "%s)", refused.strerror)
@@ -281,10 +293,18 @@ def _auto() -> bytes:
     return b"cubic"
 
 
-_auto_choice: list[bytes] = []  # (auto's choice, made once a process)
+#: auto's choice per network namespace (the sysctl is one per namespace), by family
+_auto_choice: dict[tuple[int, int], bytes] = {}
 
 
-def _congestion_for(name: str) -> bytes:
+def _netns() -> int:
+    try:
+        return os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return 0
+
+
+def _congestion_for(name: str, family: socket.AddressFamily = socket.AF_INET) -> bytes:
     """What ``_tune`` sets as TCP_CONGESTION for setting ``name`` (``b""``: nothing).
 
     ``auto`` replaces a system default of ``bbr`` by ``cubic``. Measured on 4 hosts
@@ -311,11 +331,12 @@ def _congestion_for(name: str) -> bytes:
         raise InvalidUsage(f"ACOLL_SOCKET_CONGESTION={name!r}: this platform has no "
                            "TCP_CONGESTION socket option")
     if name == "auto":
-        if _auto_choice:
-            return _auto_choice[0]
-        _auto_choice.append(_auto())
-        return _auto_choice[0]
-    refused = _can_set(name)
+        key = (_netns(), int(family))
+        choice = _auto_choice.get(key)
+        if choice is None:
+            choice = _auto_choice[key] = _auto(family)
+        return choice
+    refused = _can_set(name, family)
     if refused is not None:
         from ..errors import InvalidUsage
 
@@ -1283,7 +1304,14 @@ class TcpTransport(Transport):
             raise InvalidUsage(f"ACOLL_SOCKET_NSOCKS={self.nsocks}: must be 1..{_MAX_SOCKS}")
         self.stripe = STRIPE.resolve(stripe)
         self.bufsize = BUFSIZE.resolve(bufsize)
-        self.congestion = _congestion_for(CONGESTION.resolve(congestion))
+        cc = CONGESTION.resolve(congestion)
+        try:
+            cc = _parse_congestion(cc)  # (an argument has not been through it)
+        except ValueError as exc:
+            from ..errors import InvalidUsage
+
+            raise InvalidUsage(f"ACOLL_SOCKET_CONGESTION={cc!r} is invalid: {exc}") from None
+        self.congestion = _congestion_for(cc, family)
         self.timeout = timeout
         self.threads = _threads_for(send_threads)
         split = SPLIT.resolve(split)
