@@ -44,9 +44,13 @@ class _Stream:
 
 
 class _Event:
+    made = 0
+
     def __init__(self) -> None:
         self.done = True
         self.records: list[Any] = []
+        _Event.made += 1
+        self.ptr = 0xE000 + _Event.made  # (a handle, for the native launcher)
 
     def record(self, stream: Any) -> None:
         self.records.append(stream)
@@ -99,6 +103,9 @@ class _Space:
         self.taken += 1
         return _Event()
 
+    def idle_event(self) -> _Event:
+        return self.take_event()
+
     def give_event(self, event: Any) -> None:
         self.given += 1
 
@@ -120,6 +127,8 @@ class _Domain:
         self.last: Any = None
         self.raise_at_launch: BaseException | None = None
         self.checks = 0
+        self.launcher: Any = None  # (the native launcher: _NativeDomain below)
+        self.ctx = 0
 
     def function(self, src: Any) -> int:
         return self.fn
@@ -423,3 +432,207 @@ async def test_a_withdrawn_launch_gives_its_event_back(fake_cupy: Any) -> None:
     assert dom.launched == []
     assert dom.space.taken == dom.space.given == 1
     assert host._p2p_seq.idle
+
+
+# ---------------------------------------------------------------- the native launcher
+# The same route with acoll's C launcher (src/acoll/_native/launch.c) against the
+# recording stand-in for the CUDA driver (tests/fake_libcuda.c).
+
+@pytest.fixture(scope="module")
+def native(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    from acoll._cuda.launcher import Launcher
+    from fake_driver import FakeDriver, build_launcher_and_fake
+    lib, fake = build_launcher_and_fake(tmp_path_factory.mktemp("native"))
+    return Launcher(str(lib), driver=str(fake)), FakeDriver(fake)
+
+
+class _NativeDomain(_Domain):
+    """The domain's bookkeeping that native launches use, as the real one keeps it."""
+
+    def __init__(self, lau: Any) -> None:
+        super().__init__()
+        self.launcher, self.ctx, self.epoch = lau, 0xC1, 40
+        self._last_event: Any = None
+        self._last_ptr = -1
+        self.rank = 0
+
+    def next_mark(self) -> _Event:
+        return _Event()
+
+    def args_for(self, step: Any, **kw: Any) -> tuple[Any, Any]:
+        """A real parameter block whose first parameter is the epoch (the stand-in
+        driver records the word the first parameter points to at each launch)."""
+        import ctypes
+
+        from acoll._p2p.domain import EPOCH_OFFSET, _Args
+        a = _Args()
+        a.inp = kw["in_ptr"]
+        return a, (ctypes.c_void_p * 1)(ctypes.addressof(a) + EPOCH_OFFSET)
+
+    def marked(self, stream: Any, event: Any) -> None:
+        self._last_event, self._last_ptr, self.last = event, stream.ptr, event
+
+    def launch_failed(self, code: int, at: int) -> TransportError:
+        from acoll._p2p.domain import P2PDomain
+        return P2PDomain.launch_failed(self, code, at)  # type: ignore[arg-type]
+
+
+def _native_calls(fake_cupy: Any, lau: Any) -> tuple[Any, _Host, _NativeDomain]:
+    from acoll._p2p.fast import PreparedCalls
+    host, dom = _Host(), _NativeDomain(lau)
+    dom.space.current = fake_cupy.cuda.current
+    return PreparedCalls(host, dom), host, dom  # type: ignore[arg-type]
+
+
+async def test_native_a_call_on_a_stream_is_one_driver_sequence(fake_cupy: Any,
+                                                                native: Any) -> None:
+    lau, fake = native
+    fast, host, dom = _native_calls(fake_cupy, lau)
+    x, st = _Array(100, 16), _Stream(55)
+    _learned(fast, dom, x, copies=True)
+    fake.reset(ctx=0xC0)
+    assert fast.start("all_reduce", x, None, "sum", 0, st) is True
+    event = dom.last
+    assert fake.log() == [
+        ("G", 0xC0), ("S", 0xC1),
+        ("C", 900, 100, 64, 55, 0xC1),      # the copy into the workspace, then the steps
+        ("L", 1234, 4, 512, 55, 41), ("L", 1234, 2, 512, 55, 42),  # each its epoch
+        ("R", event.ptr, 55, 0xC1), ("S", 0xC0)]
+    assert dom.launched == []  # (nothing through the Python route)
+    prep = next(iter(fast.calls.values()))
+    assert [a.epoch for _, a, _, _ in prep.steps] == [41, 42]
+    assert dom.epoch == 42
+    assert dom.copied == 64
+    assert (fast.hits, host._exec.seq) == (1, 1)
+    assert host._p2p_seq.idle
+    assert fake_cupy.cuda.runtime.device == 0  # CuPy's device never touched
+    # the next call on another stream is ordered after this launch
+    fake.reset(ctx=0xC0)
+    assert fast.start("all_reduce", x, None, "sum", 0, _Stream(66)) is True
+    assert ("W", 66, event.ptr, 0, 0xC1) in fake.log()
+    assert [a.epoch for _, a, _, _ in prep.steps] == [43, 44]
+
+
+async def test_native_without_a_stream_goes_to_the_communicators_stream(
+        fake_cupy: Any, native: Any) -> None:
+    lau, fake = native
+    fast, _, dom = _native_calls(fake_cupy, lau)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    fake.reset(ctx=0xC0)
+    assert fast.start("all_reduce", x, None, "sum", 0, None) is True
+    log = fake.log()
+    ready = next(row for row in log if row[0] == "R")
+    assert ready[2] == fake_cupy.cuda.current.ptr  # recorded on the caller's stream
+    own = dom.space.stream.ptr
+    assert ("W", own, ready[1], 0, 0xC1) in log  # our stream waits for it
+    assert [row[4] for row in log if row[0] == "L"] == [own, own]
+    assert ("R", dom.last.ptr, own, 0xC1) in log
+    assert not any(row[0] == "W" and row[1] == fake_cupy.cuda.current.ptr for row in log)
+    assert ("Q", dom.last.ptr) in log  # polled natively
+    assert dom.checks == 1
+    assert dom.space.taken == dom.space.given == 1
+
+
+async def test_native_a_failed_launch_fails_the_communicator_naming_the_call(
+        fake_cupy: Any, native: Any) -> None:
+    lau, fake = native
+    fast, host, dom = _native_calls(fake_cupy, lau)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    fake.reset(ctx=0xC0)
+    fake.fail("L", 2, 719)
+    with pytest.raises(TransportError, match=r"cuLaunchKernel returned CUresult 719"):
+        fast.start("all_reduce", x, None, "sum", 0, _Stream(55))
+    assert len(host.failed_with) == 1
+    assert host._p2p_seq.idle
+    assert fake.current == 0xC0
+
+
+async def test_native_a_failed_record_of_the_callers_event_fails_it(
+        fake_cupy: Any, native: Any) -> None:
+    lau, fake = native
+    fast, host, dom = _native_calls(fake_cupy, lau)
+    x = _Array(100, 16)
+    _learned(fast, dom, x)
+    fake.reset(ctx=0xC0)
+    fake.fail("R", 1, 400)
+    with pytest.raises(TransportError, match=r"cuEventRecord returned CUresult 400"):
+        fast.start("all_reduce", x, None, "sum", 0, None)
+    assert len(host.failed_with) == 1
+    assert dom.space.taken == dom.space.given == 1
+    assert not any(row[0] == "L" for row in fake.log())
+
+
+class _Job:
+    def __init__(self) -> None:
+        self.value = 0
+
+
+class _BatchLauncher:
+    """Records what LocalLaunch hands the native launcher."""
+
+    def __init__(self) -> None:
+        self.runs: list[int] = []
+        self.arrays: dict[int, list[_Job]] = {}
+
+    def jobs(self, n: int) -> list[_Job]:
+        return self.arrays.setdefault(n, [_Job() for _ in range(n)])
+
+    def run(self, jobs: Any, n: int) -> int:
+        self.runs.append(n)
+        return 0
+
+
+class _Rank:
+    def __init__(self, lau: Any, rank: int, log: list[Any], fail_fill: bool = False,
+                 fail_finish: bool = False) -> None:
+        self.launcher, self.rank, self.log = lau, rank, log
+        self.fail_fill, self.fail_finish = fail_fill, fail_finish
+
+    def __call__(self) -> None:
+        self.log.append(("alone", self.rank))
+
+    def fill(self, job: _Job) -> None:
+        if self.fail_fill:
+            raise TransportError(f"fill {self.rank}")
+        job.value = self.rank
+        self.log.append(("fill", self.rank))
+
+    def finish(self, job: _Job) -> None:
+        assert job.value == self.rank
+        if self.fail_finish:
+            raise TransportError(f"finish {self.rank}")
+        self.log.append(("finish", self.rank))
+
+
+async def test_local_ranks_native_launches_are_one_c_call_errors_to_their_rank() -> None:
+    from acoll._p2p.domain import LocalLaunch
+    lau, log = _BatchLauncher(), []
+    group = LocalLaunch(3)
+    f0 = group.submit(0, 2, _Rank(lau, 2, log, fail_finish=True))
+    f1 = group.submit(0, 0, _Rank(lau, 0, log, fail_fill=True))
+    assert f0 is not None
+    assert f1 is not None
+    assert group.submit(0, 1, _Rank(lau, 1, log)) is None  # the last one launches all
+    assert lau.runs == [2]  # one C call for the two that filled their job
+    assert log == [("fill", 1), ("fill", 2), ("finish", 1)]
+    with pytest.raises(TransportError, match="finish 2"):
+        f0.result()
+    with pytest.raises(TransportError, match="fill 0"):
+        f1.result()
+    # the caller's own error is raised to it
+    group2 = LocalLaunch(2)
+    f2 = group2.submit(0, 0, _Rank(lau, 0, log))
+    with pytest.raises(TransportError, match="finish 1"):
+        group2.submit(0, 1, _Rank(lau, 1, log, fail_finish=True))
+    assert f2 is not None
+    assert f2.result() is None
+    # launches that are not all native (or of another launcher) run one by one
+    log.clear()
+    group3 = LocalLaunch(2)
+    f3 = group3.submit(0, 1, _Rank(_BatchLauncher(), 1, log))
+    assert group3.submit(0, 0, _Rank(lau, 0, log)) is None
+    assert log == [("alone", 0), ("alone", 1)]
+    assert f3 is not None
+    assert f3.result() is None

@@ -203,15 +203,21 @@ def _hits(c: acoll.Communicator) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("direct", ["1", "0"])
 @pytest.mark.parametrize("count", [1000, 600_001])
-async def test_repeated_calls_run_prepared_and_exact(direct: str, count: int,
+@pytest.mark.parametrize("native", ["1", "0"])
+async def test_repeated_calls_run_prepared_and_exact(direct: str, count: int, native: str,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Every collective called again on the same buffers runs prepared (prepared.hits
     counts them), with new data each round and exact results: one-shot and two-shot,
-    in place and not, and (copy mode, 1 MiB workspace) calls in several steps."""
+    in place and not, and (copy mode, 1 MiB workspace) calls in several steps; launched
+    through the native launcher and through Python."""
     monkeypatch.setenv("ACOLL_P2P_DIRECT", direct)
     monkeypatch.setenv("ACOLL_P2P_BUFFER", "1M")
+    monkeypatch.setenv("ACOLL_P2P_NATIVE", native)
     comms = await _form(_devices(2))
     n = len(comms)
+    for c in comms:
+        assert c._p2p is not None
+        assert (c._p2p.launcher is not None) == (native == "1"), "native launcher"
     try:
         async def one(c: acoll.Communicator) -> int:
             r = c.rank
@@ -440,12 +446,28 @@ async def test_two_prepared_calls_of_one_rank_in_flight_fail_at_once_on_abort() 
             c.abort()
 
 
-@pytest.mark.parametrize("route", ["prepared", "general"])
+class _BrokenLauncher:
+    """The native launcher, its driver's cuLaunchKernel failing (700, illegal address)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+    def run(self, jobs: Any, n: int) -> int:
+        for k in range(n):
+            jobs[k].result, jobs[k].failed_at = 700, 4
+        return n
+
+
+@pytest.mark.parametrize("route", ["prepared", "native", "general"])
 async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
         route: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA call that fails while rank 0 enqueues a P2P call (injected) is a
-    TransportError there, naming the path, with the CUDA error as its cause; the
-    communicator fails, and rank 1 learns it (an error, not a hang)."""
+    TransportError there, naming the path, with the CUDA error as its cause (or, from
+    the native launcher, naming the driver call and its CUresult); the communicator
+    fails, and rank 1 learns it (an error, not a hang)."""
     comms = await _form(_devices(2), timeout=20)
     try:
         xs = [to_device(c.device or 0)(np.ones(1000, np.float32)) for c in comms]
@@ -456,8 +478,13 @@ async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
         def broken(*args: Any, **kw: Any) -> None:
             raise cp.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
 
-        monkeypatch.setattr(dom, "launch_prepared" if route == "prepared" else "launch",
-                            broken)
+        if route == "native":
+            assert dom.launcher is not None
+            monkeypatch.setattr(dom, "launcher", _BrokenLauncher(dom.launcher))
+        else:
+            monkeypatch.setattr(dom, "launcher", None)
+            monkeypatch.setattr(dom, "launch_prepared" if route == "prepared" else "launch",
+                                broken)
         if route == "general":
             comms[0]._prepared = None
         t0 = time.monotonic()
@@ -467,7 +494,10 @@ async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
         assert time.monotonic() - t0 < 12
         assert isinstance(got[0], acoll.TransportError), got
         assert "peer-to-peer" in str(got[0])
-        assert isinstance(got[0].__cause__, cp.cuda.runtime.CUDARuntimeError)
+        if route == "native":
+            assert "cuLaunchKernel returned CUresult 700" in str(got[0])
+        else:
+            assert isinstance(got[0].__cause__, cp.cuda.runtime.CUDARuntimeError)
         assert isinstance(got[1], acoll.AcollError), got
         assert comms[0].error is not None
     finally:

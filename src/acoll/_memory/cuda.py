@@ -388,6 +388,11 @@ class CudaSpace(MemorySpace):
         return self._events.pop() if self._events else self.cp.cuda.Event(
             block=False, disable_timing=True)
 
+    def idle_event(self) -> Any:
+        """An idle event from the pool (see :meth:`take_event`), or ``None`` when it is
+        empty (creating one needs this device's context: :meth:`take_event` then)."""
+        return self._events.pop() if self._events else None
+
     def give_event(self, event: Any) -> None:
         if len(self._events) < 64:
             self._events.append(event)

@@ -41,6 +41,7 @@ CACHE = Setting("NATIVE_CACHE", str, "",
                 "~/.cache/acoll).", "NET")
 
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
+_LIBS = ("-ldl",)  # (dlopen: in the C library itself from glibc 2.34; harmless there)
 HEADER_SIZE = 32
 
 
@@ -114,9 +115,9 @@ def _cache_dir() -> Path:
     return Path(base) / "acoll"
 
 
-def source() -> bytes:
-    """The C source, as packaged."""
-    return resources.files(__package__).joinpath("ring.c").read_bytes()
+def source(name: str = "ring") -> bytes:
+    """The C source ``name``.c, as packaged (``ring`` or ``launch``)."""
+    return resources.files(__package__).joinpath(f"{name}.c").read_bytes()
 
 
 def _compiler_id(cc: list[str]) -> str:
@@ -124,8 +125,9 @@ def _compiler_id(cc: list[str]) -> str:
     return out.stdout.decode(errors="replace").splitlines()[0] if out.stdout else cc[0]
 
 
-def build(cc: str | None = None, cache: Path | None = None) -> Path:
-    """Compile ``ring.c`` into the cache (if not there yet) and return the library's path.
+def build(cc: str | None = None, cache: Path | None = None, name: str = "ring") -> Path:
+    """Compile ``name``.c (``ring.c`` unless told) into the cache (if not there yet) and
+    return the library's path.
 
     Raises:
         OSError, subprocess.SubprocessError: no compiler, or it failed (its output is in
@@ -134,28 +136,28 @@ def build(cc: str | None = None, cache: Path | None = None) -> Path:
     argv = shlex.split(cc if cc is not None else CC.resolve())
     if not argv:
         raise OSError("ACOLL_NATIVE_CC is empty")
-    src = source()
+    src = source(name)
     ident = _compiler_id(argv)
     digest = hashlib.sha256(src + ident.encode() + " ".join(_FLAGS).encode()
                             + os.uname().machine.encode()).hexdigest()[:20]
     folder = cache if cache is not None else _cache_dir()
-    target = folder / f"acoll-ring-{digest}.so"
+    target = folder / f"acoll-{name}-{digest}.so"
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     _check_private(folder)
     if target.exists():
         _check_private(target)
         return target
     with tempfile.TemporaryDirectory(dir=folder, prefix=".build-") as tmp:
-        c_file = Path(tmp) / "ring.c"
+        c_file = Path(tmp) / f"{name}.c"
         c_file.write_bytes(src)
-        out = Path(tmp) / "ring.so"
-        done = subprocess.run([*argv, *_FLAGS, "-o", str(out), str(c_file)],
+        out = Path(tmp) / f"{name}.so"
+        done = subprocess.run([*argv, *_FLAGS, "-o", str(out), str(c_file), *_LIBS],
                               capture_output=True, timeout=120)
         if done.returncode != 0:
             raise OSError(f"{' '.join(argv)} failed ({done.returncode}): "
                           f"{done.stderr.decode(errors='replace').strip()[-2000:]}")
         os.replace(out, target)  # (atomic: a concurrent build's file is as good)
-    log.info("native ring built: %s (%s)", target, ident)
+    log.info("native %s built: %s (%s)", name, target, ident)
     return target
 
 

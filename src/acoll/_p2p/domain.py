@@ -48,6 +48,8 @@ import numpy as np
 
 from .._config import Setting, get_logger, parse_bool, parse_size
 from .._cuda.kernels import NVRTC_OPTIONS
+from .._cuda.launcher import AT, NATIVE, Launcher
+from .._cuda.launcher import load_async as load_launcher
 from .._cuda.p2p_kernels import (
     ERR_ABORTED,
     ERR_MISMATCH,
@@ -113,6 +115,10 @@ class _Args(ctypes.Structure):
                 ("src_stride", ctypes.c_uint64), ("user_stride", ctypes.c_uint64),
                 ("regtab", ctypes.c_uint64), ("reg", ctypes.c_uint64),
                 ("reg_in_off", ctypes.c_uint64), ("reg_out_off", ctypes.c_uint64)]
+
+
+#: Where the epoch lies in a parameter block (the native launcher writes it).
+EPOCH_OFFSET: int = _Args.epoch.offset
 
 
 def _cu_launch() -> Any:
@@ -195,19 +201,49 @@ class LocalLaunch:
     def _run(entries: dict[int, tuple[Callable[[], None], asyncio.Future[None] | None]]
              ) -> BaseException | None:
         """Run every rank's launch in rank order; the error of the rank without a future
-        (the caller's) is returned, the others' go to their futures."""
+        (the caller's) is returned, the others' go to their futures.
+
+        When every launch is a native one of the same launcher (``fill``/``finish``, see
+        :mod:`acoll._p2p.fast`), their driver calls are made by one C call."""
+        order = sorted(entries)
+        outcome: dict[int, BaseException | None] = {}
+        runs = [entries[r][0] for r in order]
+        lau = getattr(runs[0], "launcher", None)
+        if lau is not None and all(getattr(x, "launcher", None) is lau for x in runs):
+            jobs = lau.jobs(len(order))
+            filled: list[tuple[int, Any, int]] = []
+            for r, run in zip(order, runs, strict=True):
+                try:
+                    run.fill(jobs[len(filled)])  # type: ignore[attr-defined]
+                except BaseException as exc:
+                    outcome[r] = exc
+                    continue
+                filled.append((r, run, len(filled)))
+            if filled:
+                lau.run(jobs, len(filled))
+            for r, run, i in filled:
+                try:
+                    run.finish(jobs[i])
+                    outcome[r] = None
+                except BaseException as exc:
+                    outcome[r] = exc
+        else:
+            for r, run in zip(order, runs, strict=True):
+                try:
+                    run()
+                    outcome[r] = None
+                except BaseException as exc:
+                    outcome[r] = exc
         mine: BaseException | None = None
-        for r in sorted(entries):
-            run, waiter = entries[r]
-            try:
-                run()
-            except BaseException as exc:
-                if waiter is None:
-                    mine = exc
-                elif not waiter.done():
-                    waiter.set_exception(exc)
+        for r in order:
+            waiter, failure = entries[r][1], outcome[r]
+            if waiter is None:
+                mine = failure
+            elif waiter.done():
                 continue
-            if waiter is not None and not waiter.done():
+            elif failure is not None:
+                waiter.set_exception(failure)
+            else:
                 waiter.set_result(None)
         return mine
 
@@ -352,6 +388,10 @@ class P2PDomain:
         self._last_stream: Any = None
         self._last_ptr = -1
         self._last_event: Any = None
+        #: The native launcher prepared calls use (:mod:`acoll._cuda.launcher`), or None,
+        #: and this device's context for it.
+        self.launcher: Launcher | None = None
+        self.ctx = 0
 
     def _device_pointer(self, host_ptr: int) -> int:
         rt = self.cp.cuda.runtime
@@ -431,6 +471,12 @@ class P2PDomain:
                 group = _local_groups[dom._local_key] = LocalLaunch(len(local))
             group.users += 1
             dom._local = group
+        if NATIVE.resolve():
+            lau = await load_launcher()
+            if lau is not None:
+                with cp.cuda.Device(space.device):
+                    dom.ctx = lau.current_context()
+                dom.launcher = lau if dom.ctx else None
         dom.timeout_ns = int(timeout * 1e9) + 2_000_000_000
         a = dom._args
         a.tab, a.err, a.abort = int(dom._table.data.ptr), dom._err_dev, dom._abort_dev
@@ -630,6 +676,29 @@ class P2PDomain:
         event.record(stream)
         self._last_stream, self._last_ptr, self._last_event = stream, stream.ptr, event
         return event
+
+    def next_mark(self) -> Any:
+        """The event :meth:`mark` would record next, for a native launch that records it
+        itself (then :meth:`marked`)."""
+        ring = self._ring
+        if not ring:
+            with self.cp.cuda.Device(self.device):
+                ring.extend(self.cp.cuda.Event(block=False, disable_timing=True)
+                            for _ in range(8))
+        event = ring[self._ring_next]
+        self._ring_next = (self._ring_next + 1) & 7
+        return event
+
+    def marked(self, stream: Any, event: Any) -> None:
+        """A native launch recorded ``event`` (:meth:`next_mark`) after its kernels on
+        ``stream``: as :meth:`mark` would have."""
+        self._last_stream, self._last_ptr, self._last_event = stream, stream.ptr, event
+
+    def launch_failed(self, code: int, at: int) -> TransportError:
+        """The error of a native launch whose driver call ``at`` returned ``code``."""
+        return TransportError(f"rank {self.rank}: a CUDA call of the GPU peer-to-peer "
+                              f"path failed: {AT.get(at, f'call {at}')} returned CUresult "
+                              f"{code}")
 
     def gather_launches(self) -> None:
         """Make the communicator's stream wait for this rank's last launch (prepared calls

@@ -38,13 +38,15 @@ goes). ``ACOLL_P2P_PREPARED=0`` turns the route off.
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import time
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any, Protocol
 
 from .._comm.executor import fail_and_raise
 from .._config import Setting, parse_bool
-from .._cuda.p2p_kernels import P2PSource
+from .._cuda.launcher import NOT_READY, Copy, Launcher, Step
+from .._cuda.p2p_kernels import THREADS, P2PSource
 from .._dtypes import ReduceOp
 from .._memory.cuda import TIGHT_SPIN_S
 from ..errors import AcollError
@@ -86,7 +88,7 @@ class Prepared:
     holds addresses only, never the call's arrays (their memory may be freed and reused:
     a later call on the same addresses is the same call)."""
 
-    __slots__ = ("copied", "describe", "fn", "src", "steps")
+    __slots__ = ("_native", "copied", "describe", "fn", "src", "steps")
 
     def __init__(self, op: P2POp) -> None:
         dom = op.dom
@@ -100,6 +102,29 @@ class Prepared:
             args, params = dom.args_for(step, **kw)
             self.steps.append((step.blocks, args, params, copies))
             self.copied += sum(c[2] for c in copies)
+        self._native: tuple[int, int, Any] | None = None
+
+    def native(self) -> tuple[int, int]:
+        """The addresses of this call's step and copy arrays for the native launcher
+        (:mod:`acoll._cuda.launcher`), built at the first use (``fn`` known by then)."""
+        if self._native is None:
+            from .domain import EPOCH_OFFSET
+            steps = (Step * len(self.steps))()
+            copies = (Copy * max(1, sum(len(s[3]) for s in self.steps)))()
+            k = 0
+            for i, (blocks, args, params, cps) in enumerate(self.steps):
+                step = steps[i]
+                step.fn, step.blocks, step.threads = self.fn, blocks, THREADS
+                step.params = ctypes.addressof(params)
+                step.epoch_field = ctypes.addressof(args) + EPOCH_OFFSET
+                step.first_copy, step.ncopies = k, len(cps)
+                for dst, src, nbytes in cps:
+                    copies[k].dst, copies[k].src, copies[k].nbytes = dst, src, nbytes
+                    k += 1
+            # (the arrays are kept with their addresses: the launcher reads them)
+            self._native = (ctypes.addressof(steps), ctypes.addressof(copies),
+                            (steps, copies))
+        return self._native[0], self._native[1]
 
 
 def _contiguous(a: Any) -> bool:
@@ -189,8 +214,6 @@ class PreparedCalls:
         if not fn:
             return False
         prep.fn = fn
-        rt = self.runtime
-        prev = rt.getDevice()
         if stream is None:
             st = dom.space.resolve_stream(None)  # (CuPy's current stream on the device)
         elif (type(stream) is self.stream_type
@@ -199,6 +222,7 @@ class PreparedCalls:
         else:
             return False
         ready = None
+        lau = dom.launcher
         if dom.shares_gpu or stream is None:
             # The kernel goes to our own stream, after the caller's work queued so far
             # (recorded now, not at the launch, which may run after the other local
@@ -207,14 +231,24 @@ class PreparedCalls:
             # route: kernels spinning for their peers on a stream the application shares
             # between communicators (the default stream) could wait for each other.
             space = dom.space
-            if prev != dom.device:
-                rt.setDevice(dom.device)
-            try:
-                ready = space.take_event()
-                ready.record(st)
-            finally:
+            ready = space.idle_event() if lau is not None else None
+            if ready is not None:
+                assert lau is not None
+                rc = lau.record(dom.ctx, ready.ptr, st.ptr)
+                if rc:
+                    space.give_event(ready)
+                    fail_and_raise(comm, dom.launch_failed(rc, _AT_RECORD))
+            else:
+                rt = self.runtime
+                prev = rt.getDevice()
                 if prev != dom.device:
-                    rt.setDevice(prev)
+                    rt.setDevice(dom.device)
+                try:
+                    ready = space.take_event()
+                    ready.record(st)
+                finally:
+                    if prev != dom.device:
+                        rt.setDevice(prev)
         self.hits += 1
         ex.skip()
         seq = ex.seq - 1
@@ -225,9 +259,13 @@ class PreparedCalls:
         done: list[Any] = []
         settle = stream is None
         try:
+            launch: Callable[[], None]
+            if lau is not None:
+                launch = _NativeLaunch(lau, dom, prep, st, ready, done, settle)
+            else:
+                launch = lambda: self._launch(prep, st, ready, done, settle)  # noqa: E731
             try:
-                waiter = dom.submit(lambda: self._launch(prep, st, ready, done, settle),
-                                    comm.timeout, name)
+                waiter = dom.submit(launch, comm.timeout, name)
             except BaseException:
                 turns.done(ticket)
                 raise
@@ -235,15 +273,9 @@ class PreparedCalls:
                 turns.done(ticket)
             if waiter is None and stream is not None:
                 return True
-            if waiter is None:
-                event = done[0]
-                end = time.perf_counter() + TIGHT_SPIN_S
-                while not event.done:
-                    if time.perf_counter() >= end:
-                        break
-                else:
-                    dom.check()
-                    return True
+            if waiter is None and _spun(lau, done[0]):
+                dom.check()
+                return True
         except AcollError as exc:
             fail_and_raise(comm, exc)
         return lambda: ex.run_now(name, seq, self._finish(waiter, ticket, ready, done,
@@ -300,10 +332,87 @@ class PreparedCalls:
         if settle:
             event = done[0]
             if waiter is not None:  # (else start() polled it already)
-                end = time.perf_counter() + TIGHT_SPIN_S
-                while not event.done and time.perf_counter() < end:
-                    pass
+                _spun(self.dom.launcher, event)
             if not event.done:
                 loop = asyncio.get_running_loop()
                 await dom.space.wait_event(event, loop.time() + self.comm.timeout)
             dom.check()
+
+
+_AT_RECORD = 5  # (launch.c's LN_AT_RECORD)
+
+
+def _spun(lau: Launcher | None, event: Any) -> bool:
+    """Whether ``event`` passed within :data:`TIGHT_SPIN_S` of polling it (without
+    yielding: a small kernel over NVLink ends within it)."""
+    if lau is not None:
+        rc = lau.spin(event.ptr, TIGHT_SPIN_S)
+        if rc == 0:
+            return True
+        if rc == NOT_READY:
+            return False
+        # (another CUresult: Event.done below raises it as CuPy words it)
+    end = time.perf_counter() + TIGHT_SPIN_S
+    while not event.done:
+        if time.perf_counter() >= end:
+            return False
+    return True
+
+
+class _NativeLaunch:
+    """One rank's enqueue of a prepared call through the native launcher.
+
+    Called alone it runs its own job; :class:`~acoll._p2p.domain.LocalLaunch` instead
+    fills the jobs of every local rank (:meth:`fill`), runs them in one C call and then
+    lets each :meth:`finish`. Either way it does what :meth:`PreparedCalls._launch` does,
+    in the same order on the same streams."""
+
+    __slots__ = ("caller", "dom", "done", "event", "launcher", "prep", "ready", "settle",
+                 "stream")
+
+    def __init__(self, lau: Launcher, dom: P2PDomain, prep: Prepared, caller: Any,
+                 ready: Any, done: list[Any], settle: bool) -> None:
+        self.launcher, self.dom, self.prep, self.caller = lau, dom, prep, caller
+        self.ready, self.done, self.settle = ready, done, settle
+        self.stream: Any = None
+        self.event: Any = None
+
+    def __call__(self) -> None:
+        lau = self.launcher
+        jobs = lau.jobs(1)
+        self.fill(jobs[0])
+        lau.run(jobs, 1)
+        self.finish(jobs[0])
+
+    def fill(self, job: Any) -> None:
+        """Write this rank's job (stream, waits, steps, the event to record)."""
+        dom, prep, caller = self.dom, self.prep, self.caller
+        dom.mine = prep.describe
+        if self.ready is not None:  # our own stream, after the caller's (see start())
+            stream = dom.space.stream
+            job.wait1 = self.ready.ptr
+        else:
+            stream = caller
+            job.wait1 = 0
+        ptr = stream.ptr
+        last = dom._last_event
+        job.wait2 = last.ptr if last is not None and ptr != dom._last_ptr else 0
+        event = dom.next_mark()
+        job.ctx, job.stream, job.record = dom.ctx, ptr, event.ptr
+        job.then_stream = caller.ptr if stream is not caller and not self.settle else 0
+        steps, copies = prep.native()
+        job.steps, job.copies, job.nsteps = steps, copies, len(prep.steps)
+        job.epoch_base = dom.epoch
+        dom.epoch += len(prep.steps)
+        self.stream, self.event = stream, event
+
+    def finish(self, job: Any) -> None:
+        """After the C call: raise its failure, else note the launch as ``mark`` does."""
+        dom = self.dom
+        if job.result:
+            raise dom.launch_failed(job.result, job.failed_at)
+        if self.ready is not None:
+            dom.space.give_event(self.ready)
+        dom.marked(self.stream, self.event)
+        dom.copied += self.prep.copied
+        self.done.append(self.event)

@@ -1,0 +1,168 @@
+"""The native launcher (``acoll/_native/launch.c``): a prepared call's enqueue in one C call.
+
+A prepared P2P call (:mod:`acoll._p2p.fast`) enqueues a fixed sequence per rank: stream
+waits, copies into the workspace, a kernel launch per step (its epoch written first), an
+event record. Through CuPy and ctypes each of these costs a few microseconds of Python;
+with one task driving several GPUs (:func:`acoll.group`) that is most of a small
+collective's time. :class:`Launcher` hands the sequences of every local rank to C at once
+(``launch.c``'s header states the contract; :class:`Job`, :class:`Step` and :class:`Copy`
+mirror its structures).
+
+The library is compiled once, like the native ring (:mod:`acoll._native`), and loads the
+CUDA driver library with ``dlopen`` itself, so it builds and is tested where no GPU exists
+(``tests/test_launcher.py`` drives it against a recording stand-in for the driver).
+``ACOLL_P2P_NATIVE=0``, or no C compiler, leaves prepared calls on their Python route,
+with the same results.
+
+Calls go through :class:`ctypes.PyDLL` for :meth:`Launcher.spin` and :meth:`record`
+(held GIL: a short busy wait gains nothing from releasing it and could wait a whole
+switch interval to get it back) and :class:`ctypes.CDLL` for :meth:`Launcher.run`
+(a launch may block while the device's launch queue is full; other threads run then).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import threading
+from typing import Any
+
+from .._config import Setting, get_logger, parse_bool
+
+__all__ = ["AT", "NATIVE", "Copy", "Job", "Launcher", "Step", "launcher", "load",
+           "load_async"]
+
+log = get_logger("P2P")
+
+NATIVE = Setting("P2P_NATIVE", parse_bool, True,
+                 "Prepared P2P calls enqueue through acoll's C launcher (compiled once "
+                 "with ACOLL_NATIVE_CC; 0 or no compiler: their Python route).", "P2P")
+
+NOT_READY = 600  # CUDA_ERROR_NOT_READY
+#: ``failed_at`` values of a job: which driver call failed.
+AT = {0: "none", 1: "cuCtxSetCurrent", 2: "cuStreamWaitEvent", 3: "cuMemcpyAsync",
+      4: "cuLaunchKernel", 5: "cuEventRecord", 6: "cuStreamWaitEvent (caller's stream)"}
+
+
+class Copy(ctypes.Structure):
+    """``ln_copy``: one copy (device addresses, unified addressing)."""
+
+    _fields_ = [("dst", ctypes.c_uint64), ("src", ctypes.c_uint64),
+                ("nbytes", ctypes.c_uint64)]
+
+
+class Step(ctypes.Structure):
+    """``ln_step``: one kernel launch, after its copies ``copies[first_copy:][:ncopies]``."""
+
+    _fields_ = [("fn", ctypes.c_uint64), ("params", ctypes.c_uint64),
+                ("epoch_field", ctypes.c_uint64), ("blocks", ctypes.c_uint32),
+                ("threads", ctypes.c_uint32), ("first_copy", ctypes.c_uint32),
+                ("ncopies", ctypes.c_uint32)]
+
+
+class Job(ctypes.Structure):
+    """``ln_job``: one rank's enqueue (``result`` and ``failed_at`` are written back)."""
+
+    _fields_ = [("ctx", ctypes.c_uint64), ("stream", ctypes.c_uint64),
+                ("wait1", ctypes.c_uint64), ("wait2", ctypes.c_uint64),
+                ("record", ctypes.c_uint64), ("then_stream", ctypes.c_uint64),
+                ("epoch_base", ctypes.c_uint64), ("steps", ctypes.c_uint64),
+                ("copies", ctypes.c_uint64), ("nsteps", ctypes.c_int32),
+                ("result", ctypes.c_int32), ("failed_at", ctypes.c_int32),
+                ("reserved", ctypes.c_int32)]
+
+
+#: What ``acoll_ln_layout`` must report: launch.c's structures are these.
+LAYOUT = [ctypes.sizeof(Copy), ctypes.sizeof(Step), ctypes.sizeof(Job),
+          Step.blocks.offset, Step.ncopies.offset, Job.epoch_base.offset,
+          Job.nsteps.offset, Job.failed_at.offset]
+
+
+class Launcher:
+    """The loaded launcher, bound to one CUDA driver library."""
+
+    def __init__(self, path: str, driver: str = "libcuda.so.1") -> None:
+        self.path = path
+        lib = ctypes.CDLL(path)
+        held = ctypes.PyDLL(path)
+        if lib.acoll_ln_version() != 1:
+            raise OSError(f"{path}: unexpected launcher version")
+        layout = (ctypes.c_uint64 * 8)()
+        lib.acoll_ln_layout(layout)
+        if list(layout) != LAYOUT:
+            raise OSError(f"{path}: the launcher's structures ({list(layout)}) are not "
+                          f"those of launcher.py ({LAYOUT})")
+        lib.acoll_ln_open.argtypes = [ctypes.c_char_p]
+        rc = lib.acoll_ln_open(driver.encode())
+        if rc != 0:
+            raise OSError(f"{path}: the CUDA driver library {driver!r} "
+                          f"{'cannot be loaded' if rc == -1 else 'lacks a function'}")
+        self._run = lib.acoll_ln_run
+        self._run.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self._run.restype = ctypes.c_int
+        self._spin = held.acoll_ln_spin
+        self._spin.argtypes = [ctypes.c_uint64, ctypes.c_int64]
+        self._spin.restype = ctypes.c_int
+        self._record = held.acoll_ln_record
+        self._record.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
+        self._record.restype = ctypes.c_int
+        self._current = held.acoll_ln_current
+        self._current.restype = ctypes.c_uint64
+        self._jobs: list[Any] = []  # job arrays by length, reused (one thread: the loop's)
+
+    def jobs(self, n: int) -> Any:
+        """A ``Job`` array of length ``n`` for :meth:`run` (reused: fill every field)."""
+        while len(self._jobs) < n:
+            self._jobs.append((Job * (len(self._jobs) + 1))())
+        return self._jobs[n - 1]
+
+    def run(self, jobs: Any, n: int) -> int:
+        """Run ``jobs[:n]`` (see ``acoll_ln_run``); returns how many failed."""
+        return int(self._run(ctypes.addressof(jobs), n))
+
+    def spin(self, event: int, seconds: float) -> int:
+        """Query ``event`` for up to ``seconds``; the last CUresult (0: passed)."""
+        return int(self._spin(event, int(seconds * 1e9)))
+
+    def record(self, ctx: int, event: int, stream: int) -> int:
+        """Record ``event`` on ``stream`` under context ``ctx``; the CUresult."""
+        return int(self._record(ctx, event, stream))
+
+    def current_context(self) -> int:
+        """The calling thread's current CUcontext (0: none)."""
+        return int(self._current())
+
+
+_lock = threading.Lock()
+_loaded: list[Launcher | None] = []
+
+
+def load() -> Launcher | None:
+    """The launcher, built and bound to ``libcuda.so.1`` if it can be; ``None`` (the
+    reason logged at INFO) where it cannot. Blocking (a first build takes about a
+    second): off the event loop's thread. Whether it is used is for each communicator to
+    say (:data:`NATIVE`)."""
+    with _lock:
+        if _loaded:
+            return _loaded[0]
+        found: Launcher | None = None
+        from .. import _native
+        try:
+            found = Launcher(str(_native.build(name="launch")))
+        except Exception as exc:  # no compiler, no driver: the Python route
+            log.info("native launcher unavailable (prepared calls launch from Python): "
+                     "%s", exc)
+        _loaded.append(found)
+        return found
+
+
+async def load_async() -> Launcher | None:
+    """:func:`load` on a worker thread."""
+    if _loaded:
+        return _loaded[0]
+    return await asyncio.to_thread(load)
+
+
+def launcher() -> Launcher | None:
+    """The launcher if :func:`load` ran and found one (never builds)."""
+    return _loaded[0] if _loaded else None
