@@ -102,12 +102,17 @@ def test_zero_fields_are_skipped(pair: Any) -> None:
     jobs = lau.jobs(1)
     call.fill(jobs[0], stream=0x51)  # no context, waits, record or caller's stream
     assert lau.run(jobs, 1) == 0
-    assert fake.log() == [("G", 0xC0), ("L", 0xF1, 1, 512, 0x51, 1), ("S", 0xC0)]
+    assert fake.log() == [("G", 0xC0), ("L", 0xF1, 1, 512, 0x51, 1)]
     # a record without a caller's stream to order: no second wait
     call.fill(jobs[0], stream=0x51, record=0xE3, epoch=5)
     fake.reset(ctx=0xC0)
     assert lau.run(jobs, 1) == 0
-    assert fake.log()[1:-1] == [("L", 0xF1, 1, 512, 0x51, 6), ("R", 0xE3, 0x51, 0xC0)]
+    assert fake.log()[1:] == [("L", 0xF1, 1, 512, 0x51, 6), ("R", 0xE3, 0x51, 0xC0)]
+    # a job under the context already current switches nothing
+    call.fill(jobs[0], ctx=0xC0, stream=0x51, epoch=1)
+    fake.reset(ctx=0xC0)
+    assert lau.run(jobs, 1) == 0
+    assert fake.log() == [("G", 0xC0), ("L", 0xF1, 1, 512, 0x51, 2)]
 
 
 def test_several_jobs_run_in_order_each_under_its_context(pair: Any) -> None:
@@ -178,6 +183,11 @@ def test_record_switches_to_the_context_and_back(pair: Any) -> None:
     assert lau.record(0xC1, 0xE1, 0x51) == 201
     assert fake.current == 0xC0
     assert lau.current_context() == 0xC0
+    fake.reset(ctx=0xC1)  # already current, or 0 (the current one): no switch
+    assert lau.record(0xC1, 0xE1, 0x51) == 0
+    assert lau.record(0, 0xE2, 0x51) == 0
+    assert fake.log() == [("G", 0xC1), ("R", 0xE1, 0x51, 0xC1), ("G", 0xC1),
+                          ("R", 0xE2, 0x51, 0xC1)]
 
 
 def test_an_unopened_library_refuses_every_job(built: tuple[Path, Path],

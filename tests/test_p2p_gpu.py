@@ -479,8 +479,12 @@ async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
             raise cp.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
 
         if route == "native":
-            assert dom.launcher is not None
-            monkeypatch.setattr(dom, "launcher", _BrokenLauncher(dom.launcher))
+            from acoll._cuda.launcher import load
+            real = load()
+            assert real is not None, "the native launcher did not load"
+            with cp.cuda.Device(dom.device):
+                monkeypatch.setattr(dom, "ctx", real.current_context())
+            monkeypatch.setattr(dom, "launcher", _BrokenLauncher(real))
         else:
             monkeypatch.setattr(dom, "launcher", None)
             monkeypatch.setattr(dom, "launch_prepared" if route == "prepared" else "launch",

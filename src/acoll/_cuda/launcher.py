@@ -11,8 +11,18 @@ mirror its structures).
 The library is compiled once, like the native ring (:mod:`acoll._native`), and loads the
 CUDA driver library with ``dlopen`` itself, so it builds and is tested where no GPU exists
 (``tests/test_launcher.py`` drives it against a recording stand-in for the driver).
-``ACOLL_P2P_NATIVE=0``, or no C compiler, leaves prepared calls on their Python route,
-with the same results.
+
+**Off by default** (``ACOLL_P2P_NATIVE=1`` turns it on; without a C compiler prepared
+calls stay on their Python route, with the same results). Measured on one H200, two ranks
+sharing it in one process, group-driven, 8 B to 256 KiB, alternating rounds on the same
+communicators (``bench/p2p_native_ab.py``, ``bench/results/session37_h200/``): the
+native route took 1.02 to 1.05x the Python route's time per call, awaited and pipelined,
+in three runs (uvloop and asyncio), before and after it stopped switching contexts that
+were current already. The Python route's driver calls cost what the C calls cost; the
+microseconds it spends around them are not where a small call's time goes (the phase
+breakdown there: each rank's own call, 15 to 20 us, and the wait for the kernels). Two
+ranks on two GPUs, where the Python route switches devices per launch, were not measured
+(no such host was lent).
 
 Calls go through :class:`ctypes.PyDLL` for :meth:`Launcher.spin` and :meth:`record`
 (held GIL: a short busy wait gains nothing from releasing it and could wait a whole
@@ -34,9 +44,10 @@ __all__ = ["AT", "NATIVE", "Copy", "Job", "Launcher", "Step", "launcher", "load"
 
 log = get_logger("P2P")
 
-NATIVE = Setting("P2P_NATIVE", parse_bool, True,
+NATIVE = Setting("P2P_NATIVE", parse_bool, False,
                  "Prepared P2P calls enqueue through acoll's C launcher (compiled once "
-                 "with ACOLL_NATIVE_CC; 0 or no compiler: their Python route).", "P2P")
+                 "with ACOLL_NATIVE_CC); off by default: it measured 2 to 5% slower than "
+                 "the Python route on one H200 (see acoll._cuda.launcher).", "P2P")
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
 #: ``failed_at`` values of a job: which driver call failed.

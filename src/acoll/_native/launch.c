@@ -18,9 +18,11 @@
  *                            holds that call's CUresult and `failed_at` which call it was
  *                            (LN_AT_*); the following jobs still run. The context current
  *                            on the calling thread when it was called is current again on
- *                            return.
+ *                            return (set again only if a job changed it).
  *   acoll_ln_record(ctx, event, stream)
- *                            records `event` on `stream` under context `ctx`; CUresult.
+ *                            records `event` on `stream` under context `ctx` (0: the
+ *                            current one; switched to and back only when it differs);
+ *                            CUresult.
  *   acoll_ln_spin(event, ns) queries `event` until it has passed or `ns` nanoseconds went
  *                            by; the last query's CUresult (0: passed, 600: not yet).
  *   acoll_ln_current()       the calling thread's current CUcontext (0 if none).
@@ -28,7 +30,7 @@
  *                            its mirror against them when it loads the library).
  *
  * One job, in this order, stopping at the first failure:
- *   1. make `ctx` current (skipped when 0);
+ *   1. make `ctx` current (skipped when 0 or current already: a switch costs);
  *   2. make `stream` wait for `wait1`, then for `wait2` (each skipped when 0);
  *   3. for each of the `nsteps` steps: its copies (cuMemcpyAsync on `stream`, addresses
  *      as unified addressing resolves them), then write `epoch_base + i + 1` (i: the
@@ -136,12 +138,16 @@ uint64_t acoll_ln_current(void) {
     return (uint64_t)(uintptr_t)ctx;
 }
 
-static int run_job(ln_job *job) {
+static int run_job(ln_job *job, CUcontext *cur) {
     CUstream stream = (CUstream)(uintptr_t)job->stream;
     CUresult rc;
-    if (job->ctx && (rc = ctx_set((CUcontext)(uintptr_t)job->ctx)) != 0) {
-        job->failed_at = LN_AT_CONTEXT;
-        return rc;
+    CUcontext want = (CUcontext)(uintptr_t)job->ctx;
+    if (want && want != *cur) { /* (a context switch costs: only when it changes) */
+        if ((rc = ctx_set(want)) != 0) {
+            job->failed_at = LN_AT_CONTEXT;
+            return rc;
+        }
+        *cur = want;
     }
     if (job->wait1 && (rc = stream_wait(stream, (CUevent)(uintptr_t)job->wait1, 0)) != 0) {
         job->failed_at = LN_AT_WAIT;
@@ -194,25 +200,26 @@ int acoll_ln_run(ln_job *jobs, int n) {
         return n;
     }
     CUcontext before = NULL;
-    int have_before = ctx_get(&before) == 0;
+    if (ctx_get(&before) != 0) before = NULL;
+    CUcontext cur = before;
     int failed = 0;
     for (int k = 0; k < n; k++) {
         jobs[k].failed_at = LN_AT_NONE;
-        jobs[k].result = run_job(&jobs[k]);
+        jobs[k].result = run_job(&jobs[k], &cur);
         failed += jobs[k].result != 0;
     }
-    if (have_before) ctx_set(before);
+    if (cur != before) ctx_set(before);
     return failed;
 }
 
 int acoll_ln_record(uint64_t ctx, uint64_t event, uint64_t stream) {
     if (!opened) return LN_NOT_OPEN;
     CUcontext before = NULL;
-    int have_before = ctx_get(&before) == 0;
-    CUresult rc = 0;
-    if (ctx) rc = ctx_set((CUcontext)(uintptr_t)ctx);
+    if (ctx_get(&before) != 0) before = NULL;
+    CUcontext want = ctx ? (CUcontext)(uintptr_t)ctx : before;
+    CUresult rc = want != before ? ctx_set(want) : 0;
     if (rc == 0) rc = event_record((CUevent)(uintptr_t)event, (CUstream)(uintptr_t)stream);
-    if (have_before && ctx) ctx_set(before);
+    if (want != before) ctx_set(before);
     return rc;
 }
 
