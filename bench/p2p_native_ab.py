@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from typing import Any
@@ -131,6 +132,7 @@ def main() -> None:
     ap.add_argument("--sizes", type=int, nargs="+", default=SIZES)
     ap.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
     args = ap.parse_args()
+    os.environ["ACOLL_P2P_NATIVE"] = "1"  # (loaded at init; each round sets the route)
     main_fn = inproc if args.where == "inproc" else procs
     if args.loop == "uvloop":
         import uvloop
