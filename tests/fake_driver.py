@@ -62,7 +62,8 @@ class FakeDriver:
         rows = []
         for e in out[:n]:
             row = (chr(e.kind), e.a, e.b, e.c, e.d, e.e)
-            width = {"G": 2, "S": 2, "W": 5, "C": 6, "L": 6, "R": 4, "Q": 2}[row[0]]
+            width = {"G": 2, "S": 2, "W": 5, "C": 6, "L": 6, "R": 4, "Q": 2, "D": 2,
+                     "P": 2}[row[0]]
             rows.append(row[:width])
         return rows
 

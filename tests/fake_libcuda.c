@@ -1,6 +1,6 @@
 /*
  * A stand-in for the CUDA driver library, for tests of acoll's native launcher
- * (src/acoll/_native/launch.c) on machines without a GPU. It has the seven entry points
+ * (src/acoll/_native/launch.c) on machines without a GPU. It has the nine entry points
  * the launcher loads; each records its call in a log the test reads back (fake_log), and
  * any one of them can be told to fail (fake_fail). cuMemcpyAsync really copies once
  * fake_real_copies(1) said so (the tests then pass host memory); cuLaunchKernel records the 64-bit word its first parameter
@@ -11,7 +11,8 @@
 #include <string.h>
 
 typedef struct {
-    int64_t kind; /* 'G' get, 'S' set, 'W' wait, 'C' copy, 'L' launch, 'R' record, 'Q' */
+    int64_t kind; /* 'G' get, 'S' set, 'W' wait, 'C' copy, 'L' launch, 'R' record, 'Q' query,
+                     'D' device, 'P' primary context */
     uint64_t a, b, c, d, e;
 } entry;
 
@@ -79,6 +80,16 @@ int cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
 int cuEventRecord(void *event, void *stream) {
     return log_call('R', (uint64_t)(uintptr_t)event, (uint64_t)(uintptr_t)stream, current,
                     0, 0);
+}
+int cuDeviceGet(int *dev, int ordinal) {
+    int rc = log_call('D', (uint64_t)ordinal, 0, 0, 0, 0);
+    if (rc == 0) *dev = ordinal;
+    return rc;
+}
+int cuDevicePrimaryCtxRetain(void **ctx, int dev) {
+    int rc = log_call('P', (uint64_t)dev, 0, 0, 0, 0);
+    if (rc == 0) *ctx = (void *)(uintptr_t)(0xD0 + dev);
+    return rc;
 }
 int cuEventQuery(void *event) {
     int rc = log_call('Q', (uint64_t)(uintptr_t)event, 0, 0, 0, 0);

@@ -60,9 +60,10 @@ class _Call:
 
 def test_the_python_mirror_matches_the_c_structures(pair: Any) -> None:
     lau, _ = pair
-    layout = (ctypes.c_uint64 * 8)()
-    ctypes.CDLL(lau.path).acoll_ln_layout(layout)
-    assert list(layout) == L.LAYOUT
+    layout = (ctypes.c_uint64 * 32)()
+    written = ctypes.CDLL(lau.path).acoll_ln_layout(layout)
+    assert list(layout)[:written] == L.LAYOUT
+    assert written == 3 + 3 + 7 + 13  # (sizes, then every field of the three)
 
 
 def test_a_job_makes_its_driver_calls_in_the_contracts_order(pair: Any) -> None:
@@ -233,3 +234,40 @@ def test_load_gives_none_and_says_why_without_a_driver(monkeypatch: pytest.Monke
         assert L.load() is None
     assert "native launcher unavailable" in caplog.text
     assert L.launcher() is None
+
+
+def test_primary_context_of_a_device(pair: Any) -> None:
+    lau, fake = pair
+    fake.reset()
+    assert lau.primary_context(3) == 0xD3
+    assert fake.log() == [("D", 3), ("P", 3)]
+    fake.reset()
+    fake.fail("P", 1, 101)
+    assert lau.primary_context(3) == 0
+
+
+def test_an_unknown_current_context_is_never_restored_to_a_guess(pair: Any) -> None:
+    lau, fake = pair
+    call = _Call([(0xF1, 1, [])])
+    fake.reset(ctx=0xC0)
+    fake.fail("G", 1, 201)  # cuCtxGetCurrent fails: what was current is unknown
+    jobs = lau.jobs(1)
+    call.fill(jobs[0], ctx=0xC1, stream=0x51)
+    assert lau.run(jobs, 1) == 0
+    assert fake.log() == [("G", 0xC0), ("S", 0xC1), ("L", 0xF1, 1, 512, 0x51, 1)]
+    fake.reset(ctx=0xC0)
+    fake.fail("G", 1, 201)
+    assert lau.record(0xC1, 0xE1, 0x51) == 0
+    assert fake.log() == [("G", 0xC0), ("S", 0xC1), ("R", 0xE1, 0x51, 0xC1)]
+
+
+def test_each_thread_fills_job_arrays_of_its_own(pair: Any) -> None:
+    import threading
+    lau, _ = pair
+    mine = lau.jobs(2)
+    theirs: list[Any] = []
+    t = threading.Thread(target=lambda: theirs.append(lau.jobs(2)))
+    t.start()
+    t.join()
+    assert theirs[0] is not mine
+    assert lau.jobs(2) is mine

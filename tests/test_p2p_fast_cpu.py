@@ -534,34 +534,87 @@ async def test_native_without_a_stream_goes_to_the_communicators_stream(
     assert dom.space.taken == dom.space.given == 1
 
 
-async def test_native_a_failed_launch_fails_the_communicator_naming_the_call(
-        fake_cupy: Any, native: Any) -> None:
+@pytest.mark.parametrize(("kind", "nth", "stream", "call"), [
+    ("L", 2, 55, "cuLaunchKernel"),  # the second step's kernel, on the caller's stream
+    ("R", 1, None, "cuEventRecord")])  # the caller's event, before anything launched
+async def test_native_a_failed_driver_call_fails_the_communicator_naming_it(
+        fake_cupy: Any, native: Any, kind: str, nth: int, stream: int | None,
+        call: str) -> None:
     lau, fake = native
     fast, host, dom = _native_calls(fake_cupy, lau)
     x = _Array(100, 16)
     _learned(fast, dom, x)
     fake.reset(ctx=0xC0)
-    fake.fail("L", 2, 719)
-    with pytest.raises(TransportError, match=r"cuLaunchKernel returned CUresult 719"):
-        fast.start("all_reduce", x, None, "sum", 0, _Stream(55))
+    fake.fail(kind, nth, 719)
+    with pytest.raises(TransportError, match=rf"{call} returned CUresult 719"):
+        fast.start("all_reduce", x, None, "sum", 0,
+                   None if stream is None else _Stream(stream))
     assert len(host.failed_with) == 1
     assert host._p2p_seq.idle
     assert fake.current == 0xC0
+    assert dom.space.taken == dom.space.given  # (the caller's event went back)
+    if kind == "R":
+        assert not any(row[0] == "L" for row in fake.log())
 
 
-async def test_native_a_failed_record_of_the_callers_event_fails_it(
+async def test_native_a_failed_wait_of_the_callers_stream_still_marks_the_launch(
         fake_cupy: Any, native: Any) -> None:
+    """Ranks sharing a GPU launch on their own stream even with stream=, and the
+    caller's stream then waits for the launch's event; if only that wait fails, the
+    kernels run: the launch is noted (the next launch orders after it) and the caller's
+    event goes back, as on the Python route."""
     lau, fake = native
     fast, host, dom = _native_calls(fake_cupy, lau)
-    x = _Array(100, 16)
+    dom.shares_gpu = True
+    x, st = _Array(100, 16), _Stream(55)
     _learned(fast, dom, x)
     fake.reset(ctx=0xC0)
-    fake.fail("R", 1, 400)
-    with pytest.raises(TransportError, match=r"cuEventRecord returned CUresult 400"):
-        fast.start("all_reduce", x, None, "sum", 0, None)
-    assert len(host.failed_with) == 1
+    fake.fail("W", 2, 719)  # the first wait is ours on the caller's event; then this
+    with pytest.raises(TransportError, match=r"caller's stream\) returned CUresult 719"):
+        fast.start("all_reduce", x, None, "sum", 0, st)
+    own = dom.space.stream.ptr
+    assert ("W", st.ptr, dom.last.ptr, 0, 0xC1) in fake.log()
+    assert dom._last_ptr == own
     assert dom.space.taken == dom.space.given == 1
-    assert not any(row[0] == "L" for row in fake.log())
+    assert len(host.failed_with) == 1
+
+
+async def test_native_local_ranks_launch_in_one_c_call_each_learning_its_outcome(
+        fake_cupy: Any, native: Any) -> None:
+    from acoll._p2p.domain import LocalLaunch
+    lau, fake = native
+    group = LocalLaunch(2)
+    ranks = [_native_calls(fake_cupy, lau) for _ in range(2)]
+    for r, (_, _, dom) in enumerate(ranks):
+        dom.rank, dom.ctx = r, 0xC1 + r
+
+        def submit(launch: Any, timeout: float, name: str, r: int = r) -> Any:
+            fut = group.submit(0, r, launch)
+            if fut is None:
+                return None
+
+            async def wait() -> None:
+                await fut
+            return wait()
+        dom.submit = submit  # type: ignore[method-assign]
+    xs = [_Array(100 + 1000 * r, 16) for r in range(2)]
+    for (fast, _, dom), x in zip(ranks, xs, strict=True):
+        _learned(fast, dom, x)
+    fake.reset(ctx=0xC0)
+    fake.fail("L", 1, 719)  # rank 0's first kernel
+    first = ranks[0][0].start("all_reduce", xs[0], None, "sum", 0, _Stream(55))
+    assert callable(first)  # waits for rank 1, which launches both
+    assert fake.log() == []
+    assert ranks[1][0].start("all_reduce", xs[1], None, "sum", 0, _Stream(66)) is True
+    log = fake.log()
+    assert sum(row[0] == "G" for row in log) == 1  # one C call for both ranks
+    assert [row[1] for row in log if row[0] == "S"] == [0xC1, 0xC2, 0xC0]
+    assert [row[4] for row in log if row[0] == "L"] == [55, 66, 66]  # rank 0 stopped
+    with pytest.raises(TransportError, match="cuLaunchKernel returned CUresult 719"):
+        await first()
+    assert ranks[1][1].failed_with == []  # (rank 0's executor fails its communicator)
+    assert ranks[1][2]._last_ptr == 66
+    assert ranks[0][2]._last_ptr == -1  # rank 0 never recorded its event
 
 
 class _Job:

@@ -478,13 +478,16 @@ async def test_a_failed_cuda_call_at_launch_fails_the_communicator(
         def broken(*args: Any, **kw: Any) -> None:
             raise cp.cuda.runtime.CUDARuntimeError(700)  # cudaErrorIllegalAddress
 
-        if route == "native":
+        if route == "native":  # both ranks (one process: their launches are one C call)
             from acoll._cuda.launcher import load
             real = load()
             assert real is not None, "the native launcher did not load"
-            with cp.cuda.Device(dom.device):
-                monkeypatch.setattr(dom, "ctx", real.current_context())
-            monkeypatch.setattr(dom, "launcher", _BrokenLauncher(real))
+            broken_launcher = _BrokenLauncher(real)
+            for c in comms:
+                d = c._p2p
+                assert d is not None
+                monkeypatch.setattr(d, "ctx", real.primary_context(d.device))
+                monkeypatch.setattr(d, "launcher", broken_launcher)
         else:
             monkeypatch.setattr(dom, "launcher", None)
             monkeypatch.setattr(dom, "launch_prepared" if route == "prepared" else "launch",

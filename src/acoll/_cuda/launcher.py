@@ -18,11 +18,11 @@ sharing it in one process, group-driven, 8 B to 256 KiB, alternating rounds on t
 communicators (``bench/p2p_native_ab.py``, ``bench/results/session37_h200/``): from
 1 KiB to 256 KiB the native route took 1.01 to 1.09x the Python route's time per call in
 22 of 24 cells (awaited and pipelined, uvloop and asyncio, two runs, before and after it
-stopped switching contexts that were current already). The Python route's driver calls cost what the C calls cost; the
-microseconds it spends around them are not where a small call's time goes (the phase
-breakdown there: each rank's own call, 15 to 20 us, and the wait for the kernels). Two
-ranks on two GPUs, where the Python route switches devices per launch, were not measured
-(no such host was lent).
+stopped switching contexts that were current already). The Python route's driver calls
+cost what the C calls cost; the microseconds it spends around them are not where a small
+call's time goes (the phase breakdown there: each rank's own call, 15 to 20 us, and the
+wait for the kernels). Two ranks on two GPUs, where the Python route switches devices per
+launch, were not measured (no such host was lent).
 
 Calls go through :class:`ctypes.PyDLL` for :meth:`Launcher.spin` and :meth:`record`
 (held GIL: a short busy wait gains nothing from releasing it and could wait a whole
@@ -83,10 +83,10 @@ class Job(ctypes.Structure):
                 ("reserved", ctypes.c_int32)]
 
 
-#: What ``acoll_ln_layout`` must report: launch.c's structures are these.
-LAYOUT = [ctypes.sizeof(Copy), ctypes.sizeof(Step), ctypes.sizeof(Job),
-          Step.blocks.offset, Step.ncopies.offset, Job.epoch_base.offset,
-          Job.nsteps.offset, Job.failed_at.offset]
+#: What ``acoll_ln_layout`` must report: launch.c's structures are these (the sizes, then
+#: every field's offset in order).
+LAYOUT = [ctypes.sizeof(Copy), ctypes.sizeof(Step), ctypes.sizeof(Job)] + [
+    getattr(t, field[0]).offset for t in (Copy, Step, Job) for field in t._fields_]
 
 
 class Launcher:
@@ -98,11 +98,12 @@ class Launcher:
         held = ctypes.PyDLL(path)
         if lib.acoll_ln_version() != 1:
             raise OSError(f"{path}: unexpected launcher version")
-        layout = (ctypes.c_uint64 * 8)()
-        lib.acoll_ln_layout(layout)
-        if list(layout) != LAYOUT:
-            raise OSError(f"{path}: the launcher's structures ({list(layout)}) are not "
-                          f"those of launcher.py ({LAYOUT})")
+        layout = (ctypes.c_uint64 * 32)()
+        written = lib.acoll_ln_layout(layout)
+        got = list(layout)[:written]
+        if got != LAYOUT:
+            raise OSError(f"{path}: the launcher's structures ({got}) are not those of "
+                          f"launcher.py ({LAYOUT})")
         lib.acoll_ln_open.argtypes = [ctypes.c_char_p]
         rc = lib.acoll_ln_open(driver.encode())
         if rc != 0:
@@ -119,13 +120,22 @@ class Launcher:
         self._record.restype = ctypes.c_int
         self._current = held.acoll_ln_current
         self._current.restype = ctypes.c_uint64
-        self._jobs: list[Any] = []  # job arrays by length, reused (one thread: the loop's)
+        self._primary = held.acoll_ln_primary
+        self._primary.argtypes = [ctypes.c_int]
+        self._primary.restype = ctypes.c_uint64
+        # Job arrays by length, reused, one set per thread: event loops in several threads
+        # may launch at once, and run() releases the GIL while C reads its array.
+        self._local = threading.local()
 
     def jobs(self, n: int) -> Any:
-        """A ``Job`` array of length ``n`` for :meth:`run` (reused: fill every field)."""
-        while len(self._jobs) < n:
-            self._jobs.append((Job * (len(self._jobs) + 1))())
-        return self._jobs[n - 1]
+        """A ``Job`` array of length ``n`` for :meth:`run`, this thread's own (reused:
+        fill every field)."""
+        arrays: list[Any] | None = getattr(self._local, "arrays", None)
+        if arrays is None:
+            arrays = self._local.arrays = []
+        while len(arrays) < n:
+            arrays.append((Job * (len(arrays) + 1))())
+        return arrays[n - 1]
 
     def run(self, jobs: Any, n: int) -> int:
         """Run ``jobs[:n]`` (see ``acoll_ln_run``); returns how many failed."""
@@ -138,6 +148,11 @@ class Launcher:
     def record(self, ctx: int, event: int, stream: int) -> int:
         """Record ``event`` on ``stream`` under context ``ctx``; the CUresult."""
         return int(self._record(ctx, event, stream))
+
+    def primary_context(self, device: int) -> int:
+        """Device ``device``'s primary context (the one CuPy's runtime calls use), retained;
+        0 if the driver could not give it."""
+        return int(self._primary(device))
 
     def current_context(self) -> int:
         """The calling thread's current CUcontext (0: none)."""

@@ -138,7 +138,7 @@ def build(cc: str | None = None, cache: Path | None = None, name: str = "ring") 
         raise OSError("ACOLL_NATIVE_CC is empty")
     src = source(name)
     ident = _compiler_id(argv)
-    digest = hashlib.sha256(src + ident.encode() + " ".join(_FLAGS).encode()
+    digest = hashlib.sha256(src + ident.encode() + " ".join(_FLAGS + _LIBS).encode()
                             + os.uname().machine.encode()).hexdigest()[:20]
     folder = cache if cache is not None else _cache_dir()
     target = folder / f"acoll-{name}-{digest}.so"

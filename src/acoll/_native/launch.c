@@ -26,11 +26,14 @@
  *   acoll_ln_spin(event, ns) queries `event` until it has passed or `ns` nanoseconds went
  *                            by; the last query's CUresult (0: passed, 600: not yet).
  *   acoll_ln_current()       the calling thread's current CUcontext (0 if none).
- *   acoll_ln_layout(out)     the structures' sizes and some offsets (the Python side checks
- *                            its mirror against them when it loads the library).
+ *   acoll_ln_layout(out)     the structures' sizes and every field's offset (the Python side
+ *                            checks its mirror against them when it loads the library);
+ *                            returns how many words it wrote.
+ *   acoll_ln_primary(dev)    device `dev`'s primary context, retained (0 on failure).
  *
  * One job, in this order, stopping at the first failure:
- *   1. make `ctx` current (skipped when 0 or current already: a switch costs);
+ *   1. make `ctx` current (skipped when current already: a switch costs; when 0, the job
+ *      runs under whatever is current then, which may be an earlier job's context);
  *   2. make `stream` wait for `wait1`, then for `wait2` (each skipped when 0);
  *   3. for each of the `nsteps` steps: its copies (cuMemcpyAsync on `stream`, addresses
  *      as unified addressing resolves them), then write `epoch_base + i + 1` (i: the
@@ -38,7 +41,8 @@
  *      kernel (`blocks` x `threads`, no shared memory, parameters `params`) on `stream`;
  *      the driver copies the parameters at the launch, so the next step may rewrite them;
  *   4. record `record` on `stream` (skipped when 0);
- *   5. make `then_stream` wait for `record` (skipped when either is 0).
+ *   5. make `then_stream` wait for `record` (skipped when either is 0: 0 means "none" here,
+ *      so a job cannot name the legacy default stream, handle 0, in any field).
  *
  * Nothing here allocates, blocks on a lock of its own or keeps state besides the driver's
  * entry points. The structures' layouts are mirrored by ctypes in launcher.py: change both.
@@ -96,20 +100,27 @@ static CUresult (*launch)(CUfunction, unsigned int, unsigned int, unsigned int, 
                           void **);
 static CUresult (*event_record)(CUevent, CUstream);
 static CUresult (*event_query)(CUevent);
+static CUresult (*device_get)(int *, int);
+static CUresult (*primary_retain)(CUcontext *, int);
 static int opened;
 
 int acoll_ln_version(void) { return 1; }
 
-/* Sizes and offsets of the structures, for the Python side to check its mirror. */
-void acoll_ln_layout(uint64_t out[8]) {
-    out[0] = sizeof(ln_copy);
-    out[1] = sizeof(ln_step);
-    out[2] = sizeof(ln_job);
-    out[3] = offsetof(ln_step, blocks);
-    out[4] = offsetof(ln_step, ncopies);
-    out[5] = offsetof(ln_job, epoch_base);
-    out[6] = offsetof(ln_job, nsteps);
-    out[7] = offsetof(ln_job, failed_at);
+/* Sizes and every field's offset, for the Python side to check its mirror. */
+#define OFF(t, f) out[k++] = offsetof(t, f)
+int acoll_ln_layout(uint64_t out[32]) {
+    int k = 0;
+    out[k++] = sizeof(ln_copy);
+    out[k++] = sizeof(ln_step);
+    out[k++] = sizeof(ln_job);
+    OFF(ln_copy, dst); OFF(ln_copy, src); OFF(ln_copy, nbytes);
+    OFF(ln_step, fn); OFF(ln_step, params); OFF(ln_step, epoch_field); OFF(ln_step, blocks);
+    OFF(ln_step, threads); OFF(ln_step, first_copy); OFF(ln_step, ncopies);
+    OFF(ln_job, ctx); OFF(ln_job, stream); OFF(ln_job, wait1); OFF(ln_job, wait2);
+    OFF(ln_job, record); OFF(ln_job, then_stream); OFF(ln_job, epoch_base);
+    OFF(ln_job, steps); OFF(ln_job, copies); OFF(ln_job, nsteps); OFF(ln_job, result);
+    OFF(ln_job, failed_at); OFF(ln_job, reserved);
+    return k;
 }
 
 int acoll_ln_open(const char *path) {
@@ -123,13 +134,25 @@ int acoll_ln_open(const char *path) {
     *(void **)&launch = dlsym(lib, "cuLaunchKernel");
     *(void **)&event_record = dlsym(lib, "cuEventRecord");
     *(void **)&event_query = dlsym(lib, "cuEventQuery");
+    *(void **)&device_get = dlsym(lib, "cuDeviceGet");
+    *(void **)&primary_retain = dlsym(lib, "cuDevicePrimaryCtxRetain");
     if (!ctx_get || !ctx_set || !stream_wait || !copy_async || !launch || !event_record ||
-        !event_query) {
+        !event_query || !device_get || !primary_retain) {
         dlclose(lib);
         return -2;
     }
     opened = 1;
     return 0;
+}
+
+/* Device `ordinal`'s primary context, retained (0 on failure). The runtime binds it to a
+ * thread lazily on some CUDA versions, so the thread's current context after
+ * cudaSetDevice is not a reliable way to learn it. */
+uint64_t acoll_ln_primary(int ordinal) {
+    int dev = 0;
+    CUcontext ctx = NULL;
+    if (!opened || device_get(&dev, ordinal) != 0 || primary_retain(&ctx, dev) != 0) return 0;
+    return (uint64_t)(uintptr_t)ctx;
 }
 
 uint64_t acoll_ln_current(void) {
@@ -200,26 +223,27 @@ int acoll_ln_run(ln_job *jobs, int n) {
         return n;
     }
     CUcontext before = NULL;
-    if (ctx_get(&before) != 0) before = NULL;
-    CUcontext cur = before;
+    int known = ctx_get(&before) == 0; /* (unknown: never "restore" a guess) */
+    CUcontext cur = known ? before : NULL;
     int failed = 0;
     for (int k = 0; k < n; k++) {
         jobs[k].failed_at = LN_AT_NONE;
         jobs[k].result = run_job(&jobs[k], &cur);
         failed += jobs[k].result != 0;
     }
-    if (cur != before) ctx_set(before);
+    if (known && cur != before) ctx_set(before);
     return failed;
 }
 
 int acoll_ln_record(uint64_t ctx, uint64_t event, uint64_t stream) {
     if (!opened) return LN_NOT_OPEN;
     CUcontext before = NULL;
-    if (ctx_get(&before) != 0) before = NULL;
-    CUcontext want = ctx ? (CUcontext)(uintptr_t)ctx : before;
-    CUresult rc = want != before ? ctx_set(want) : 0;
+    int known = ctx_get(&before) == 0;
+    CUcontext want = (CUcontext)(uintptr_t)ctx;
+    int switch_ = want != NULL && (!known || want != before);
+    CUresult rc = switch_ ? ctx_set(want) : 0;
     if (rc == 0) rc = event_record((CUevent)(uintptr_t)event, (CUstream)(uintptr_t)stream);
-    if (want != before) ctx_set(before);
+    if (switch_ && known) ctx_set(before);
     return rc;
 }
 

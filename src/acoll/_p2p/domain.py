@@ -220,7 +220,12 @@ class LocalLaunch:
                     continue
                 filled.append((r, run, len(filled)))
             if filled:
-                lau.run(jobs, len(filled))
+                try:
+                    lau.run(jobs, len(filled))
+                except BaseException as exc:  # (not from C: an interrupt on return)
+                    for r, _, _ in filled:
+                        outcome[r] = exc
+                    filled = []
             for r, run, i in filled:
                 try:
                     run.finish(jobs[i])
@@ -474,8 +479,7 @@ class P2PDomain:
         if NATIVE.resolve():
             lau = await load_launcher()
             if lau is not None:
-                with cp.cuda.Device(space.device):
-                    dom.ctx = lau.current_context()
+                dom.ctx = lau.primary_context(space.device)
                 dom.launcher = lau if dom.ctx else None
         dom.timeout_ns = int(timeout * 1e9) + 2_000_000_000
         a = dom._args

@@ -339,7 +339,7 @@ class PreparedCalls:
             dom.check()
 
 
-_AT_RECORD = 5  # (launch.c's LN_AT_RECORD)
+_AT_RECORD, _AT_THEN = 5, 6  # (launch.c's LN_AT_RECORD, LN_AT_THEN)
 
 
 def _spun(lau: Launcher | None, event: Any) -> bool:
@@ -385,7 +385,17 @@ class _NativeLaunch:
         self.finish(jobs[0])
 
     def fill(self, job: Any) -> None:
-        """Write this rank's job (stream, waits, steps, the event to record)."""
+        """Write this rank's job (stream, waits, steps, the event to record). A CUDA error
+        on the way (CuPy making the ring's events) is raised as the path's error."""
+        try:
+            self._fill(job)
+        except Exception as exc:
+            err = self.dom.translated(exc)
+            if err is None:
+                raise
+            raise err from exc
+
+    def _fill(self, job: Any) -> None:
         dom, prep, caller = self.dom, self.prep, self.caller
         dom.mine = prep.describe
         if self.ready is not None:  # our own stream, after the caller's (see start())
@@ -403,16 +413,22 @@ class _NativeLaunch:
         steps, copies = prep.native()
         job.steps, job.copies, job.nsteps = steps, copies, len(prep.steps)
         job.epoch_base = dom.epoch
+        # (advanced even if the job then fails before its launches: a failed launch
+        # fails the communicator, whose epochs are never used again)
         dom.epoch += len(prep.steps)
         self.stream, self.event = stream, event
 
     def finish(self, job: Any) -> None:
-        """After the C call: raise its failure, else note the launch as ``mark`` does."""
+        """After the C call: note the launch as ``mark`` does once its event was recorded
+        (also when only the caller's stream's wait then failed: its kernels run), give
+        the caller's event back, and raise the job's failure."""
         dom = self.dom
+        if self.ready is not None:  # (whatever was enqueued captured it already)
+            dom.space.give_event(self.ready)
+        if job.result and job.failed_at != _AT_THEN:
+            raise dom.launch_failed(job.result, job.failed_at)
+        dom.marked(self.stream, self.event)
         if job.result:
             raise dom.launch_failed(job.result, job.failed_at)
-        if self.ready is not None:
-            dom.space.give_event(self.ready)
-        dom.marked(self.stream, self.event)
         dom.copied += self.prep.copied
         self.done.append(self.event)
