@@ -16,8 +16,8 @@ CUDA driver library with ``dlopen`` itself, so it builds and is tested where no 
 calls stay on their Python route, with the same results). Measured on one H200, two ranks
 sharing it in one process, group-driven, 8 B to 256 KiB, alternating rounds on the same
 communicators (``bench/p2p_native_ab.py``, ``bench/results/session37_h200/``): from
-1 KiB to 256 KiB the native route took 1.01 to 1.09x the Python route's time per call in
-22 of 24 cells (awaited and pipelined, uvloop and asyncio, two runs, before and after it
+1 KiB to 256 KiB the native route took 1.01 to 1.11x the Python route's time per call in
+28 of 30 cells (awaited and pipelined, uvloop and asyncio, three runs, before and after it
 stopped switching contexts that were current already). The Python route's driver calls
 cost what the C calls cost; the microseconds it spends around them are not where a small
 call's time goes (the phase breakdown there: each rank's own call, 15 to 20 us, and the
@@ -46,7 +46,7 @@ log = get_logger("P2P")
 
 NATIVE = Setting("P2P_NATIVE", parse_bool, False,
                  "Prepared P2P calls enqueue through acoll's C launcher (compiled once "
-                 "with ACOLL_NATIVE_CC); off by default: it measured 1 to 9% slower than "
+                 "with ACOLL_NATIVE_CC); off by default: it measured 1 to 11% slower than "
                  "the Python route on one H200 (see acoll._cuda.launcher).", "P2P")
 
 NOT_READY = 600  # CUDA_ERROR_NOT_READY
