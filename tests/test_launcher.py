@@ -183,7 +183,6 @@ def test_record_switches_to_the_context_and_back(pair: Any) -> None:
     fake.fail("R", 1, 201)
     assert lau.record(0xC1, 0xE1, 0x51) == 201
     assert fake.current == 0xC0
-    assert lau.current_context() == 0xC0
     fake.reset(ctx=0xC1)  # already current, or 0 (the current one): no switch
     assert lau.record(0xC1, 0xE1, 0x51) == 0
     assert lau.record(0, 0xE2, 0x51) == 0
@@ -200,7 +199,6 @@ def test_an_unopened_library_refuses_every_job(built: tuple[Path, Path],
     assert raw.acoll_ln_run(ctypes.c_void_p(ctypes.addressof(jobs)), 2) == 2
     assert [j.result for j in jobs] == [3, 3]
     assert raw.acoll_ln_spin(ctypes.c_uint64(1), ctypes.c_int64(0)) == 3
-    assert raw.acoll_ln_current() == 0
 
 
 def test_a_driver_that_cannot_be_loaded_or_lacks_a_function_is_refused_by_name(
@@ -233,7 +231,7 @@ def test_load_gives_none_and_says_why_without_a_driver(monkeypatch: pytest.Monke
     with caplog.at_level("INFO", logger="acoll"):
         assert L.load() is None
     assert "native launcher unavailable" in caplog.text
-    assert L.launcher() is None
+    assert L._loaded == [None]  # (and it is not tried again)
 
 
 def test_primary_context_of_a_device(pair: Any) -> None:

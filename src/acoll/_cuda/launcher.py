@@ -39,7 +39,7 @@ from typing import Any
 
 from .._config import Setting, get_logger, parse_bool
 
-__all__ = ["AT", "NATIVE", "Copy", "Job", "Launcher", "Step", "launcher", "load",
+__all__ = ["AT", "AT_RECORD", "AT_THEN", "NATIVE", "Copy", "Job", "Launcher", "Step", "load",
            "load_async"]
 
 log = get_logger("P2P")
@@ -53,6 +53,7 @@ NOT_READY = 600  # CUDA_ERROR_NOT_READY
 #: ``failed_at`` values of a job: which driver call failed.
 AT = {0: "none", 1: "cuCtxSetCurrent", 2: "cuStreamWaitEvent", 3: "cuMemcpyAsync",
       4: "cuLaunchKernel", 5: "cuEventRecord", 6: "cuStreamWaitEvent (caller's stream)"}
+AT_RECORD, AT_THEN = 5, 6  # (LN_AT_RECORD, LN_AT_THEN)
 
 
 class Copy(ctypes.Structure):
@@ -118,8 +119,6 @@ class Launcher:
         self._record = held.acoll_ln_record
         self._record.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint64]
         self._record.restype = ctypes.c_int
-        self._current = held.acoll_ln_current
-        self._current.restype = ctypes.c_uint64
         self._primary = held.acoll_ln_primary
         self._primary.argtypes = [ctypes.c_int]
         self._primary.restype = ctypes.c_uint64
@@ -154,10 +153,6 @@ class Launcher:
         0 if the driver could not give it."""
         return int(self._primary(device))
 
-    def current_context(self) -> int:
-        """The calling thread's current CUcontext (0: none)."""
-        return int(self._current())
-
 
 _lock = threading.Lock()
 _loaded: list[Launcher | None] = []
@@ -188,7 +183,3 @@ async def load_async() -> Launcher | None:
         return _loaded[0]
     return await asyncio.to_thread(load)
 
-
-def launcher() -> Launcher | None:
-    """The launcher if :func:`load` ran and found one (never builds)."""
-    return _loaded[0] if _loaded else None

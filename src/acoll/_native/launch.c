@@ -25,7 +25,6 @@
  *                            CUresult.
  *   acoll_ln_spin(event, ns) queries `event` until it has passed or `ns` nanoseconds went
  *                            by; the last query's CUresult (0: passed, 600: not yet).
- *   acoll_ln_current()       the calling thread's current CUcontext (0 if none).
  *   acoll_ln_layout(out)     the structures' sizes and every field's offset (the Python side
  *                            checks its mirror against them when it loads the library);
  *                            returns how many words it wrote.
@@ -152,12 +151,6 @@ uint64_t acoll_ln_primary(int ordinal) {
     int dev = 0;
     CUcontext ctx = NULL;
     if (!opened || device_get(&dev, ordinal) != 0 || primary_retain(&ctx, dev) != 0) return 0;
-    return (uint64_t)(uintptr_t)ctx;
-}
-
-uint64_t acoll_ln_current(void) {
-    CUcontext ctx = NULL;
-    if (!opened || ctx_get(&ctx) != 0) return 0;
     return (uint64_t)(uintptr_t)ctx;
 }
 

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from .._comm.executor import fail_and_raise
 from .._config import Setting, parse_bool
-from .._cuda.launcher import NOT_READY, Copy, Launcher, Step
+from .._cuda.launcher import AT_RECORD, AT_THEN, NOT_READY, Copy, Launcher, Step
 from .._cuda.p2p_kernels import THREADS, P2PSource
 from .._dtypes import ReduceOp
 from .._memory.cuda import TIGHT_SPIN_S
@@ -242,7 +242,7 @@ class PreparedCalls:
                 rc = lau.record(dom.ctx, ready.ptr, st.ptr)
                 if rc:
                     space.give_event(ready)
-                    fail_and_raise(comm, dom.launch_failed(rc, _AT_RECORD))
+                    fail_and_raise(comm, dom.launch_failed(rc, AT_RECORD))
             else:
                 rt = self.runtime
                 prev = rt.getDevice()
@@ -344,9 +344,6 @@ class PreparedCalls:
             dom.check()
 
 
-_AT_RECORD, _AT_THEN = 5, 6  # (launch.c's LN_AT_RECORD, LN_AT_THEN)
-
-
 def _spun(lau: Launcher | None, event: Any) -> bool:
     """Whether ``event`` passed within :data:`TIGHT_SPIN_S` of polling it (without
     yielding: a small kernel over NVLink ends within it)."""
@@ -430,7 +427,7 @@ class _NativeLaunch:
         dom = self.dom
         if self.ready is not None:  # (whatever was enqueued captured it already)
             dom.space.give_event(self.ready)
-        if job.result and job.failed_at != _AT_THEN:
+        if job.result and job.failed_at != AT_THEN:
             raise dom.launch_failed(job.result, job.failed_at)
         dom.marked(self.stream, self.event)
         if job.result:
