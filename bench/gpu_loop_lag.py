@@ -20,7 +20,9 @@ import asyncio
 import faulthandler
 import gc
 import json
+import logging
 import statistics
+import sys
 import tempfile
 import time
 from typing import Any
@@ -28,6 +30,9 @@ from typing import Any
 import numpy as np
 
 import acoll
+
+#: Whether a stream of ops is being timed (the slow-step log keeps only those steps).
+STREAMING = False
 
 
 class GcLog:
@@ -54,19 +59,28 @@ class Ticker:
 
     def __init__(self, dump: Any = None, dump_after_s: float = 0.004) -> None:
         self.gaps: list[float] = []
+        #: (gap, the loop thread's CPU time within it), for gaps over 1 ms: a gap the
+        #: loop's own code makes is on its CPU; one spent waiting (for the GIL, for a
+        #: CPU) is not.
+        self.long: list[tuple[float, float]] = []
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._dump, self._after = dump, dump_after_s
 
     async def _run(self) -> None:
         last = time.perf_counter()
+        cpu = time.thread_time()
         while not self._stop.is_set():
             if self._dump is not None:
                 faulthandler.dump_traceback_later(self._after, file=self._dump)
             await asyncio.sleep(0)
             now = time.perf_counter()
-            self.gaps.append(now - last)
-            last = now
+            now_cpu = time.thread_time()
+            gap = now - last
+            self.gaps.append(gap)
+            if gap > 1e-3:
+                self.long.append((gap, now_cpu - cpu))
+            last, cpu = now, now_cpu
         if self._dump is not None:
             faulthandler.cancel_dump_traceback_later()
 
@@ -81,8 +95,12 @@ class Ticker:
         assert self._task is not None
         await self._task
         g = sorted(self.gaps)
+        top = sorted(self.long, reverse=True)[:5]
         return {"worst_ms": g[-1] * 1e3, "p99_ms": g[int(0.99 * (len(g) - 1))] * 1e3,
-                "ticks": len(g)}
+                "ticks": len(g), "over_1ms": len(self.long),
+                "over_2ms": sum(1 for gap, _ in self.long if gap > 2e-3),
+                "longest_ms_and_loop_cpu_ms": [[round(gap * 1e3, 3), round(c * 1e3, 3)]
+                                               for gap, c in top]}
 
 
 async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = False,
@@ -98,12 +116,15 @@ async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = Fal
     if diagnose:
         gc.callbacks.append(gclog)
     t0 = time.perf_counter()
+    global STREAMING
+    STREAMING = True
     try:
         with Ticker(dump, dump_ms / 1e3) as ticker:
             for _ in range(iters):
                 await comm.all_reduce(x)
         res: dict[str, Any] = dict(await ticker.done())
     finally:
+        STREAMING = False
         if diagnose:
             gc.callbacks.remove(gclog)
     res["op_ms"] = (time.perf_counter() - t0) / iters * 1e3
@@ -112,7 +133,7 @@ async def lag(comm: acoll.Communicator, x: Any, iters: int, diagnose: bool = Fal
     if diagnose and dump is not None:
         dump.seek(0)
         res["gc_passes_over_0.5ms"] = gclog.passes
-        res["stall_stacks"] = dump.read()[-6000:]
+        res["stall_stacks"] = dump.read()[-200000:]
         dump.close()
     return res
 
@@ -148,10 +169,49 @@ async def main() -> None:
                         "gc.freeze() (what serving systems do after start-up)")
     p.add_argument("--host-first", action="store_true",
                    help="run the host buffers' stream first (the GPU's second)")
+    p.add_argument("--loop", choices=["uvloop", "asyncio"], default="uvloop")
+    p.add_argument("--slow-ms", type=float,
+                   help="asyncio's debug mode with this slow-callback bound: the steps "
+                        "over it are logged (which task, where), kept in the JSON")
     p.add_argument("--dump-ms", type=float, default=4.0,
                    help="with --diagnose: stacks of stalls longer than this")
     args = p.parse_args()
     import cupy as cp
+
+    slow: list[str] = []
+    if args.slow_ms is not None:
+        loop = asyncio.get_running_loop()
+        loop.set_debug(True)
+        loop.slow_callback_duration = args.slow_ms / 1e3
+
+        import asyncio.base_events as base_events
+
+        plain = base_events._format_handle  # type: ignore[attr-defined]
+
+        def described(handle: Any) -> str:
+            """The slow step's handle, with the chain of awaits its task waits on after
+            the step (the step ran from the wait before it to this one)."""
+            text = plain(handle)
+            task = getattr(getattr(handle, "_callback", None), "__self__", None)
+            chain = []
+            coro = task.get_coro() if isinstance(task, asyncio.Task) else None
+            while coro is not None and hasattr(coro, "cr_frame"):
+                frame = coro.cr_frame
+                if frame is not None:
+                    chain.append(f"{frame.f_code.co_filename.rsplit('/', 2)[-1]}:"
+                                 f"{frame.f_lineno} {frame.f_code.co_name}")
+                coro = coro.cr_await
+            return " < ".join(chain) if chain else text[:300]
+
+        base_events._format_handle = described  # type: ignore[attr-defined]
+
+        class _Keep(logging.Handler):
+            def emit(self, record: logging.LogRecord) -> None:
+                msg = record.getMessage()
+                if "took" in msg and STREAMING:
+                    slow.append(msg[len("Executing "):])
+
+        logging.getLogger("asyncio").addHandler(_Keep())
 
     out: dict[str, Any] = {}
     count = args.mib << 18  # float32
@@ -180,6 +240,9 @@ async def main() -> None:
         await phase()
     out["latency_delta_us"] = (out["gpu_latency_8B"]["median_us"]
                                - out["host_latency_8B"]["median_us"])
+    if args.slow_ms is not None:
+        out["slow_steps"] = slow[-200:]
+        out["slow_steps_total"] = len(slow)
     out.update(rank=rank, nranks=size, device=device, mib=args.mib, gc=args.gc,
                host_first=args.host_first,
                loop=type(asyncio.get_running_loop()).__module__)
@@ -191,9 +254,12 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        import uvloop
-
-        uvloop.run(main())
-    except ImportError:
+    if "--loop" in sys.argv and sys.argv[sys.argv.index("--loop") + 1] == "asyncio":
         asyncio.run(main())
+    else:
+        try:
+            import uvloop
+
+            uvloop.run(main())
+        except ImportError:
+            asyncio.run(main())

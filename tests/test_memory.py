@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -109,3 +111,48 @@ def test_host_buffer_wraps_bytes_like_objects() -> None:
     assert host_buffer(b"").nbytes == 0
     assert host_buffer(memoryview(bytearray(8)).cast("d")).nbytes == 8
     assert host_buffer(np.zeros((2, 3), np.float32)).nbytes == 24
+
+
+# --------------------------------------------------------------------------- data_address
+def test_data_address_is_the_arrays_and_leaves_owned_arrays_resizable() -> None:
+    from acoll._memory import host as host_mod
+
+    x = acoll.empty_shared(1000, np.float32)  # (its memory is a mapping's: kept)
+    first = host_mod.data_address(x)
+    assert first == x.__array_interface__["data"][0]
+    assert id(x) in host_mod._addresses
+    assert host_mod.data_address(x) == first  # (the kept answer)
+    v = x[10:]
+    assert host_mod.data_address(v) == first + 40  # a view is an object of its own
+    owned = np.zeros(8, np.uint8)
+    assert host_mod.data_address(owned) == owned.__array_interface__["data"][0]
+    assert id(owned) not in host_mod._addresses
+    owned.resize(1 << 20, refcheck=False)  # still allowed: no weak reference to it
+    assert host_mod.data_address(owned) == owned.__array_interface__["data"][0]
+
+
+def test_data_address_never_answers_for_a_dead_array_whose_id_is_reused() -> None:
+    from acoll._memory.host import data_address
+
+    seen = {}
+    base = np.empty(4096, np.float64)
+    for k in range(200):  # (ids of freed views come back quickly)
+        a = base[k:k + 64 + len(seen) % 7]
+        got = data_address(a)
+        assert got == a.__array_interface__["data"][0]
+        seen[id(a)] = got
+        del a
+
+
+def test_data_address_of_an_object_without_weak_references() -> None:
+    from acoll._memory.host import data_address
+
+    class Plain:  # (an object with the array interface, no weak references)
+        __slots__ = ("__array_interface__", "nbytes")
+
+        def __init__(self, arr: Any) -> None:
+            self.__array_interface__ = arr.__array_interface__
+            self.nbytes = arr.nbytes
+
+    arr = np.arange(5, dtype=np.int64)
+    assert data_address(Plain(arr)) == arr.__array_interface__["data"][0]

@@ -54,6 +54,7 @@ import functools
 import mmap
 import os
 import time
+import weakref
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -66,7 +67,7 @@ from .._coll.base import STEP_NS, Coll, Descriptor
 from .._config import get_logger
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer, shared
-from .._memory.host import paced
+from .._memory.host import data_address, paced
 from .._memory.shared import SharedBlock, open_shared
 from .._transport.base import Connection, PeerInfo
 from .._transport.shmlane import (
@@ -225,6 +226,10 @@ class Lane:
         #: same on every rank, since registering is collective (:meth:`register`)
         self.regs: list[_HostReg | None] = []
         self._reg_of: dict[bytes, int] = {}  # this rank's allocation token -> index
+        self._reg_version = 0  # changes at every (de)registration
+        #: the last array located: (weak reference, nbytes, registrations' version,
+        #: where) (a live array's memory stays where it is, in or out of an allocation)
+        self._located: tuple[Any, int, int, tuple[int, int]] | None = None
         #: the abandoned phase value of the zero-copy op whose peers may be reading this
         #: rank's buffers now (0: none; see :class:`_ZeroCopy` and :meth:`abandon`)
         self.abandon_at = 0
@@ -353,6 +358,7 @@ class Lane:
         index = len(self.regs)
         self.regs.append(_HostReg(block.token, keep, list(maps.values()), views))
         self._reg_of.setdefault(block.token, index)
+        self._reg_version += 1
         return index
 
     def deregister(self, index: int) -> None:
@@ -361,6 +367,7 @@ class Lane:
         if reg is None:
             return
         self.regs[index] = None
+        self._reg_version += 1
         if self._reg_of.get(reg.token) == index:
             del self._reg_of[reg.token]
             again = next((k for k, r in enumerate(self.regs)
@@ -386,11 +393,16 @@ class Lane:
         (0, 0) when it does not lie in a registered allocation of this rank."""
         if not self._reg_of:
             return 0, 0
-        found = shared.find(arr.__array_interface__["data"][0], arr.nbytes)
-        if found is None:
-            return 0, 0
-        index = self._reg_of.get(found[0].token)
-        return (0, 0) if index is None else (index + 1, found[1])
+        nbytes, last = arr.nbytes, self._located
+        if (last is not None and last[0]() is arr and last[1] == nbytes
+                and last[2] == self._reg_version):
+            return last[3]
+        found = shared.find(data_address(arr), nbytes)
+        index = None if found is None else self._reg_of.get(found[0].token)
+        where = (0, 0) if found is None or index is None else (index + 1, found[1])
+        if arr.base is not None:  # (see data_address: owners stay free to resize)
+            self._located = (weakref.ref(arr), nbytes, self._reg_version, where)
+        return where
 
     def announce(self, seq: int, desc: Descriptor) -> None:
         """Op ``seq`` runs off the lane (called by the executor for every such op)."""
@@ -1269,7 +1281,8 @@ class _ZeroCopy(_LaneCall):
             boards = lane.boards
             assert boards is not None
             sent = lane.locate(mine)
-            same = mine is res or (_address(mine) == _address(res) and mine.nbytes == res.nbytes)
+            same = mine is res or (data_address(mine) == data_address(res)
+                                   and mine.nbytes == res.nbytes)
             got = sent if same else lane.locate(res)
             board = boards[lane.rank]
             lane.abandon_at = ((seq + 1) << 2) + _ABANDONED
@@ -1423,21 +1436,25 @@ class _ZeroCopy(_LaneCall):
             self.comm.check_usable()
 
     async def _copy(self, dst: Any, src: Any) -> None:
-        """``dst[...] = src`` in paced pieces (nothing when they are the same memory)."""
-        if dst.size and _address(dst) != _address(src):
+        """``dst[...] = src`` in paced pieces (the caller skips it when they are the same
+        memory)."""
+        if dst.size:
             def work(i: int, j: int) -> None:
                 dst[i:j] = src[i:j]
 
             await paced(self._pace, ("copy", self._dtype.itemsize), dst.size,
                         self._dtype.itemsize, work)
 
-    async def _combine(self, out: Any, operands: list[Any], op: ReduceOp) -> None:
+    async def _combine(self, out: Any, operands: list[Any], op: ReduceOp, aliased: int
+                       ) -> None:
         """``out`` = ``operands`` combined under ``op`` in rank order, in paced pieces
         (about 0.2 ms each, learnt per dtype, op and rank count: a float16 sum is 70x
-        slower than a float32 one). ``out`` may be one of the operands (in place)."""
+        slower than a float32 one). ``out`` may be operand ``aliased`` (in place; -1:
+        none): the caller knows which from its arrays' addresses (slices' addresses cost
+        microseconds each to learn)."""
         n, dtype = len(operands), self._dtype
         ufunc, avg = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op), op == ReduceOp.AVG
-        mine = next((k for k in range(2, n) if _address(operands[k]) == _address(out)), -1)
+        mine = aliased if aliased >= 2 else -1  # (out= of the first ufunc may be 0 or 1)
 
         def work(i: int, j: int) -> None:
             o = out[i:j]
@@ -1453,10 +1470,6 @@ class _ZeroCopy(_LaneCall):
                 finish_avg(o, n)
 
         await paced(self._pace, ("zero-copy", dtype, op, n), out.size, dtype.itemsize, work)
-
-
-def _address(arr: Any) -> int:
-    return int(arr.__array_interface__["data"][0])
 
 
 class ZeroCopyAllReduce(_ZeroCopy):
@@ -1481,9 +1494,11 @@ class ZeroCopyAllReduce(_ZeroCopy):
                          ) -> None:
         rank, res = self.lane.rank, recvs[self.lane.rank]
         a, b = self._parts[rank]
-        await self._combine(res[a:b], [x[a:b] for x in sends], self.op)
+        in_place = sends[rank] is res or (data_address(sends[rank]) == data_address(res))
+        await self._combine(res[a:b], [x[a:b] for x in sends], self.op,
+                            rank if in_place else -1)
         await self._phase(seq, ctx, 1)
-        for k in self.lane.peers:
+        for k in self.lane.peers:  # (a peer's buffer is never this rank's memory)
             c, d = self._parts[k]
             await self._copy(res[c:d], recvs[k][c:d])
         await self._phase(seq, ctx, 2)
@@ -1503,8 +1518,10 @@ class ZeroCopyReduceScatter(_ZeroCopy):
     async def _zero_copy(self, seq: int, ctx: Any, sends: list[Any], recvs: list[Any]
                          ) -> None:
         rank, c = self.lane.rank, self._count
-        await self._combine(recvs[rank], [x[rank * c:(rank + 1) * c] for x in sends],
-                            self.op)
+        res, mine = recvs[rank], sends[rank]
+        in_place = data_address(res) == data_address(mine) + rank * c * self._dtype.itemsize
+        await self._combine(res, [x[rank * c:(rank + 1) * c] for x in sends], self.op,
+                            rank if in_place else -1)
         await self._phase(seq, ctx, 1)
 
 
@@ -1524,8 +1541,10 @@ class ZeroCopyAllGather(_ZeroCopy):
         lane, b = self.lane, self._block
         rank, n = lane.rank, lane.size
         res = recvs[rank]
-        for k in [(rank + i) % n for i in range(1, n + 1)]:  # (peers in turn, then mine)
+        for k in [(rank + i) % n for i in range(1, n)]:  # (peers in turn, then mine)
             await self._copy(res[k * b:(k + 1) * b], sends[k])
+        if data_address(res) + rank * b != data_address(sends[rank]):  # (else in place)
+            await self._copy(res[rank * b:(rank + 1) * b], sends[rank])
         await self._phase(seq, ctx, 1)
 
 

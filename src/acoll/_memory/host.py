@@ -10,6 +10,7 @@ process), with a ``pace()`` between pieces.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 from .._dtypes import ReduceOp, as_host_array, byte_view, empty_bytes, finish_avg, reduce_into
 from .base import Buffer, MemoryKind, MemorySpace, Pace
 
-__all__ = ["HostSpace", "paced"]
+__all__ = ["HostSpace", "data_address", "paced"]
 
 _PIECE_NS = 200_000  # target duration of one piece of a reduction or copy
 _FIRST_PIECE = 1 << 14  # items, before the speed of a kind of piece is known
@@ -53,6 +54,37 @@ async def paced(pace: Pace, key: tuple[Any, ...], n: int, itemsize: int,
         if start < n:
             await pace()
     _piece_items[key] = per
+
+
+#: id(array) -> (weak reference, nbytes, data address) of arrays seen lately
+_addresses: dict[int, tuple[Any, int, int]] = {}
+_ADDRESSES_KEPT = 64
+
+
+def data_address(arr: Any) -> int:
+    """The address of NumPy array ``arr``'s first byte.
+
+    ``arr.__array_interface__`` builds a dictionary each time (3.4 us on the 2-core VM);
+    a zero-copy collective on the same registered array, called over and over, asks this
+    several times a call. So the answer is kept per array object while the object lives,
+    for arrays that do not own their memory (views, and arrays of ``empty_shared``): the
+    data of those never moves. An array that owns its memory is not kept: a weak
+    reference to it would stop ``ndarray.resize`` (which may move it)."""
+    key = id(arr)
+    seen = _addresses.get(key)
+    if seen is not None and seen[0]() is arr and seen[1] == arr.nbytes:
+        return seen[2]
+    address = int(arr.__array_interface__["data"][0])
+    if getattr(arr, "base", None) is None:
+        return address
+    try:
+        ref = weakref.ref(arr)
+    except TypeError:  # (no weak references: nothing kept)
+        return address
+    if len(_addresses) >= _ADDRESSES_KEPT:
+        _addresses.clear()  # (atomic, unlike dropping the oldest, if threads share it)
+    _addresses[key] = (ref, arr.nbytes, address)
+    return address
 
 
 class HostSpace(MemorySpace):
