@@ -540,3 +540,24 @@ def test_ranks_agree_on_no_lane_when_one_lacks_cores() -> None:
     results = _run("group", 3, env_extra=uid_env, rank_env={0: {"ACOLL_TEST_CPUS": "2"}})
     assert all(r is not None and r["lane"] == 0 and r["ok"] for r in results), results
 
+
+
+def test_a_run_of_lane_ops_yields_at_an_even_op_or_after_twice_the_step() -> None:
+    """Every rank of a run of ops that never slept yields at the same op (an even one),
+    so that none waits for a peer's yield; an odd op yields only once twice the step's
+    time passed."""
+    import time
+
+    from acoll._coll.base import STEP_NS
+    from acoll._comm.lane import Lane
+
+    lane = Lane(0, 2, 4096)
+    lane.yield_at = time.perf_counter_ns() + 10 * STEP_NS
+    assert not lane.yields_before(4)
+    assert not lane.yields_before(5)
+    lane.yield_at = time.perf_counter_ns() - STEP_NS // 2
+    assert lane.yields_before(4)
+    assert not lane.yields_before(5)
+    lane.yield_at = time.perf_counter_ns() - 2 * STEP_NS
+    assert lane.yields_before(4)
+    assert lane.yields_before(5)

@@ -31,8 +31,9 @@ every board (:meth:`Lane.setup`), else through the mailboxes.
   the loop keeps running, and a peer that is late by more than a couple of milliseconds
   costs little CPU. What a wait waits for is looked at before the communicator's state,
   so an op its peers completed completes here too. Ops that find every peer ready complete without
-  sleeping; a run of them yields to the loop once per ``STEP_NS`` (0.25 ms), as every op
-  step does.
+  sleeping; a run of them yields to the loop at the start of an op once ``STEP_NS``
+  (0.25 ms) passed, at an even op number (the same op on every rank; at any op after
+  twice that): see :meth:`Lane.yields_before`.
 - Disagreements are found on every rank: each lane op publishes its descriptor with its
   data, and an op that runs off the lane announces its number and descriptor in the
   mailboxes, so a rank waiting in the lane sees at once that a peer called something else
@@ -233,6 +234,15 @@ class Lane:
         #: the abandoned phase value of the zero-copy op whose peers may be reading this
         #: rank's buffers now (0: none; see :class:`_ZeroCopy` and :meth:`abandon`)
         self.abandon_at = 0
+
+    def yields_before(self, seq: int) -> bool:
+        """Whether lane op ``seq`` (of a run of ops that never slept) yields to the loop
+        before it starts: once ``STEP_NS`` passed since the last yield, at an even op
+        number, so that the ranks of such a run yield at the same op and none waits for
+        a peer's yield (2 ranks on the 2-core VM: a peer's yield cost the other about
+        18 us per 1 MiB zero-copy call); at any op once ``2 * STEP_NS`` passed."""
+        over = time.perf_counter_ns() - self.yield_at
+        return over >= 0 and (not seq & 1 or over >= STEP_NS)
 
     def scratch(self, nbytes: int) -> Any:
         """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
@@ -472,7 +482,7 @@ class _LaneCall:
             turns.append(seq)  # (before any await: ops publish in the order they start)
         try:
             try:
-                if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
+                if not turned and (turns[0] != seq or lane.yields_before(seq)):
                     # Another lane op (of a group, or of another task) publishes first;
                     # and ops that all find their peers ready never sleep: bound the
                     # loop's step.
@@ -1096,7 +1106,7 @@ class StepPlan(_LaneCall):
         held = True
         try:
             try:
-                if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
+                if not turned and (turns[0] != seq or lane.yields_before(seq)):
                     await self._turn(seq)
                 item, ins, steps, made = self._item, self._ins, self.steps, self._made
                 rank, peers, inboxes, boards = lane.rank, lane.peers, lane.inboxes, lane.boards
@@ -1276,7 +1286,7 @@ class _ZeroCopy(_LaneCall):
             turns.append(seq)  # (before any await, as in _LaneCall.run)
         held = True
         try:
-            if not turned and (turns[0] != seq or time.perf_counter_ns() >= lane.yield_at):
+            if not turned and (turns[0] != seq or lane.yields_before(seq)):
                 await self._turn(seq)
             boards = lane.boards
             assert boards is not None
