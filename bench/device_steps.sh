@@ -9,6 +9,9 @@
 #                        512 KiB to 4 MiB, NumPy arrays (R0) and registered buffers (R1)
 #   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
+#   device_lane_mpi_ab DIR registered-buffer all_reduce against Open MPI, the code in
+#                        oldsrc/ (carried untracked) and src/ alternating, 8 and 2 ranks,
+#                        twice, into DIR/pair_ab.txt
 #   device_netns_queues DIR NAME ARGS... the same, with the links' queues sampled
 #                        (bench/qdisc_backlog.py) into DIR/backlog_NAME.txt and netns.txt
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
@@ -89,4 +92,20 @@ device_netns_queues() {  # DIR NAME ARGS...: device_netns with bench/qdisc_backl
   wait $sampler
   { echo "## queues during $name"; grep -v "tcp_congestion_control" "$dir/backlog_$name.txt"
     grep -m1 "tcp_congestion_control" "$dir/backlog_$name.txt"; } >>"$dir/netns.txt"
+}
+
+device_lane_mpi_ab() {
+  local P=$1/pair_ab.txt pass n v src
+  for pass in 1 2; do
+    for n in 8 2; do
+      for v in old new; do
+        if [ $v = old ]; then src=$PWD/oldsrc; else src=$PWD/src; fi
+        echo "## $v, $n ranks, pass $pass" >>"$P"
+        PYTHONPATH="$src:$SITE" CUDA_VISIBLE_DEVICES= timeout 100 mpirun --allow-run-as-root \
+          --oversubscribe -np $n python3 bench/lane_vs_mpi_pair.py 512K 1M 2M 4M --rounds 6 \
+          --variants mpi,acoll,acoll-R 2>&1 | grep -v "^# all_reduce" >>"$P"
+        echo "== exit $? at $SECONDS s" >>"$P"
+      done
+    done
+  done
 }

@@ -12,17 +12,5 @@ PYTHONPATH="$PWD/src:$PWD/tests:$SITE" CUDA_VISIBLE_DEVICES= timeout 200 python3
   -n 12 -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 150 tests/test_lane.py \
   tests/test_lane_registered.py tests/test_loop_lag.py >"$OUT/tests.txt" 2>&1
 echo "== tests: exit $? at $SECONDS s" | tee -a "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt"
-P=$OUT/pair_ab.txt
-for pass in 1 2; do
-  for n in 8 2; do
-    for v in old new; do
-      if [ $v = old ]; then src=$PWD/oldsrc; else src=$PWD/src; fi
-      echo "## $v, $n ranks, pass $pass" >>"$P"
-      PYTHONPATH="$src:$SITE" CUDA_VISIBLE_DEVICES= timeout 100 mpirun --allow-run-as-root \
-        --oversubscribe -np $n python3 bench/lane_vs_mpi_pair.py 512K 1M 2M 4M --rounds 6 \
-        --variants mpi,acoll,acoll-R 2>&1 | grep -v "^# all_reduce" >>"$P"
-      echo "== exit $? at $SECONDS s" >>"$P"
-    done
-  done
-done
-grep -v "^== " "$P" | grep "##\|   [01] MiB"
+device_lane_mpi_ab "$OUT"
+grep -v "^== " "$OUT/pair_ab.txt" | grep "##\|   [01] MiB"
