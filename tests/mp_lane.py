@@ -696,19 +696,28 @@ async def reg_killed(comm: acoll.Communicator) -> dict[str, Any]:
 
 async def reg_stalled(comm: acoll.Communicator) -> dict[str, Any]:
     """Rank 1's loop stalls for 6 s between its two phases of a zero-copy all_reduce
-    (deadline 3 s)."""
+    (deadline 3 s); REG_STALL_AT=combine: before it says it finished the first."""
     arena = await _registered(comm, 8 << 20)
     x = arena.take(np.ones(1 << 20, np.float32))
     await comm.all_reduce(x)
-    if comm.rank == 1:
-        phase = lane_mod.ZeroCopyAllReduce._phase
+    if comm.rank == 1 and os.environ.get("REG_STALL_AT") == "combine":
+        combine = lane_mod.ZeroCopyAllReduce._combine
 
-        async def stalling(self: Any, seq: int, ctx: Any, step: int) -> None:
-            if step == 1:
+        async def stalling_combine(self: Any, *args: Any) -> None:
+            await combine(self, *args)  # (then stalls before it publishes phase 1)
+            time.sleep(6)  # noqa: ASYNC251 - stalling the loop is the point
+
+        lane_mod.ZeroCopyAllReduce._combine = stalling_combine  # type: ignore[method-assign]
+    elif comm.rank == 1:
+        reached = lane_mod.ZeroCopyAllReduce._reached
+
+        async def stalling(self: Any, seq: int, ctx: Any, step: int,
+                           peers: list[int]) -> list[int]:
+            if step == 1:  # (it published phase 1; phase 2 waits for the peers' first)
                 time.sleep(6)  # noqa: ASYNC251 - stalling the loop is the point
-            await phase(self, seq, ctx, step)
+            return await reached(self, seq, ctx, step, peers)
 
-        lane_mod.ZeroCopyAllReduce._phase = stalling  # type: ignore[method-assign]
+        lane_mod.ZeroCopyAllReduce._reached = stalling  # type: ignore[method-assign]
     return await _outcome(comm.all_reduce(x))
 
 

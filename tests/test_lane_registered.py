@@ -222,8 +222,11 @@ def test_a_peer_killed_during_zero_copy_ops_fails_the_survivors_at_once() -> Non
         assert res["zero_copy"] >= 1, res
 
 
-def test_a_peer_stalled_between_phases_is_named_by_the_timeout() -> None:
-    results = _run("reg_stalled", 3, cpus=4)
+@pytest.mark.parametrize("where", ["phase", "combine"])
+def test_a_peer_stalled_between_phases_is_named_by_the_timeout(where: str) -> None:
+    """Stalled after it published phase 1 (the peers copy its part, then wait for its
+    phase 2), or before (they copy each other's parts, then wait for its phase 1)."""
+    results = _run("reg_stalled", 3, cpus=4, env_extra={"REG_STALL_AT": where})
     for rank in (0, 2):
         res = results[rank]
         assert res is not None
