@@ -1412,20 +1412,11 @@ class _ZeroCopy(_LaneCall):
         """Publish that this rank finished phase ``step`` (1 or 2) of op ``seq``, then
         wait until every peer did; raise if a peer abandoned the op (class doc)."""
         lane = self.lane
-        boards = lane.boards
-        assert boards is not None
-        value = ((seq + 1) << 2) + step
-        boards[lane.rank].set_phase(value)
-        pending = [p for p in lane.peers if boards[p].phase() < value]
-        if pending:
-            def done() -> bool:
-                pending[:] = [p for p in pending if boards[p].phase() < value]
-                if ctx is not None and pending:
-                    ctx.waiting_on = pending[0]
-                return not pending
-
-            await self._poll(seq, done, self.comm.spin_ns[pending[0]],
-                             lambda: self._timed_out(seq, pending, step), lambda: None)
+        lane.boards[lane.rank].set_phase(((seq + 1) << 2) + step)  # type: ignore[index]
+        pending = lane.peers
+        while pending:
+            ready = await self._reached(seq, ctx, step, pending)
+            pending = [p for p in pending if p not in ready]
         self._check_abandoned(seq, step, lane.peers)
 
     async def _reached(self, seq: int, ctx: Any, step: int, peers: list[int]) -> list[int]:
@@ -1536,10 +1527,9 @@ class ZeroCopyAllReduce(_ZeroCopy):
         in_place = sends[rank] is res or (data_address(sends[rank]) == data_address(res))
         await self._combine(res[a:b], [x[a:b] for x in sends], self.op,
                             rank if in_place else -1)
-        # Part k is copied as soon as rank k finished phase 1, not once every rank did
-        # (with 8 ranks a wait for all of them cost about 30 us a phase on the 16-core
-        # host), starting with the next rank's, so that the ranks do not all read one
-        # peer's memory at once.
+        # Part k is copied as soon as rank k finished phase 1, not once every rank did,
+        # starting with the next rank's, so that the ranks do not all read one peer's
+        # memory at once.
         self.lane.boards[rank].set_phase(((seq + 1) << 2) + 1)  # type: ignore[index]
         left = self._order
         while left:
