@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Session 39, the 16-core GPU host, CPU only: a zero-copy all_reduce copies rank k's part
 # once rank k finished phase 1 (not once every rank did), starting with the next rank's.
-# Against the code before it (oldsrc/: src/ at the session's start, carried untracked):
+# Against the code before it (oldsrc/: src/ at 6f51edf, carried untracked):
 # the lane and registered-lane tests on Python 3.12, registered-buffer all_reduce against
 # Open MPI alternating old and new with 8, 4 and 2 ranks, twice, and the new code's waits.
+# (Run in session 40: the device was not lent at the end of session 39.)
 # OUT=dir bash bench/session39_device4.sh
 set -u
 OUT=${OUT:-$PWD/session39_device4}
@@ -13,19 +14,7 @@ PYTHONPATH="$PWD/src:$PWD/tests:$SITE" CUDA_VISIBLE_DEVICES= timeout 200 python3
   -n 12 -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 150 tests/test_lane.py \
   tests/test_lane_registered.py >"$OUT/tests.txt" 2>&1
 echo "== tests: exit $? at $SECONDS s" | tee -a "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt"
-P=$OUT/pair_ab.txt
-for pass in 1 2; do
-  for n in 8 4 2; do
-    for v in old new; do
-      if [ $v = old ]; then src=$PWD/oldsrc; else src=$PWD/src; fi
-      echo "## $v, $n ranks, pass $pass" >>"$P"
-      PYTHONPATH="$src:$SITE" CUDA_VISIBLE_DEVICES= timeout 100 mpirun --allow-run-as-root \
-        --oversubscribe -np $n python3 bench/lane_vs_mpi_pair.py 512K 1M 2M 4M --rounds 6 \
-        --variants mpi,acoll,acoll-R 2>&1 | grep -v "^# all_reduce" >>"$P"
-      echo "== exit $? at $SECONDS s" >>"$P"
-    done
-  done
-done
+RANKS="8 4 2" device_lane_mpi_ab "$OUT"
 for n in 8 4; do
   echo "## new, $n ranks, REG=1, BIND=core" >>"$OUT/waits.txt"
   CUDA_VISIBLE_DEVICES= timeout 60 python3 -m acoll.run -n $n -- env REG=1 BIND=core K=200 \
