@@ -5,7 +5,8 @@
 # the lane and registered-lane tests on Python 3.12, registered-buffer all_reduce against
 # Open MPI alternating old and new with 8, 4 and 2 ranks, twice, and the new code's waits.
 # (Run in session 40: the device was not lent at the end of session 39.)
-# OUT=dir bash bench/session39_device4.sh
+# Carry .whl/ (bench/prepare_device.sh): the host's own pytest-asyncio cannot read the suite's
+# config. OUT=dir bash bench/session39_device4.sh
 set -u
 OUT=${OUT:-$PWD/session39_device4}
 . bench/device_steps.sh
