@@ -303,16 +303,16 @@ async def stalled_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     await comm.all_reduce(x)
     if comm.rank == 1:  # (inside the op: at its second combining step)
         calls = 0
-        reduce = lane_mod.StepPlan._reduce
+        folder = lane_mod.StepPlan._folder
 
-        def stalling(*args: Any) -> None:
+        def stalling(*args: Any) -> Any:
             nonlocal calls
             calls += 1
             if calls == 2:
                 time.sleep(6)
-            reduce(*args)
+            return folder(*args)
 
-        lane_mod.StepPlan._reduce = stalling  # type: ignore[method-assign]
+        lane_mod.StepPlan._folder = stalling  # type: ignore[method-assign]
     return await _outcome(comm.all_reduce(x))
 
 

@@ -1109,7 +1109,7 @@ class StepPlan(_LaneCall):
                 if not turned and (turns[0] != seq or lane.yields_before(seq)):
                     await self._turn(seq)
                 item, ins, steps, made = self._item, self._ins, self.steps, self._made
-                rank, peers, inboxes, boards = lane.rank, lane.peers, lane.inboxes, lane.boards
+                rank, inboxes, boards = lane.rank, lane.inboxes, lane.boards
                 word_a, word_b = self._words
                 inplace = mine is res or np.may_share_memory(mine, res)
                 local = steps.local
@@ -1151,22 +1151,13 @@ class StepPlan(_LaneCall):
                     if copy_own and step.own is not None:
                         a, at, m = step.own
                         res[at:at + m] = mine[a:a + m]
-                    for peer in peers:
-                        if not boxes[peer].arrived_at(slot, value):
-                            await self._wait(seq, ctx, k, boards if on_boards else None)
-                            break
-                    for peer, (m, _) in zip(peers, step.recvs, strict=True):
-                        got = boxes[peer].head_at(slot)
-                        if got != (word_a, word_b, m * item):
-                            raise self._disagree(peer, got, (word_a, word_b, m * item))
                     if step.combine is not None:
-                        self._reduce(slot, mine, res, step.combine, inplace, views_in)
+                        take = self._folder(slot, value, step, mine, res, inplace, boxes,
+                                            views_in)
                     else:
-                        for peer, (m, at) in zip(peers, step.recvs, strict=True):
-                            if m and at >= 0:
-                                res[at:at + m] = views_in[peer][slot][:m]
-                    for peer in peers:
-                        boxes[peer].ack_at(slot, value)
+                        take = self._copier(slot, value, step, res, boxes, views_in)
+                    if not take():
+                        await self._receive(seq, ctx, k, take, boxes, on_boards)
             finally:
                 if held:
                     turns.remove(seq)
@@ -1175,26 +1166,129 @@ class StepPlan(_LaneCall):
             if not lane.inflight and lane.release_pending:
                 lane.release()
 
-    def _reduce(self, slot: int, mine: Any, res: Any, where: tuple[int, int, int],
-                inplace: bool, views_in: Any) -> None:
-        """Combine this rank's operand with its peers' (in rank order, from ``views_in``:
-        the mailboxes' or the boards' payload views) into ``res``."""
-        a, at, m = where
-        if not m:
-            return
-        rank, n = self.lane.rank, self.lane.size
+    def _take(self, box: Any, peer: int, slot: int, m: int) -> None:
+        """Check the head ``peer`` published in ``slot`` (of a step it published): this
+        call, ``m`` elements."""
+        want = (*self._words, m * self._item)
+        got = box.head_at(slot)
+        if got != want:
+            raise self._disagree(peer, got, want)
+
+    def _copier(self, slot: int, value: int, step: _Step, res: Any, boxes: Any,
+                views_in: Any) -> Any:
+        """A copying step's receive, peer by peer as each one's piece arrives: the
+        function returned copies (and gives back) every piece arrived since its last call
+        and says whether none is left; its ``pending`` lists the peers it waits for."""
+        pending = list(zip(self.lane.peers, step.recvs, strict=True))
+
+        def take() -> bool:
+            left = []
+            for item in pending:
+                peer, (m, at) = item
+                box = boxes[peer]
+                if not box.arrived_at(slot, value):
+                    left.append(item)
+                    continue
+                self._take(box, peer, slot, m)
+                if m and at >= 0:
+                    res[at:at + m] = views_in[peer][slot][:m]
+                box.ack_at(slot, value)
+            pending[:] = left
+            return not left
+
+        take.pending = pending  # type: ignore[attr-defined]
+        return take
+
+    def _folder(self, slot: int, value: int, step: _Step, mine: Any, res: Any,
+                inplace: bool, boxes: Any, views_in: Any) -> Any:
+        """A combining step's receive: this rank's operand and its peers' (from
+        ``views_in``: the mailboxes' or the boards' payload views) folded into ``res`` in
+        rank order, each peer's as soon as it arrived and every one before it was folded
+        (the same bits as folding them all at the end). Returned as for :meth:`_copier`."""
+        assert step.combine is not None
+        a, at, m = step.combine
+        lane = self.lane
+        rank, n = lane.rank, lane.size
         own, out = mine[a:a + m], res[at:at + m]
-        if rank >= 2 and inplace:  # (the first combinations would overwrite it)
-            saved = self.lane.scratch(m * self._item)[:m * self._item].view(self._dtype)
+        if m and rank >= 2 and inplace:  # (the first combinations would overwrite it)
+            saved = lane.scratch(m * self._item)[:m * self._item].view(self._dtype)
             np.copyto(saved, own)
             own = saved
-        operands = [own if k == rank else views_in[k][slot][:m] for k in range(n)]
-        ufunc = self._ufunc
-        ufunc(operands[0], operands[1], out=out)
-        for part in operands[2:]:
-            ufunc(out, part, out=out)
-        if self.op == ReduceOp.AVG:
-            finish_avg(out, n)
+        ufunc, avg = self._ufunc, self.op == ReduceOp.AVG
+        #: the ranks not folded yet, in rank order (this one's own operand included)
+        order = list(range(n))
+        pending = [(p, (m, -1)) for p in lane.peers]
+
+        def ready(k: int) -> bool:
+            if k == rank:
+                return True
+            box = boxes[k]
+            if not box.arrived_at(slot, value):
+                return False
+            self._take(box, k, slot, m)
+            return True
+
+        def operand(k: int) -> Any:
+            return own if k == rank else views_in[k][slot][:m]
+
+        def done(k: int) -> None:
+            if k != rank:
+                boxes[k].ack_at(slot, value)
+                pending[:] = [item for item in pending if item[0] != k]
+
+        def take() -> bool:
+            if len(order) == n:  # (nothing folded yet: the first two together)
+                if not (ready(0) and ready(1)):
+                    return False
+                if m:
+                    ufunc(operand(0), operand(1), out=out)
+                del order[:2]
+                done(0)
+                done(1)
+            while order:
+                k = order[0]
+                if not ready(k):
+                    return False
+                if m:
+                    ufunc(out, operand(k), out=out)
+                del order[0]
+                done(k)
+            if avg and m:
+                finish_avg(out, n)
+            return True
+
+        take.pending = pending  # type: ignore[attr-defined]
+        return take
+
+    async def _receive(self, seq: int, ctx: Any, step: int, take: Any, boxes: Any,
+                       on_boards: bool) -> None:
+        """Until ``take()`` (of :meth:`_copier` or :meth:`_folder`) took every peer's
+        piece of step ``step`` of op ``seq``: spin, then poll (:meth:`_poll`), checking
+        the peers still awaited for disagreements and naming them on a timeout."""
+        pending = take.pending
+
+        def done() -> bool:
+            finished = take()
+            if ctx is not None and not finished:
+                waiting = [p for p, _ in pending]
+                ctx.waiting_on = waiting[0]
+                ctx.heard.update(p for p in self.lane.peers if p not in waiting)
+            return bool(finished)
+
+        def peers() -> list[int]:
+            return [p for p, _ in pending]
+
+        def disagreements() -> None:
+            left = peers()
+            self._check_announced(seq, left)
+            self._check_crossed(seq, step, left, on_boards)
+            if not step:
+                self._check_recorded(seq, left)
+
+        if done():
+            return
+        await self._poll(seq, done, self.comm.spin_ns[pending[0][0]],
+                         lambda: self._timed_out(seq, peers(), step), disagreements)
 
 
 def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, res: Any,
