@@ -11,7 +11,8 @@
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
 #   device_lane_mpi_ab DIR registered-buffer all_reduce against Open MPI, the code in
 #                        oldsrc/ (carried untracked) and src/ alternating, at each rank
-#                        count in RANKS (default "8 2"), twice, into DIR/pair_ab.txt
+#                        count in RANKS (default "8 2"), PASSES times (default 2), into
+#                        DIR/pair_ab.txt
 #   device_netns_queues DIR NAME ARGS... the same, with the links' queues sampled
 #                        (bench/qdisc_backlog.py) into DIR/backlog_NAME.txt and netns.txt
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
@@ -96,7 +97,7 @@ device_netns_queues() {  # DIR NAME ARGS...: device_netns with bench/qdisc_backl
 
 device_lane_mpi_ab() {
   local P=$1/pair_ab.txt pass n v src
-  for pass in 1 2; do
+  for pass in $(seq "${PASSES:-2}"); do
     for n in ${RANKS:-8 2}; do
       for v in old new; do
         if [ $v = old ]; then src=$PWD/oldsrc; else src=$PWD/src; fi

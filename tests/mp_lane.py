@@ -316,6 +316,18 @@ async def stalled_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(comm.all_reduce(x))
 
 
+async def skipped_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """Rank 1 skips an all_reduce in steps (deadline 3 s): the others' pieces of its first
+    step arrived, but each rank folds in rank order, so most wait behind rank 1 with
+    pieces of later ranks in hand; they must name rank 1 alone."""
+    x = np.ones(1 << 22, np.float32)
+    await comm.all_reduce(x)
+    if comm.rank == 1:
+        await asyncio.sleep(6)
+        return {"error": "skipped"}
+    return await _outcome(comm.all_reduce(x))
+
+
 async def plans(comm: acoll.Communicator) -> dict[str, Any]:
     """Repeated calls on one array reuse a plan; a changed array is not fooled by it."""
     n, r = comm.size, comm.rank
@@ -850,7 +862,8 @@ async def reg_lag(comm: acoll.Communicator) -> dict[str, Any]:
 async def main() -> None:
     scenario, uid, rank, n = sys.argv[1], bytes.fromhex(sys.argv[2]), *map(int, sys.argv[3:5])
     timeout_s = 3.0 if scenario in ("timeout", "silent_group", "stalled_in_steps",
-                                    "reg_stalled", "reg_left_early") else 60.0
+                                    "skipped_in_steps", "reg_stalled",
+                                    "reg_left_early") else 60.0
     try:
         # (formed with a long deadline, then the scenario's own: 2 to 4 interpreters
         # starting on a slow machine can take longer than the scenario's 3 s to form)

@@ -410,8 +410,22 @@ def test_a_stall_in_the_middle_of_steps_is_named_with_the_step() -> None:
         res = results[rank]
         assert res is not None
         assert res["error"] == "TimeoutError", res
-        assert "rank 1" in res["message"], res
+        assert "for rank 1, which" in res["message"], res
         assert "step" in res["message"], res
+        assert res["after"] < 10, res
+
+
+def test_a_rank_skipping_a_call_in_steps_is_named_alone() -> None:
+    """Pieces that arrived but wait to be folded behind a missing rank's are not blamed."""
+    results = _run("skipped_in_steps", 4, cpus=4)
+    assert results[1] is not None, results
+    assert results[1]["error"] == "skipped", results
+    for rank in (0, 2, 3):
+        res = results[rank]
+        assert res is not None
+        assert res["error"] == "TimeoutError", res
+        assert res["rank"] == 1, res
+        assert "for rank 1, which did not reach this call" in res["message"], res
         assert res["after"] < 10, res
 
 

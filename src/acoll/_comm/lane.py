@@ -1157,7 +1157,7 @@ class StepPlan(_LaneCall):
                     else:
                         take = self._copier(slot, value, step, res, boxes, views_in)
                     if not take():
-                        await self._receive(seq, ctx, k, take, boxes, on_boards)
+                        await self._receive(seq, ctx, k, take, boxes, on_boards, value)
             finally:
                 if held:
                     turns.remove(seq)
@@ -1261,25 +1261,28 @@ class StepPlan(_LaneCall):
         return take
 
     async def _receive(self, seq: int, ctx: Any, step: int, take: Any, boxes: Any,
-                       on_boards: bool) -> None:
+                       on_boards: bool, value: int) -> None:
         """Until ``take()`` (of :meth:`_copier` or :meth:`_folder`) took every peer's
-        piece of step ``step`` of op ``seq``: spin, then poll (:meth:`_poll`), checking
-        the peers still awaited for disagreements and naming them on a timeout."""
-        pending = take.pending
+        piece of step ``step`` of op ``seq`` (stamped ``value``): spin, then poll
+        (:meth:`_poll`), checking the peers whose piece has not arrived for disagreements
+        and naming them on a timeout (not those arrived but waiting to be folded)."""
+        pending, slot = take.pending, (seq + step) & 1
+
+        def missing() -> list[int]:
+            return [p for p, _ in pending if not boxes[p].arrived_at(slot, value)]
 
         def done() -> bool:
-            finished = take()
-            if ctx is not None and not finished:
-                waiting = [p for p, _ in pending]
-                ctx.waiting_on = waiting[0]
-                ctx.heard.update(p for p in self.lane.peers if p not in waiting)
-            return bool(finished)
-
-        def peers() -> list[int]:
-            return [p for p, _ in pending]
+            if take():
+                return True
+            if ctx is not None:
+                waiting = missing()
+                if waiting:
+                    ctx.waiting_on = waiting[0]
+                    ctx.heard.update(p for p in self.lane.peers if p not in waiting)
+            return False
 
         def disagreements() -> None:
-            left = peers()
+            left = missing()
             self._check_announced(seq, left)
             self._check_crossed(seq, step, left, on_boards)
             if not step:
@@ -1288,7 +1291,8 @@ class StepPlan(_LaneCall):
         if done():
             return
         await self._poll(seq, done, self.comm.spin_ns[pending[0][0]],
-                         lambda: self._timed_out(seq, peers(), step), disagreements)
+                         lambda: self._timed_out(seq, missing() or [p for p, _ in pending],
+                                                 step), disagreements)
 
 
 def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, res: Any,
