@@ -9,6 +9,7 @@
 #                        512 KiB to 4 MiB, NumPy arrays (R0) and registered buffers (R1)
 #   device_netns DIR NAME ARGS... bench/netns_shaped.py (4 hosts, 10 Gbit/s) with ARGS; its
 #                        summary appended to DIR/netns.txt (NETBIN: the carried iproute2)
+#   device_lane_tests DIR the lane and registered-lane tests, CPU only, into DIR/tests.txt
 #   device_lane_mpi_ab DIR registered-buffer all_reduce against Open MPI, the code in
 #                        oldsrc/ (carried untracked) and src/ alternating, at each rank
 #                        count in RANKS (default "8 2"), PASSES times (default 2), into
@@ -93,6 +94,13 @@ device_netns_queues() {  # DIR NAME ARGS...: device_netns with bench/qdisc_backl
   wait $sampler
   { echo "## queues during $name"; grep -v "tcp_congestion_control" "$dir/backlog_$name.txt"
     grep -m1 "tcp_congestion_control" "$dir/backlog_$name.txt"; } >>"$dir/netns.txt"
+}
+
+device_lane_tests() {
+  PYTHONPATH="$PWD/src:$PWD/tests:$SITE" CUDA_VISIBLE_DEVICES= timeout 200 python3 -m pytest -q \
+    -n 12 -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 150 tests/test_lane.py \
+    tests/test_lane_registered.py >"$1/tests.txt" 2>&1
+  echo "== tests: exit $? at $SECONDS s" | tee -a "$1/tests.txt"; tail -n 3 "$1/tests.txt"
 }
 
 device_lane_mpi_ab() {

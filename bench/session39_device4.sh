@@ -11,10 +11,7 @@ set -u
 OUT=${OUT:-$PWD/session39_device4}
 . bench/device_steps.sh
 device_start "$OUT"
-PYTHONPATH="$PWD/src:$PWD/tests:$SITE" CUDA_VISIBLE_DEVICES= timeout 200 python3 -m pytest -q \
-  -n 12 -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 150 tests/test_lane.py \
-  tests/test_lane_registered.py >"$OUT/tests.txt" 2>&1
-echo "== tests: exit $? at $SECONDS s" | tee -a "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt"
+device_lane_tests "$OUT"
 RANKS="8 4 2" device_lane_mpi_ab "$OUT"
 for n in 8 4; do
   echo "## new, $n ranks, REG=1, BIND=core" >>"$OUT/waits.txt"

@@ -9,9 +9,6 @@ set -u
 OUT=${OUT:-$PWD/session41_device1}
 . bench/device_steps.sh
 device_start "$OUT"
-PYTHONPATH="$PWD/src:$PWD/tests:$SITE" CUDA_VISIBLE_DEVICES= timeout 200 python3 -m pytest -q \
-  -n 12 -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 150 tests/test_lane.py \
-  tests/test_lane_registered.py >"$OUT/tests.txt" 2>&1
-echo "== tests: exit $? at $SECONDS s" | tee -a "$OUT/tests.txt"; tail -n 3 "$OUT/tests.txt"
+device_lane_tests "$OUT"
 PASSES=3 RANKS="8 4 2" device_lane_mpi_ab "$OUT"
 echo "== done at $SECONDS s"
