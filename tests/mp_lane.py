@@ -648,6 +648,20 @@ async def reg_mismatch_count(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(call())  # (a rank still registering may get the error there)
 
 
+async def reg_mismatch_plain(comm: acoll.Communicator) -> dict[str, Any]:
+    """Every rank registered an allocation; rank 0 all_reduces a plain NumPy array one
+    element longer than the others' registered buffers (rank 0 falls back at once, without
+    reading its peers' call records: it must still name the difference)."""
+    async def call() -> None:
+        arena = await _registered(comm, 8 << 20)
+        if comm.rank == 0:
+            await comm.all_reduce(np.ones((1 << 18) + 1, np.float32))
+        else:
+            await comm.all_reduce(arena.take(np.ones(1 << 18, np.float32)))
+
+    return await _outcome(call())
+
+
 async def reg_mismatch_kind(comm: acoll.Communicator) -> dict[str, Any]:
     """Rank 0 all_reduces a registered buffer; the others broadcast one as large."""
     async def call() -> None:

@@ -200,7 +200,7 @@ def test_zero_copy_ops_mix_with_other_lane_ops_in_groups_and_tasks() -> None:
 
 @pytest.mark.parametrize("scenario", ["reg_mismatch_count", "reg_mismatch_kind",
                                       "reg_mismatch_small", "reg_mismatch_root",
-                                      "reg_mismatch_gather"])
+                                      "reg_mismatch_gather", "reg_mismatch_plain"])
 def test_disagreements_on_registered_buffers_are_named_on_every_rank(scenario: str) -> None:
     results = _run(scenario, 3, cpus=4)
     for res in results:

@@ -629,12 +629,14 @@ class _LaneCall:
 
     def _check_recorded(self, seq: int, pending: list[int]) -> None:
         """A peer that said on its call line what it calls op ``seq`` with runs a call
-        that may go zero-copy (:class:`_ZeroCopy`), which this rank does not: name the
-        difference."""
+        that may go zero-copy (:class:`_ZeroCopy`): name the difference when it is another
+        call, or when this rank's call may not go zero-copy (it said nothing on its own
+        line). (A rank whose own buffers are not registered falls back without reading
+        its peers' lines: this is where it finds a peer that calls something else.)"""
         boards = self.lane.boards
-        if (boards is None or not self.lane.registered
-                or boards[self.lane.rank].called(seq) is not None):  # (so did this rank)
+        if boards is None or not self.lane.registered:
             return
+        posted = boards[self.lane.rank].called(seq) is not None
         for p in pending:
             rec = boards[p].called(seq)
             if rec is None:
@@ -643,6 +645,8 @@ class _LaneCall:
             if got != self.desc.packed:
                 raise InvalidUsage(self.desc.describe_difference(
                     Descriptor.unpack(got), self.lane.rank, p))
+            if posted:
+                continue  # (both may go zero-copy: the peer falls back on this rank's line)
             raise ProtocolError(f"lane: rank {p} runs {self.desc.coll.name.lower()} #{seq} "
                                 f"as a call on registered buffers, rank {self.lane.rank} "
                                 "does not (do the ranks' registrations differ?)")
@@ -1396,7 +1400,10 @@ class _ZeroCopy(_LaneCall):
             lane.abandon_at = ((seq + 1) << 2) + _ABANDONED
             board.post_call(seq, (*self._words, *sent, *got))
             try:
-                records = await self._records(seq, ctx)
+                # (this rank's buffers not registered: the verdict of every rank, which
+                # each reads on this call line; it needs none of theirs to fall back)
+                records = (await self._records(seq, ctx) if sent[0] and got[0]
+                           else None)
                 if records is not None:
                     sends = [mine if k == lane.rank else a for k, (a, _) in enumerate(records)]
                     recvs = [res if k == lane.rank else b for k, (_, b) in enumerate(records)]
