@@ -6,7 +6,8 @@ all_reduce, per size, rounds alternating the variants' order, so a drift of the 
         1M 2M 4M 8M 16M --rounds 8
 
 Variants: ``mpi`` (MPI_Allreduce in place), ``acoll`` (a NumPy array), ``acoll-R`` (an
-array from ``acoll.empty_shared``, registered: the zero-copy path). Prints per size each
+array from ``acoll.empty_shared``, registered: the zero-copy path; without it in
+``--variants`` nothing is registered, as in a program of NumPy arrays only). Prints per size each
 variant's median time per op (slowest rank), its busbw, and the medians (min..max) of the
 per-round ratios acoll's busbw / MPI's. ``--coll all_gather|reduce_scatter|broadcast``
 times those instead (out of place, root 0; SIZE is the larger buffer, as nccl-tests).
@@ -62,7 +63,8 @@ async def main() -> None:
             shared[:] = 0
             shared_small = shared[count:]
             shared = shared[:count]
-            reg = await comm.register(shared)
+            # (no registration without acoll-R: the communicator of a NumPy-only program)
+            reg = await comm.register(shared) if "acoll-R" in variants else None
 
             def mpi_op() -> None:
                 if coll == "all_reduce":
@@ -106,7 +108,8 @@ async def main() -> None:
                             await acoll_op(big, little)
                     t = (time.perf_counter() - t0) / iters
                     times[v].append(world.allreduce(t, op=MPI.MAX))
-            await comm.deregister(reg)
+            if reg is not None:
+                await comm.deregister(reg)
             if rank == 0:
                 factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(
                     coll, (n - 1) / n)
