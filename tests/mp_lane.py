@@ -662,6 +662,33 @@ async def reg_mismatch_plain(comm: acoll.Communicator) -> dict[str, Any]:
     return await _outcome(call())
 
 
+async def reg_late_reader(comm: acoll.Communicator) -> dict[str, Any]:
+    """Every rank registered an allocation. Rank 0 all_reduces a plain array and, as the
+    next lane op (in one group), a registered one; the others come to the first 0.5 s
+    late, on registered buffers: they must still find rank 0's call record of the
+    first op, which its second op's record must not have replaced."""
+    arena = await _registered(comm, 8 << 20)
+    r, n = comm.rank, comm.size
+    first = np.full(1 << 18, r + 1, np.float32)
+    if r:
+        first = arena.take(first)
+        await asyncio.sleep(0.5)  # (rank 0 starts both calls meanwhile)
+    second = arena.take(np.full(1 << 18, 10 * (r + 1), np.float32))
+
+    async def both() -> None:
+        async with comm.group():
+            await comm.all_reduce(first)
+            await comm.all_reduce(second)
+
+    outcome = await _outcome(both())
+    if outcome["error"]:
+        return outcome
+    total = n * (n + 1) // 2
+    assert np.all(first == total), first[:4]
+    assert np.all(second == 10 * total), second[:4]
+    return {"zero_copy": RUNS["zero_copy"]}
+
+
 async def reg_mismatch_kind(comm: acoll.Communicator) -> dict[str, Any]:
     """Rank 0 all_reduces a registered buffer; the others broadcast one as large."""
     async def call() -> None:

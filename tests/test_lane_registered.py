@@ -211,6 +211,16 @@ def test_disagreements_on_registered_buffers_are_named_on_every_rank(scenario: s
     assert all(word in r["message"] for r in results if r), results
 
 
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_late_peer_still_reads_the_record_of_a_call_that_fell_back(n: int) -> None:
+    """A rank whose buffers are not registered falls back without waiting for its peers'
+    records; its next lane op must not replace its record before every peer read it."""
+    for res in _run("reg_late_reader", n, cpus=4):
+        assert res is not None
+        assert res.get("error") is None, res
+        assert res["zero_copy"] == 1, res  # (the second call, on every rank)
+
+
 def test_a_peer_killed_during_zero_copy_ops_fails_the_survivors_at_once() -> None:
     results = _run("reg_killed", 3, cpus=4)
     assert results[1] is None  # SIGKILLed

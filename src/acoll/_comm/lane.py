@@ -1418,8 +1418,18 @@ class _ZeroCopy(_LaneCall):
             finally:
                 lane.abandon_at = 0
             if records is None:
-                held = False  # (the fallback gives the turn back)
-                await self.fallback().run(seq, ctx, mine, res, turned=True)
+                # The fallback gives the turn back once it published its last step; the
+                # lane's later ops still wait for a guard until it completed: a later
+                # zero-copy op would replace this call's record on the call line, which a
+                # peer may not have read yet (one whose buffers are registered reads it
+                # before it publishes its first step, which this rank's fallback waits for).
+                held = False
+                guard = ~seq  # (no op's number)
+                turns.insert(1, guard)
+                try:
+                    await self.fallback().run(seq, ctx, mine, res, turned=True)
+                finally:
+                    turns.remove(guard)
         finally:
             if held:
                 turns.remove(seq)
