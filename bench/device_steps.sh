@@ -16,6 +16,11 @@
 #                        DIR/pair_ab.txt
 #   device_netns_queues DIR NAME ARGS... the same, with the links' queues sampled
 #                        (bench/qdisc_backlog.py) into DIR/backlog_NAME.txt and netns.txt
+#   device_lane_mpi_variants DIR  NumPy-array all_reduce against Open MPI at 1, 2 and 4 MiB,
+#                        on a communicator with a registered allocation (variants
+#                        mpi,acoll,acoll-R) and on one without (mpi,acoll), at each rank count
+#                        in RANKS (default "2 4 8"), PASSES times (default 2), into DIR/pair.txt
+# bench/device_batch.sh runs a list of these steps by name.
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
 
@@ -113,6 +118,21 @@ device_lane_mpi_ab() {
         PYTHONPATH="$src:$SITE" CUDA_VISIBLE_DEVICES= timeout 100 mpirun --allow-run-as-root \
           --oversubscribe -np $n python3 bench/lane_vs_mpi_pair.py 512K 1M 2M 4M --rounds 6 \
           --variants mpi,acoll,acoll-R 2>&1 | grep -v "^# all_reduce" >>"$P"
+        echo "== exit $? at $SECONDS s" >>"$P"
+      done
+    done
+  done
+}
+
+device_lane_mpi_variants() {
+  local P=$1/pair.txt pass n v
+  for pass in $(seq "${PASSES:-2}"); do
+    for n in ${RANKS:-2 4 8}; do
+      for v in mpi,acoll,acoll-R mpi,acoll; do
+        echo "## $n ranks, variants $v, pass $pass" >>"$P"
+        CUDA_VISIBLE_DEVICES= timeout 100 mpirun --allow-run-as-root --oversubscribe -np $n \
+          python3 bench/lane_vs_mpi_pair.py 1M 2M 4M --rounds 8 --variants $v 2>&1 \
+          | grep -v "^# all_reduce" >>"$P"
         echo "== exit $? at $SECONDS s" >>"$P"
       done
     done
