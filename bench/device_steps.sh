@@ -20,6 +20,12 @@
 #                        on a communicator with a registered allocation (variants
 #                        mpi,acoll,acoll-R) and on one without (mpi,acoll), at each rank count
 #                        in RANKS (default "2 4 8"), PASSES times (default 2), into DIR/pair.txt
+#   device_lane_limit_ab DIR  NumPy-array all_reduce against Open MPI at 1 and 2 MiB with 2
+#                        ranks, one run per lane size in LIMITS (ACOLL_SHM_LANE_MAX, default
+#                        "2M 1M 512K 256K"), PASSES times (default 2), into DIR/limit_ab.txt
+#   device_via_host DIR  issue 9's staged path on the one GPU: bench/via_host_paths.py with
+#                        2 ranks (separate processes sharing the GPU) over TCP, as they are
+#                        and, where the host has it, under CUDA MPS; into DIR/via_host.txt
 # bench/device_batch.sh runs a list of these steps by name.
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
@@ -137,4 +143,36 @@ device_lane_mpi_variants() {
       done
     done
   done
+}
+
+device_lane_limit_ab() {
+  local P=$1/limit_ab.txt pass lim
+  for pass in $(seq "${PASSES:-2}"); do
+    for lim in ${LIMITS:-2M 1M 512K 256K}; do
+      echo "## ACOLL_SHM_LANE_MAX=$lim, 2 ranks, pass $pass" >>"$P"
+      CUDA_VISIBLE_DEVICES= ACOLL_SHM_LANE_MAX=$lim timeout 100 mpirun --allow-run-as-root \
+        --oversubscribe -x ACOLL_SHM_LANE_MAX -np 2 python3 bench/lane_vs_mpi_pair.py 1M 2M \
+        --rounds 8 --variants mpi,acoll 2>&1 | grep -v "^# all_reduce" >>"$P"
+      echo "== exit $? at $SECONDS s" >>"$P"
+    done
+  done
+}
+
+device_via_host() {
+  local P=$1/via_host.txt mode
+  for mode in plain mps; do
+    if [ $mode = mps ]; then
+      command -v nvidia-cuda-mps-control >/dev/null || { echo "## no MPS on this host" >>"$P"; break; }
+      export CUDA_MPS_PIPE_DIRECTORY=/tmp/mps-pipe CUDA_MPS_LOG_DIRECTORY=/tmp/mps-log
+      mkdir -p $CUDA_MPS_PIPE_DIRECTORY $CUDA_MPS_LOG_DIRECTORY
+      nvidia-cuda-mps-control -d >>"$P" 2>&1 || { echo "## MPS did not start" >>"$P"; break; }
+    fi
+    echo "## $mode: 2 ranks sharing one GPU, TCP (P2P and SHM off)" >>"$P"
+    ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 150 python3 -m acoll.run \
+      -n 2 -- python3 bench/via_host_paths.py --mib 1 4 16 --rounds ${ROUNDS:-4} >>"$P" 2>&1
+    echo "== exit $? at $SECONDS s" >>"$P"
+  done
+  if [ "${CUDA_MPS_PIPE_DIRECTORY:-}" ]; then
+    echo quit | nvidia-cuda-mps-control; unset CUDA_MPS_PIPE_DIRECTORY CUDA_MPS_LOG_DIRECTORY
+  fi
 }

