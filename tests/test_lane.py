@@ -346,10 +346,10 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
 
 
 @pytest.mark.timeout(450)
-def test_two_ranks_run_large_all_reduces_in_one_shot_steps_of_a_slot() -> None:
+def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
     """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in
-    one-shot steps of a whole slot, every other collective in steps of at most STEP_MAX
-    per peer, and every result matches NumPy bit for bit."""
+    one-shot steps of STEP_MAX (1 MiB), every other collective in steps of at most
+    STEP_MAX per peer, and every result matches NumPy bit for bit."""
     from acoll._comm.lane import STEP_MAX
 
     results = _run("pair_large", 2, cpus=max(2, os.cpu_count() or 1), wait=400)
@@ -359,10 +359,9 @@ def test_two_ranks_run_large_all_reduces_in_one_shot_steps_of_a_slot() -> None:
         assert res["boards"], res
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
         plans = {(kind, per) for kind, per in res["plans"]}
-        assert ("_AllReduceOneShotSteps", 2 << 20) in plans, plans
+        assert ("_AllReduceOneShotSteps", STEP_MAX) in plans, plans
         assert not any(kind == "_AllReduceSteps" for kind, _ in plans), plans
-        assert all(per <= STEP_MAX for kind, per in plans
-                   if kind != "_AllReduceOneShotSteps"), plans
+        assert all(per <= STEP_MAX for kind, per in plans), plans
         assert {kind for kind, _ in plans} >= {"_AllGatherSteps", "_BroadcastSteps",
                                                "_AllToAllSteps", "_ReduceScatterSteps"}
 

@@ -902,7 +902,7 @@ class Communicator:
                 made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
             elif s.nbytes <= one_shot_steps_max(lane):
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_one_shot_steps(
-                    lane, s.count, lane.limit // s.itemsize), rop)
+                    lane, s.count, lane.step // s.itemsize), rop)
             else:
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
                     lane, s.count, lane.step // s.itemsize), rop)
