@@ -383,6 +383,45 @@ def test_every_rank_decides_alike_from_the_records() -> None:
     assert usable([[2, 0, small]] * 2, transports, other) is None  # other transports
 
 
+def test_device_records_need_one_via_host_limit_and_every_pair_over_tcp() -> None:
+    """A device communicator's record carries ACOLL_GPU_VIA_HOST_MAX: the native ring runs
+    its all_reduces through the host only where every rank has the same setting and every
+    pair of ranks (not only the ring's edges) is joined over TCP, so that every rank sends
+    the same calls through the host (its automatic limit follows every peer's
+    transport)."""
+    import socket as _socket
+
+    from acoll._transport import inproc
+    from acoll._transport.base import PeerInfo
+    from acoll._transport.tcp import TcpTransport
+
+    usable = native_ring.NativeRing.usable
+    small, auto = 64 << 10, -1
+    transports, infos = _tcp_only(3)
+    assert usable([[2, 0, small, auto]] * 3, transports, infos) == 0
+    assert usable([[2, 0, small, auto]] * 2 + [[2, 0, small, 1 << 20]], transports,
+                  infos) is None  # one rank with another ACOLL_GPU_VIA_HOST_MAX
+    assert usable([[2, 0, small, auto]] * 2 + [[2, 0, small]], transports,
+                  infos) is None  # a host communicator's record among device ones
+    key = bytes(32)
+    both = [inproc.InprocTransport(key=key),
+            TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=key)]
+
+    def info(rank: int, proc: bytes) -> PeerInfo:
+        handle = inproc._HANDLE.pack(inproc._MAGIC, proc, 7, bytes(16))
+        return PeerInfo(rank=rank, host_hash=1, proc=proc, loop=7, pid=rank,
+                        handles={"inproc": handle, "socket": b"x"})
+
+    # Ranks 0 and 2 in one process, 1 and 3 in another: every edge of the ring crosses
+    # processes (TCP), but 0 and 2 (and 1 and 3) are in process.
+    other = bytes(range(16))
+    crossed = [info(r, other if r % 2 == 0 else inproc._process) for r in range(4)]
+    assert usable([[2, 0, small]] * 4, both, crossed) == 0  # host: the ring's edges
+    assert usable([[2, 0, small, auto]] * 4, both, crossed) is None  # device: every pair
+    apart = [info(r, bytes([r]) * 16) for r in range(4)]
+    assert usable([[2, 0, small, auto]] * 4, both, apart) == 0
+
+
 def test_heard_counts_data_from_the_previous_rank() -> None:
     """A slow native op that times out must not be reported as "sent nothing": the ctx's
     heard set sees the C code's byte count."""

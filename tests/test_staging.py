@@ -270,8 +270,11 @@ async def test_ranks_may_differ_on_going_through_the_host(
     """Going through the host is each rank's own choice (the same messages either way):
     rank 0 stages every message, rank 1 runs the host algorithm on its page-locked copy,
     at sizes on both sides of every threshold, with the tuner's algorithms and with the
-    direct all-reduce; exact results."""
+    direct all-reduce; exact results. (Without the native ring: where it runs, every rank
+    agrees on what goes through the host, see
+    test_native_ring_is_off_for_device_records_that_disagree.)"""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_NATIVE", "0")
     monkeypatch.setenv("ACOLL_ALGO", algo)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
 
@@ -312,6 +315,7 @@ async def test_ring_through_the_host_pipelines_its_copies(
     ACOLL_GPU_VIA_HOST_PIPELINE=0 turns it off.) With ``ACOLL_RING_CHUNKS=1`` the ring's
     chunks (whole segments) are larger than the copies' pieces."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_NATIVE", "0")  # (the Python ring: the native one copies whole)
     monkeypatch.setenv("ACOLL_RING_CHUNKS", ring_chunks)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
     monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
@@ -374,6 +378,8 @@ async def test_larger_device_all_reduces_go_direct_once_the_pool_has_a_block(
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
     monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     pieces = algo == "ring" and pipeline == "1"
+    if pieces:
+        monkeypatch.setenv("ACOLL_NATIVE", "0")  # (the Python ring: the native one copies whole)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
     from acoll._comm import via_host
 
@@ -735,6 +741,8 @@ async def test_peer_abort_during_a_direct_device_all_reduce(
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", pipeline)
+    if pipeline == "1":
+        monkeypatch.setenv("ACOLL_NATIVE", "0")  # (the Python ring: the native one copies whole)
     monkeypatch.setattr(via_host_mod, "PIPELINE_MIN", 0)  # (small calls pipeline too)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 50)
     released: list[Any] = []
@@ -807,8 +815,10 @@ async def test_a_direct_call_that_fails_before_it_runs_gives_its_block_back(
 async def test_copies_pipeline_by_default_above_one_mib(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch) -> None:
     """Defaults: a ring all_reduce through the host of up to 1 MiB copies its input down
-    and its result up in one piece each (measured faster there); above it, in pieces."""
+    and its result up in one piece each (measured faster there); above it, in pieces.
+    (On the Python ring; the native ring copies whole.)"""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_NATIVE", "0")  # (the Python ring: the native one copies whole)
     monkeypatch.setenv("ACOLL_CHUNK_SIZE", "64K")
 
     async def fn(comm: acoll.Communicator) -> list[int]:
@@ -827,3 +837,137 @@ async def test_copies_pipeline_by_default_above_one_mib(
     for downloads in await run_ranks(2, fn, device=0):
         assert downloads[0] == 1
         assert downloads[1] > 1
+
+
+# ----------------------------------------------------------- the native ring through the host
+_NATIVE_LIB = None
+
+
+def _needs_native() -> None:
+    global _NATIVE_LIB
+    from acoll import _native
+
+    _NATIVE_LIB = _NATIVE_LIB or _native.load()
+    if _NATIVE_LIB is None:
+        pytest.skip("no C compiler: the native ring cannot be built here")
+
+
+@pytest.fixture
+def native_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[MemoryKind, int]]:
+    """(memory kind, bytes) of the buffers of every native ring call."""
+    from acoll._comm import native_ring
+
+    _needs_native()
+    seen: list[tuple[MemoryKind, int]] = []
+    real = native_ring.NativeRing.run
+
+    async def spy(self: Any, ctx: Any, mode: int, src: Buffer, dst: Buffer, *rest: Any
+                  ) -> Any:
+        seen.append((src.kind, src.nbytes))
+        assert src.ptr == dst.ptr  # (in place, on the host copy)
+        return await real(self, ctx, mode, src, dst, *rest)
+
+    monkeypatch.setattr(native_ring.NativeRing, "run", spy)
+    return seen
+
+
+@pytest.mark.parametrize("path", ["direct", "ordered"])
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_native_ring_runs_device_all_reduces_through_the_host(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]], nranks: int, path: str) -> None:
+    """Where every pair of ranks is joined over TCP, a device all_reduce that goes through
+    the host and that the tuner gives to the ring runs on the native ring, on one whole
+    copy each way (fake downloads land late: a ring that read early would sum the block's
+    old contents): exact results for several dtypes and ops, in place and not, with and
+    without stream=, on the direct path (copies on the caller's stream) and the ordered
+    one. float16 (which ring.c lacks) and small calls stay on the Python algorithms."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "16K")
+    monkeypatch.setattr(FakeDeviceSpace, "delay", 30)
+    if path == "ordered":
+        monkeypatch.setattr(FakeStaging, "lease_now", lambda self, nbytes: None)
+    cases = [(np.int32, "sum"), (np.float32, "max"), (np.int64, "prod"), (np.float64, "avg"),
+             (np.float16, "sum")]
+
+    async def fn(comm: acoll.Communicator) -> list[int]:
+        assert comm._native is not None
+        staging = fake_devices[comm.rank].staging()
+        downloads = []
+        for n in (50_001, 300):  # (the ring's, then the small algorithm's)
+            for i, (dtype, op) in enumerate(cases):
+                ins = [((np.arange(n) * (i + 3) + r) % 5 + 1).astype(dtype)
+                       for r in range(comm.size)]
+                want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
+                        "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op]
+                for inplace, kw in ((False, {}), (True, {"stream": "s"})):
+                    before = staging.downloads
+                    x = FakeDevArray(ins[comm.rank].copy())
+                    out = None if inplace else FakeDevArray(np.zeros(n, dtype))
+                    await comm.all_reduce(x, out, op, **kw)
+                    got = x.arr if inplace else out.arr  # type: ignore[union-attr]
+                    np.testing.assert_array_equal(got, want.astype(dtype))
+                    downloads.append(staging.downloads - before)
+        return downloads
+
+    for downloads in await run_ranks(nranks, fn, device=0):
+        assert downloads[:8] == [1] * 8  # (whole copies on the native ring)
+    kinds = {kind for kind, _ in native_runs}
+    assert kinds == {MemoryKind.HOST}
+    sizes = sorted({nbytes for _, nbytes in native_runs})
+    assert sizes == [50_001 * 4, 50_001 * 8], sizes  # (not float16, not the small calls)
+    assert len(native_runs) == nranks * 8
+
+
+async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]]) -> None:
+    """Device all_reduces made together (tasks of one rank; the first goes direct, the
+    others are queued and ordered) take their places on the native ring's links in their
+    sequence order on every rank: exact results, none swapped, and they work in a group."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setattr(FakeDeviceSpace, "delay", 30)
+    n = 40_000
+
+    async def fn(comm: acoll.Communicator) -> bool:
+        xs = [FakeDevArray(np.full(n, comm.rank + 10 * k, np.int32)) for k in range(5)]
+        await asyncio.gather(*(comm.all_reduce(x) for x in xs))
+        for k, x in enumerate(xs):
+            np.testing.assert_array_equal(x.arr, sum(r + 10 * k for r in range(comm.size)))
+        ys = [FakeDevArray(np.full(n, comm.rank + k, np.float32)) for k in range(3)]
+        async with comm.group():
+            for y in ys:
+                await comm.all_reduce(y)
+        for k, y in enumerate(ys):
+            np.testing.assert_array_equal(y.arr, sum(r + k for r in range(comm.size)))
+        return True
+
+    assert all(await run_ranks(3, fn, device=0))
+    assert len(native_runs) == 3 * 8
+
+
+async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]]) -> None:
+    """A device all_reduce on the native ring whose peer aborts ends in RemoteError naming
+    the peer within seconds; the communicator then refuses calls, and its pooled block
+    went back."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
+                                                   timeout=20) for r in range(2)))
+    size = 300_000
+    await asyncio.gather(*(c.all_reduce(FakeDevArray(np.ones(size, np.float32)))
+                           for c in comms))
+    assert len(native_runs) == 2
+    task = asyncio.ensure_future(comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32))))
+    await asyncio.sleep(0.05)
+    comms[1].abort()
+    t = asyncio.get_running_loop().time()
+    with pytest.raises(acoll.RemoteError, match="rank 1"):
+        await task
+    assert asyncio.get_running_loop().time() - t < 5
+    with pytest.raises(acoll.AcollError):
+        await comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32)))
+    for c in comms:
+        c.abort()

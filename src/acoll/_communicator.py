@@ -424,7 +424,8 @@ class Communicator:
         except BaseException:
             _release(endpoints)
             raise
-        native_rec = native_record(native, algos.SMALL.resolve())
+        native_rec = native_record(native, algos.SMALL.resolve(), None if mem is None or
+                                   mem.kind == MemoryKind.HOST else VIA_HOST_MAX.resolve())
 
         def make_info(boot_addr: Address) -> bytes:
             return msgpack.packb({"host_hash": host_hash, "pid": os.getpid(), "proc": _PROC,
@@ -921,9 +922,11 @@ class Communicator:
                               "all_reduce", s, r, s.count, order, op=rop)
         self._learn("all_reduce", send, recv, op, 0, make)
         if make is None and order is not None and s.nbytes <= self._via_limit():
+            native = self._via_native(s, rop, cls)
             await self._execute(desc, None, self._via_host(
                 lambda ctx, hs, hr: cls(ctx, hs, hr, rop), s, r, order,
-                self._via_pipe and pipelines(cls, s.nbytes)))
+                self._via_pipe and pipelines(cls, s.nbytes),
+                None if native is None else (native, rop)))
         elif (self._native is not None and make is None and order is None
               and cls is algos.RingAllReduce and self._native.takes(s, rop)):
             native = self._native
@@ -935,11 +938,27 @@ class Communicator:
         return out
 
     def _via_host(self, make: Callable[[OpContext, Buffer, Buffer], Algorithm], send: Buffer,
-                  recv: Buffer, order: StreamOrder, ring: bool = False) -> MakeAlgorithm:
+                  recv: Buffer, order: StreamOrder, ring: bool = False,
+                  native: tuple[NativeRing, ReduceOp] | None = None) -> MakeAlgorithm:
         """A device op run by its host algorithm on a page-locked copy (see
-        ``ACOLL_GPU_VIA_HOST_MAX`` and :mod:`acoll._comm.via_host`)."""
+        ``ACOLL_GPU_VIA_HOST_MAX`` and :mod:`acoll._comm.via_host`); ``native``: by the
+        native ring instead (:meth:`_via_native`)."""
         host, mem, timeout = self._host_mem, self.mem, self.timeout
-        return lambda ctx: ViaHost(ctx, make, send, recv, order, mem, host, timeout, ring)
+        return lambda ctx: ViaHost(ctx, make, send, recv, order, mem, host, timeout, ring,
+                                   native)
+
+    def _via_native(self, s: Buffer, rop: ReduceOp, cls: type) -> NativeRing | None:
+        """The native ring, where it runs a device all_reduce of ``s`` that goes through
+        the host (on one whole copy each way: :mod:`acoll._comm.via_host`). Every rank
+        decides alike: the native ring of a device communicator exists only where every
+        pair of ranks is joined over TCP and every rank has the same
+        ``ACOLL_GPU_VIA_HOST_MAX`` (:meth:`NativeRing.usable`), so every rank sends the
+        same calls through the host, and the rest is the call's own."""
+        native = self._native
+        if native is None or cls is not algos.RingAllReduce or not native.takes_copy_of(
+                s, rop):
+            return None
+        return native
 
     def _via_limit(self) -> int:
         """``ACOLL_GPU_VIA_HOST_MAX`` for this communicator (auto: from its transports).
@@ -980,11 +999,12 @@ class Communicator:
                 descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
         caller = plan.staging.caller_stream(stream)
         settle, host, timeout = stream is None, self._host_mem, self.timeout
+        native = self._via_native(s, rop, plan.cls)
         # The download goes first: the GPU copies while the executor numbers the call (it
         # runs at once: nothing else can take the executor or the block in between).
         fence = plan.staging.download_on(caller, plan.view, s, plan.last)
         await self._exec.execute(plan.desc, lambda ctx: DirectCall(
-            ctx, plan, fence, r, caller, settle, host, timeout))
+            ctx, plan, fence, r, caller, settle, host, timeout, native))
 
     def _via_host_direct_large(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
                                ) -> Awaitable[None] | None:
@@ -1007,13 +1027,15 @@ class Communicator:
         # The download goes first, at the call (the executor runs the op at once).
         download: Fence | None = None
         stage: RingStaging | None = None
-        if self._via_pipe and pipelines(cls, s.nbytes) and s.count > chunk:
+        native = self._via_native(s, rop, cls)
+        if (native is None and self._via_pipe and pipelines(cls, s.nbytes)
+                and s.count > chunk):
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,
                                 self.rank, chunk)
         else:
             download = staging.download_on(caller, lease[0], s, own=True)
         call = DirectLarge(cls, rop, staging, lease, data, r, caller, download, stage,
-                           stream is None, host, self.timeout)
+                           stream is None, host, self.timeout, native)
         return self._direct_large(desc, call)
 
     async def _direct_large(self, desc: Descriptor, call: DirectLarge) -> None:
@@ -1411,10 +1433,12 @@ class Registration:
 
 async def _native_lib(endpoints: list[tuple[Transport, Listener]],
                       mem: MemorySpace | None) -> NativeLib | None:
-    """The native ring's library for a host communicator with a TCP transport (built
-    off the loop's thread on first use), unless ``ACOLL_NATIVE=0``."""
+    """The native ring's library for a communicator with a TCP transport (built off the
+    loop's thread on first use), unless ``ACOLL_NATIVE=0``; a device communicator's runs
+    the all_reduces it sends through the host (``ACOLL_GPU_VIA_HOST_MAX``, not 0)."""
     wanted = NATIVE.resolve()
-    if wanted == 0 or (mem is not None and mem.kind != MemoryKind.HOST) or not any(
+    if wanted == 0 or (mem is not None and mem.kind != MemoryKind.HOST
+                       and VIA_HOST_MAX.resolve() == 0) or not any(
             isinstance(t, TcpTransport) for t, _ in endpoints):
         return None
     lib = await load_native()

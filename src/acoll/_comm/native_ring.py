@@ -87,13 +87,18 @@ _BLAME_WAIT = 1.0
 _CANCEL_WAIT = 1.0  # s: how long a cancelled op waits for its C call to stop
 
 
-def native_record(lib: NativeLib | None, small: int) -> list[int] | None:
+def native_record(lib: NativeLib | None, small: int, via_host: int | None = None
+                  ) -> list[int] | None:
     """This rank's entry in its formation record (``None``: no native ring): the library's
     version, ``ACOLL_NATIVE_MIN`` and ``ACOLL_SMALL_MSG`` (``small``), which decide what
-    the native ring takes."""
+    the native ring takes; for a device communicator also ``via_host``, its
+    ``ACOLL_GPU_VIA_HOST_MAX`` setting (which device all_reduces run on a host copy: the
+    native ring runs those only where every rank would send them through the host)."""
     if lib is None:
         return None
-    return [lib.version, NATIVE_MIN.resolve(), small]
+    if via_host is None:
+        return [lib.version, NATIVE_MIN.resolve(), small]
+    return [lib.version, NATIVE_MIN.resolve(), small, via_host]
 
 
 def _header(version: int, seq: int, desc: bytes) -> bytes:
@@ -191,16 +196,25 @@ class NativeRing:
         i + 1) goes over TCP; else ``None``. Every rank finds the same: the transport of
         each edge is the first both ends serve that joins them, judged from the records
         (:meth:`~acoll._transport.base.Transport.joins`), as
-        :func:`~.peers.choose_transport` picks it on the edge's own ranks."""
+        :func:`~.peers.choose_transport` picks it on the edge's own ranks.
+
+        Device communicators' records (four fields: :func:`native_record`) must agree on
+        ``ACOLL_GPU_VIA_HOST_MAX`` too, and every pair of ranks, not just the ring's
+        edges, must be joined over TCP: then every rank's automatic limit of device
+        all_reduces through the host (``Communicator._via_limit``) is the same, and so is
+        every call's choice of the native ring."""
         size = len(records)
-        if size < 2 or any(not isinstance(r, list) or len(r) != 3 for r in records):
+        if size < 2 or any(not isinstance(r, list) or len(r) not in (3, 4)
+                           for r in records):
             return None
-        if len({(int(v), int(m), int(s)) for v, m, s in records}) != 1:
+        if len({tuple(int(v) for v in r) for r in records}) != 1:
             return None
         if len({frozenset(info.handles) for info in infos}) != 1:
             return None
-        for i in range(size):
-            a, b = infos[i], infos[(i + 1) % size]
+        pairs = ([(i, (i + 1) % size) for i in range(size)] if len(records[0]) == 3 else
+                 [(i, j) for i in range(size) for j in range(i + 1, size)])
+        for i, j in pairs:
+            a, b = infos[i], infos[j]
             edge = next((t for t in transports if t.name in a.handles
                          and t.name in b.handles and t.joins(a, b)), None)
             if not isinstance(edge, TcpTransport):
@@ -213,8 +227,14 @@ class NativeRing:
         matching call). ``moved``: the bytes a reduce_scatter or all_gather moves in all
         (the larger of its buffers), which must exceed ``ACOLL_SMALL_MSG``; an all_reduce
         gets here only when the tuner gave it to the ring."""
+        return buf.kind == MemoryKind.HOST and self.takes_copy_of(buf, op, moved)
+
+    def takes_copy_of(self, buf: Buffer, op: ReduceOp = ReduceOp.SUM,
+                      moved: int | None = None) -> bool:
+        """:meth:`takes` for a host copy of ``buf`` (a device all_reduce run through the
+        host: ``Communicator._via_native``), whatever memory ``buf`` is in."""
         nbytes = buf.nbytes if moved is None else moved
-        return (buf.kind == MemoryKind.HOST and nbytes >= self.min_bytes
+        return (nbytes >= self.min_bytes
                 and (moved is None or moved > self.small)
                 and DTYPES.get(buf.dtype) in _NATIVE_DTYPES and op in _OPS)
 
@@ -336,6 +356,16 @@ class _NativeOp:
                  ring: NativeRing) -> None:
         self.ctx, self.src, self.dst, self.op, self.ring = ctx, src, dst, op, ring
         self.place = ring.join_line()  # (made in sequence order: see NativeRing)
+
+    def on(self, src: Buffer, dst: Buffer) -> None:
+        """Run on ``src``/``dst`` instead (before :meth:`run`): a device all_reduce takes
+        its place in the line when its op starts and learns its host copy later."""
+        self.src, self.dst = src, dst
+
+    def leave(self) -> None:
+        """Give up the op's place in the line (once :meth:`run` ended, or when it never
+        will); repeating it does nothing."""
+        self.ring.leave_line(self.place)
 
     def block(self) -> int:
         """Items per step's block, as ``ring.c`` counts them (all_reduce: the whole)."""

@@ -16,7 +16,14 @@ result once.
   yielding. :class:`DirectLarge` (larger): a pooled block.
 - :class:`ViaHost` (the rest: groups, calls queued behind others, a pool that must grow):
   ordered after the caller's stream by events, on a pooled block.
-- On the ring algorithm, above 1 MiB (:data:`PIPELINE_MIN`), the copies of both larger
+- Where the communicator has the native ring (``ring.c``, :mod:`.native_ring`: every pair
+  of ranks over TCP, the same settings everywhere) and the tuner gives the call to the
+  ring, the host algorithm is the native ring, on one whole copy each way: the choice is
+  made from the call and the formation records alone, the same on every rank, since the
+  native ring's bytes go over links of its own. Such an op takes its place in the native
+  ring's line when it starts (in sequence order, as on the host) and runs on its host copy
+  once leased (:meth:`NativeRingAllReduce.on`).
+- Otherwise, on the ring algorithm, above 1 MiB (:data:`PIPELINE_MIN`), the copies of both larger
   kinds are pipelined with it (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
   :class:`OrderedCopies`; ``ACOLL_GPU_VIA_HOST_PIPELINE=0`` turns it off): the input
   goes down in pieces, in the order the ring first reads them, each awaited just before
@@ -39,6 +46,7 @@ from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
 from .._dtypes import ReduceOp
 from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Staging, StreamOrder
 from .executor import Algorithm
+from .native_ring import NativeRing, NativeRingAllReduce
 
 __all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "OrderedCopies",
            "RingStaging", "ViaHost", "pipelines"]
@@ -63,10 +71,14 @@ class ViaHost:
 
     def __init__(self, ctx: OpContext, make: Callable[[OpContext, Buffer, Buffer], Algorithm],
                  send: Buffer, recv: Buffer, order: StreamOrder, mem: MemorySpace,
-                 host: HostSpace, timeout: float, ring: bool = False) -> None:
+                 host: HostSpace, timeout: float, ring: bool = False,
+                 native: tuple[NativeRing, ReduceOp] | None = None) -> None:
         self.ctx, self.make, self.send, self.recv = ctx, make, send, recv
         self.order, self.mem, self.host, self.timeout = order, mem, host, timeout
-        self.ring = ring
+        self.ring = ring and native is None
+        # (the native ring's place in line is taken now, when the op starts)
+        self.native = (None if native is None else
+                       NativeRingAllReduce(ctx, send, recv, native[1], native[0]))
 
     async def run(self) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeout
@@ -93,14 +105,26 @@ class ViaHost:
             else:
                 fence = staging.download_first(order, view, self.send)
                 await fence.wait(deadline)
-                await self.make(ctx, data, data).run()
+                await _host_algorithm(self.native, self.make, ctx, data).run()
                 fence = staging.upload_last(order, self.recv, view)
             if order.settle:
                 # The upload is this op's last work: once it is done, so is the op.
                 assert fence is not None
                 await fence.wait(deadline)
         finally:
+            if self.native is not None:
+                self.native.leave()  # (if it never ran: the next op's turn)
             staging.release(block, fence)  # reused once the last copy touching it is done
+
+
+def _host_algorithm(native: NativeRingAllReduce | None,
+                    make: Callable[[OpContext, Buffer, Buffer], Algorithm], ctx: OpContext,
+                    data: Buffer) -> Algorithm:
+    """The algorithm of a via-host op on its host copy ``data`` (in place)."""
+    if native is None:
+        return make(ctx, data, data)
+    native.on(data, data)
+    return native
 
 
 class OrderedCopies:
@@ -267,16 +291,29 @@ class DirectCall:
     stream, and (without ``stream=``) wait for the upload."""
 
     def __init__(self, ctx: OpContext, plan: DirectPlan, download: Fence, recv: Buffer,
-                 stream: Any, settle: bool, host: HostSpace, timeout: float) -> None:
+                 stream: Any, settle: bool, host: HostSpace, timeout: float,
+                 native: NativeRing | None = None) -> None:
         self.ctx, self.plan, self.download, self.recv = ctx, plan, download, recv
         self.stream, self.settle, self.host, self.timeout = stream, settle, host, timeout
+        self.native = (None if native is None else  # (its place in line: at the start)
+                       NativeRingAllReduce(ctx, plan.data, plan.data, plan.op, native))
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            if self.native is not None:
+                self.native.leave()
+
+    async def _run(self) -> None:
         deadline = asyncio.get_running_loop().time() + self.timeout
         plan = self.plan
         await self.download.wait_soon(deadline)
         self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
-        await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
+        if self.native is not None:
+            await self.native.run()
+        else:
+            await plan.cls(self.ctx, plan.data, plan.data, plan.op).run()
         fence = plan.staging.upload_on(self.stream, self.recv, plan.view)
         if self.settle:
             await fence.wait_soon(deadline)
@@ -297,7 +334,7 @@ class DirectLarge:
     def __init__(self, cls: Any, op: ReduceOp, staging: DirectStaging,
                  lease: tuple[Buffer, Buffer], data: Buffer, recv: Buffer, stream: Any,
                  download: Fence | None, stage: RingStaging | None, settle: bool,
-                 host: HostSpace, timeout: float) -> None:
+                 host: HostSpace, timeout: float, native: NativeRing | None = None) -> None:
         self.cls, self.op, self.staging = cls, op, staging
         (self.view, self.block), self.data, self.recv = lease, data, recv
         self.stream, self.stage, self.settle = stream, stage, settle
@@ -305,6 +342,8 @@ class DirectLarge:
         self._last = download  # (whole copies: the last one enqueued)
         self.ctx: OpContext | None = None
         self.started = False
+        self._ring = native  # (with it: whole copies, ``stage`` is None)
+        self.native: NativeRingAllReduce | None = None
 
     @property
     def last(self) -> Fence | None:
@@ -313,12 +352,17 @@ class DirectLarge:
         return self._last if self.stage is None else self.stage.last
 
     def bind(self, ctx: OpContext) -> DirectLarge:
-        """This call as the executor's algorithm for ``ctx``."""
+        """This call as the executor's algorithm for ``ctx`` (its op starts: a native ring
+        op takes its place in line now)."""
         self.ctx = ctx
+        if self._ring is not None:
+            self.native = NativeRingAllReduce(ctx, self.data, self.data, self.op, self._ring)
         return self
 
     def abandon(self) -> None:
         """The call failed before it ran: give the block back."""
+        if self.native is not None:
+            self.native.leave()
         if not self.started:
             self.started = True
             self.staging.release(self.block, self.last)
@@ -334,7 +378,10 @@ class DirectLarge:
             if stage is None:
                 assert self._last is not None
                 await self._last.wait(deadline)
-                await self.cls(ctx, data, data, self.op).run()
+                if self.native is not None:
+                    await self.native.run()
+                else:
+                    await self.cls(ctx, data, data, self.op).run()
                 self._last = self.staging.upload_on(self.stream, self.recv, self.view,
                                                     own=True)
             else:
