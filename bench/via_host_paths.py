@@ -8,13 +8,14 @@ float32 sums (the order reversed every round):
 
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
-  copies on the caller's stream, pipelined with the ring), its stages timed by a patched
-  copy of ``DirectLarge.run``;
+  copies on the caller's stream; where the communicator has the native ring, the ring is
+  ``ring.c`` on one whole copy each way, else the Python ring with its copies pipelined),
+  its stages timed by a patched copy of ``DirectLarge.run``;
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
   path refused by a pool that reports no block;
-- ``gpu-whole``: the direct path with one copy each way
-  (``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
-- ``gpu-p1``: the direct path with download pieces of one chunk instead of four.
+- ``gpu-python``: the direct path on the Python ring (the native ring hidden), copies
+  pipelined with it (the default before session 44);
+- ``gpu-python-whole``: the same with one copy each way (``ACOLL_GPU_VIA_HOST_PIPELINE=0``).
 
 (In ``results/session21_h200x2/`` before ``check2/``, the pipelined copies were not yet
 the default: there ``gpu`` is one copy each way and ``gpu-pipe`` the pipelined variant;
@@ -60,7 +61,10 @@ async def timed_run(self: Any) -> None:
     try:
         if stage is None:
             await self.last.wait(deadline)
-            await self.cls(ctx, data, data, self.op).run()
+            if self.native is not None:
+                await self.native.run()
+            else:
+                await self.cls(ctx, data, data, self.op).run()
             m.append(clock())
             self._last = self.staging.upload_on(self.stream, self.recv, self.view, own=True)
         else:
@@ -123,14 +127,15 @@ def timed_stage(real: Any) -> Any:
 
 def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     """Set the patches of variant ``name`` (and undo every other's)."""
-    lease_now, pieces = Staging.lease_now, via_host.PIECE_CHUNKS
+    lease_now = Staging.lease_now
+    natives = [comm._native for comm in comms]
 
     def apply() -> None:
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
-        for comm in comms:
-            comm._via_pipe = name != "gpu-whole"
-        via_host.PIECE_CHUNKS = 1 if name == "gpu-p1" else pieces
+        for comm, native in zip(comms, natives, strict=True):
+            comm._via_pipe = name != "gpu-python-whole"
+            comm._native = None if name.startswith("gpu-python") else native
 
     return apply
 
@@ -160,7 +165,7 @@ async def main() -> None:
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
-    names = ["host", "gpu", "gpu-ordered", "gpu-whole", "gpu-p1"]
+    names = ["host", "gpu", "gpu-ordered", "gpu-python", "gpu-python-whole"]
     patch = {name: variant(name, gpus) for name in names}
     lines: list[str] = []
     for mib in args.mib:
@@ -226,7 +231,7 @@ async def main() -> None:
     if gpu.rank == 0:
         print(f"# via-host paths, {gpu.size} ranks ({per} per process), float32 sum, "
               f"transport {gpu.transport_name(1)}, {args.rounds} rounds of {args.ops} ops "
-              f"(median)")
+              f"(median); native ring: {'on' if patch and gpu._native else 'off'}")
         print("\n".join(lines))
 
 
