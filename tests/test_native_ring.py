@@ -11,6 +11,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -383,17 +384,34 @@ def test_every_rank_decides_alike_from_the_records() -> None:
     assert usable([[2, 0, small]] * 2, transports, other) is None  # other transports
 
 
+def _inproc_and_tcp() -> tuple[list[Any], Callable[[int, bytes], Any]]:
+    """The in-process and TCP transports, and a maker of rank records that serve both
+    (``info(rank, process id)``)."""
+    import socket as _socket
+
+    from acoll._transport import inproc
+    from acoll._transport.base import PeerInfo
+    from acoll._transport.tcp import TcpTransport
+
+    key = bytes(32)
+    transports = [inproc.InprocTransport(key=key),
+                  TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=key)]
+
+    def info(rank: int, proc: bytes) -> PeerInfo:
+        handle = inproc._HANDLE.pack(inproc._MAGIC, proc, 7, bytes(16))
+        return PeerInfo(rank=rank, host_hash=1, proc=proc, loop=7, pid=rank,
+                        handles={"inproc": handle, "socket": b"x"})
+
+    return transports, info
+
+
 def test_device_records_need_one_via_host_limit_and_every_pair_over_tcp() -> None:
     """A device communicator's record carries ACOLL_GPU_VIA_HOST_MAX: the native ring runs
     its all_reduces through the host only where every rank has the same setting and every
     pair of ranks (not only the ring's edges) is joined over TCP, so that every rank sends
     the same calls through the host (its automatic limit follows every peer's
     transport)."""
-    import socket as _socket
-
     from acoll._transport import inproc
-    from acoll._transport.base import PeerInfo
-    from acoll._transport.tcp import TcpTransport
 
     usable = native_ring.NativeRing.usable
     small, auto = 64 << 10, -1
@@ -403,15 +421,7 @@ def test_device_records_need_one_via_host_limit_and_every_pair_over_tcp() -> Non
                   infos) is None  # one rank with another ACOLL_GPU_VIA_HOST_MAX
     assert usable([[2, 0, small, auto]] * 2 + [[2, 0, small]], transports,
                   infos) is None  # a host communicator's record among device ones
-    key = bytes(32)
-    both = [inproc.InprocTransport(key=key),
-            TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=key)]
-
-    def info(rank: int, proc: bytes) -> PeerInfo:
-        handle = inproc._HANDLE.pack(inproc._MAGIC, proc, 7, bytes(16))
-        return PeerInfo(rank=rank, host_hash=1, proc=proc, loop=7, pid=rank,
-                        handles={"inproc": handle, "socket": b"x"})
-
+    both, info = _inproc_and_tcp()
     # Ranks 0 and 2 in one process, 1 and 3 in another: every edge of the ring crosses
     # processes (TCP), but 0 and 2 (and 1 and 3) are in process.
     other = bytes(range(16))
@@ -449,21 +459,9 @@ def test_every_rank_sees_the_edges_of_other_processes_alike() -> None:
     tests/test_collectives.py): edge 4 -> 0 is in process, so the native ring is off, and
     a rank of the other process, which cannot connect in process to either, finds that
     too. (It once found every edge over TCP and ran the native ring alone.)"""
-    import socket as _socket
-
     from acoll._transport import inproc
-    from acoll._transport.base import PeerInfo
-    from acoll._transport.tcp import TcpTransport
 
-    key = bytes(32)
-    transports = [inproc.InprocTransport(key=key),
-                  TcpTransport(("127.0.0.1", 0), _socket.AF_INET, key=key)]
-
-    def info(rank: int, proc: bytes) -> PeerInfo:
-        handle = inproc._HANDLE.pack(inproc._MAGIC, proc, 7, bytes(16))
-        return PeerInfo(rank=rank, host_hash=1, proc=proc, loop=7, pid=rank,
-                        handles={"inproc": handle, "socket": b"x"})
-
+    transports, info = _inproc_and_tcp()
     other = bytes(range(16))  # a process that is not this one
     mixed = [info(r, other if r % 2 == 0 else inproc._process) for r in range(5)]
     records = [[2, 0, 65536]] * 5
