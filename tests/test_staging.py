@@ -971,3 +971,40 @@ async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
         await comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32)))
     for c in comms:
         c.abort()
+
+
+async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]]) -> None:
+    """A device all_reduce on the native ring cancelled mid-op (its peer never joins)
+    returns the cancellation at once, fails its communicator, and the peer's next call
+    fails too, naming the cancel; no C call or block is left behind (the next op of a
+    fresh pair of communicators runs)."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
+                                                   timeout=20) for r in range(2)))
+    size = 300_000
+    await asyncio.gather(*(c.all_reduce(FakeDevArray(np.ones(size, np.float32)))
+                           for c in comms))
+    task = asyncio.ensure_future(comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32))))
+    await asyncio.sleep(0.05)
+    assert not task.done()
+    task.cancel()
+    t = asyncio.get_running_loop().time()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert asyncio.get_running_loop().time() - t < 2
+    with pytest.raises(acoll.AcollError, match="cancel"):
+        await comms[1].all_reduce(FakeDevArray(np.ones(size, np.float32)))
+    for c in comms:
+        c.abort()
+    uid = acoll.get_unique_id(ifname="=lo")
+    fresh = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
+                                                   timeout=20) for r in range(2)))
+    xs = [FakeDevArray(np.full(size, r + 1, np.float32)) for r in range(2)]
+    await asyncio.gather(*(c.all_reduce(x) for c, x in zip(fresh, xs, strict=True)))
+    for x in xs:
+        np.testing.assert_array_equal(x.arr, 3)
+    await asyncio.gather(*(c.close() for c in fresh))
+    assert len(native_runs) >= 5
