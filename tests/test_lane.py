@@ -555,22 +555,24 @@ def test_ranks_agree_on_no_lane_when_one_lacks_cores() -> None:
 
 
 
-def test_a_run_of_lane_ops_yields_at_an_even_op_or_after_twice_the_step() -> None:
+def test_a_run_of_lane_ops_yields_at_an_even_op_or_after_twice_the_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """Every rank of a run of ops that never slept yields at the same op (an even one),
     so that none waits for a peer's yield; an odd op yields only once twice the step's
-    time passed."""
-    import time
-
+    time passed. (On a clock that stands still: a 2-core machine once paused this test
+    for longer than a step between two lines.)"""
     from acoll._coll.base import STEP_NS
-    from acoll._comm.lane import Lane
+    from acoll._comm import lane as lane_mod
 
-    lane = Lane(0, 2, 4096)
-    lane.yield_at = time.perf_counter_ns() + 10 * STEP_NS
+    now = 10**15
+    monkeypatch.setattr(lane_mod.time, "perf_counter_ns", lambda: now)
+    lane = lane_mod.Lane(0, 2, 4096)
+    lane.yield_at = now + 10 * STEP_NS
     assert not lane.yields_before(4)
     assert not lane.yields_before(5)
-    lane.yield_at = time.perf_counter_ns() - STEP_NS // 2
+    lane.yield_at = now - STEP_NS // 2
     assert lane.yields_before(4)
     assert not lane.yields_before(5)
-    lane.yield_at = time.perf_counter_ns() - 2 * STEP_NS
+    lane.yield_at = now - 2 * STEP_NS
     assert lane.yields_before(4)
     assert lane.yields_before(5)
