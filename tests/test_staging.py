@@ -946,19 +946,25 @@ async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(
     assert len(native_runs) == 3 * 8
 
 
+async def _native_pair(size: int) -> list[acoll.Communicator]:
+    """Two fake-device communicators of this loop (over TCP: ACOLL_INPROC_DISABLE=1), after
+    one all_reduce of ``size`` float32 (their staging blocks and raw links made)."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
+                                                   timeout=20) for r in range(2)))
+    await asyncio.gather(*(c.all_reduce(FakeDevArray(np.ones(size, np.float32)))
+                           for c in comms))
+    return list(comms)
+
+
 async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
         native_runs: list[tuple[MemoryKind, int]]) -> None:
     """A device all_reduce on the native ring whose peer aborts ends in RemoteError naming
-    the peer within seconds; the communicator then refuses calls, and its pooled block
-    went back."""
+    the peer within seconds; the communicator then refuses calls."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
-    uid = acoll.get_unique_id(ifname="=lo")
-    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
-                                                   timeout=20) for r in range(2)))
     size = 300_000
-    await asyncio.gather(*(c.all_reduce(FakeDevArray(np.ones(size, np.float32)))
-                           for c in comms))
+    comms = await _native_pair(size)
     assert len(native_runs) == 2
     task = asyncio.ensure_future(comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32))))
     await asyncio.sleep(0.05)
@@ -981,12 +987,8 @@ async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
     fails too, naming the cancel; no C call or block is left behind (the next op of a
     fresh pair of communicators runs)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
-    uid = acoll.get_unique_id(ifname="=lo")
-    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo",
-                                                   timeout=20) for r in range(2)))
     size = 300_000
-    await asyncio.gather(*(c.all_reduce(FakeDevArray(np.ones(size, np.float32)))
-                           for c in comms))
+    comms = await _native_pair(size)
     task = asyncio.ensure_future(comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32))))
     await asyncio.sleep(0.05)
     assert not task.done()
