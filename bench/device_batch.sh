@@ -2,7 +2,7 @@
 # One device call: the steps of bench/device_steps.sh named on the command line, in order,
 # each writing under OUT. Steps: start (site, machine, native ring), site, machine, suite,
 # lane_tests, lane_mpi_ab (needs oldsrc/: the code to compare against, untracked, carried
-# with the tree), lane_mpi_variants, lane_limit_ab, lane_piece_ab, via_host, shm_mpi,
+# with the tree), lane_mpi_variants, lane_limit_ab, lane_piece_ab, via_host, issue9, shm_mpi,
 # p2p. Settings pass through the environment
 # (PASSES, RANKS, SUITE_LIMIT, ROUNDS for shm_mpi, ITERS for p2p). Carry .whl/
 # (bench/prepare_device.sh). Examples:
@@ -14,7 +14,7 @@ OUT=${OUT:-$PWD/device_batch}
 [ $# -gt 0 ] || { echo "usage: OUT=dir bash bench/device_batch.sh STEP..." >&2; exit 2; }
 for step in "$@"; do
   case $step in
-    start|site|machine|suite|lane_tests|lane_mpi_ab|lane_mpi_variants|lane_limit_ab|lane_piece_ab|via_host) ;;
+    start|site|machine|suite|lane_tests|lane_mpi_ab|lane_mpi_variants|lane_limit_ab|lane_piece_ab|via_host|issue9) ;;
     shm_mpi|p2p) ;;
     *) echo "device_batch.sh: unknown step '$step'" >&2; exit 2 ;;
   esac

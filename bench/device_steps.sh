@@ -29,6 +29,10 @@
 #   device_via_host DIR  issue 9's staged path on the one GPU: bench/via_host_paths.py with
 #                        2 ranks (separate processes sharing the GPU) over TCP, as they are
 #                        and, where the host has it, under CUDA MPS; into DIR/via_host.txt
+#   device_issue9 DIR    issue 9 on the one GPU: bench/via_host_paths.py (MIBS, default "1 4 16
+#                        64") with 2 and 4 ranks over TCP into DIR/via_host.txt, the loop-lag
+#                        and 8 B latency run (bench/gpu_loop_lag.py, 2 ranks) into DIR/lag.json,
+#                        and the GPU, staging and native-ring tests into DIR/gpu_tests.txt
 # bench/device_batch.sh runs a list of these steps by name.
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
@@ -185,4 +189,23 @@ device_lane_piece_ab() {
     4M 8M 16M 64M --pieces "${PIECES:-2M,1M,512K}" --rounds 8 >>"$1/piece_ab.txt" 2>&1
   echo "== exit $? at $SECONDS s" >>"$1/piece_ab.txt"
   lscpu | grep -i "model name\|cache" >>"$1/piece_ab.txt"
+}
+
+device_issue9() {
+  local P=$1/via_host.txt n
+  for n in ${RANKS:-2 4}; do
+    echo "## $n ranks sharing one GPU, TCP (P2P and SHM off)" >>"$P"
+    ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 200 python3 -m acoll.run \
+      -n $n -- python3 bench/via_host_paths.py --mib ${MIBS:-1 4 16 64} --rounds ${ROUNDS:-4} \
+      >>"$P" 2>&1
+    echo "== exit $? at $SECONDS s" >>"$P"
+  done
+  ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 120 python3 -m acoll.run \
+    -n 2 -- python3 bench/gpu_loop_lag.py --gc collect --iters 16 --json "$1/lag.json" \
+    >"$1/lag.txt" 2>&1
+  echo "== lag: exit $? at $SECONDS s" | tee -a "$1/lag.txt"
+  PYTHONPATH="$PWD/src:$PWD/tests:$SITE" timeout 200 python3 -m pytest -q -p no:randomly \
+    -p no:benchmark -p no:cacheprovider --timeout 120 -rs tests/test_gpu.py tests/test_staging.py \
+    tests/test_native_ring.py >"$1/gpu_tests.txt" 2>&1
+  echo "== gpu tests: exit $? at $SECONDS s" | tee -a "$1/gpu_tests.txt"; tail -n 3 "$1/gpu_tests.txt"
 }
