@@ -9,8 +9,12 @@ float32 sums (the order reversed every round):
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
   copies on the caller's stream; where the communicator has the native ring, the ring is
-  ``ring.c`` on one whole copy each way, else the Python ring with its copies pipelined),
-  its stages timed by a patched copy of ``DirectLarge.run``;
+  ``ring.c`` with its copies pipelined through copy counters from 512 KiB (session 45),
+  else the Python ring with its copies pipelined), its stages timed by a patched copy of
+  ``DirectLarge.run`` (on the counters' path "algorithm" is the whole C call, copies
+  included, and "finish" is empty);
+- ``gpu-whole``: the native ring on one whole copy each way (session 44's way;
+  ``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
   path refused by a pool that reports no block;
 - ``gpu-python``: the direct path on the Python ring (the native ring hidden), copies
@@ -59,7 +63,14 @@ async def timed_run(self: Any) -> None:
     ctx.mem = self.host
     waited = False
     try:
-        if stage is None:
+        if self.copies is not None:  # (the native ring, its copies pipelined by counters)
+            try:
+                await self.native.run()
+            except BaseException:
+                self.copies.signals.release()
+                raise
+            m.append(clock())
+        elif stage is None:
             await self.last.wait(deadline)
             if self.native is not None:
                 await self.native.run()
@@ -134,7 +145,7 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
         for comm, native in zip(comms, natives, strict=True):
-            comm._via_pipe = name != "gpu-python-whole"
+            comm._via_pipe = name not in ("gpu-python-whole", "gpu-whole")
             comm._native = None if name.startswith("gpu-python") else native
 
     return apply
@@ -165,7 +176,7 @@ async def main() -> None:
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
-    names = ["host", "gpu", "gpu-ordered", "gpu-python", "gpu-python-whole"]
+    names = ["host", "gpu", "gpu-whole", "gpu-ordered", "gpu-python", "gpu-python-whole"]
     patch = {name: variant(name, gpus) for name in names}
     lines: list[str] = []
     for mib in args.mib:

@@ -22,7 +22,15 @@ from typing import Any
 import numpy as np
 
 from acoll._dtypes import ReduceOp, as_host_array
-from acoll._memory import Buffer, DirectStaging, Fence, HostSpace, MemoryKind, MemorySpace
+from acoll._memory import (
+    Buffer,
+    CopySignals,
+    Fence,
+    HostSpace,
+    MemoryKind,
+    MemorySpace,
+    SignalledStaging,
+)
 from acoll._memory.base import DType, Pace, StreamOrder
 from acoll.errors import InvalidUsage
 
@@ -93,10 +101,33 @@ class _Counted(Fence):
         await self.fence.wait(deadline)
 
 
-class FakeStaging(DirectStaging):
+class _Flag(Fence):
+    """Passes when :meth:`set` is called."""
+
+    def __init__(self) -> None:
+        self._event = asyncio.Event()
+
+    def set(self) -> None:
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    async def wait(self, deadline: float | None = None) -> None:
+        await self._event.wait()
+
+
+class FakeStaging(SignalledStaging):
+    #: whether blocks get copy counters (the native ring's staged copies); tests turn it
+    #: off for whole copies
+    signalled = True
+
     def __init__(self, delay: int, device: int | None = None,
                  before: Any = None) -> None:
         super().__init__()
+        self._signals: dict[int, CopySignals] = {}
+        self.piece_downloads = self.piece_uploads = 0
+        self.piece_upload_fences: list[Fence] = []  # (each passes once all its pieces went)
         self.delay = delay
         self.device = device
         self._before = before if before is not None else (lambda: None)
@@ -152,6 +183,68 @@ class FakeStaging(DirectStaging):
         self._before()
         self._bytes(dst)[...] = self._bytes(src)  # later "stream" work runs after it
         return _Counted(_Done(), self)
+
+
+    def signals(self, block: Buffer) -> CopySignals | None:
+        if not self.signalled:
+            return None
+        found = self._signals.get(block.ptr)
+        if found is None:
+            words = np.full(32, 0xFFFFFFF8, np.uint32)  # (wraps around within a few ops)
+            found = self._signals[block.ptr] = CopySignals(words, int(words.ctypes.data))
+        return found
+
+    def download_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                           pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        """Piece ``i`` lands ``delay + i`` loop iterations from now (in order), then bumps
+        the ready counter."""
+        self.on_streams.append(("download", stream))
+        self.owns.append(True)
+        self.downloads += 1
+        d, s = self._bytes(dst), self._bytes(src)
+        last: Fence = _Done()
+        for i, (a, b) in enumerate(pieces):
+            def land(a: int = a, b: int = b, value: int = signals.ready_value(i)) -> None:
+                self._before()
+                d[a:b] = s[a:b]
+                self.piece_downloads += 1
+                signals.words[signals.READY] = value
+
+            if self.delay:
+                last = _Later(land, self.delay + i)
+            else:
+                land()
+        return last
+
+    def upload_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                         pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        """A poller on the loop copies each piece once the final counter lets it (as a
+        device stream waiting on the counter would), in order."""
+        self.on_streams.append(("upload", stream))
+        self.owns.append(True)
+        self.uploads += 1
+        d, s = self._bytes(dst), self._bytes(src)
+        loop = asyncio.get_running_loop()
+        fence = _Flag()
+        at = [0]
+
+        def poll() -> None:
+            i = at[0]
+            while i < len(pieces) and ((int(signals.words[signals.FINAL])
+                                        - signals.final_value(i)) & 0xFFFFFFFF) < 1 << 31:
+                a, b = pieces[i]
+                d[a:b] = s[a:b]
+                self.piece_uploads += 1
+                i += 1
+            at[0] = i
+            if i == len(pieces):
+                fence.set()
+            else:
+                loop.call_later(0.0002, poll)
+
+        poll()
+        self.piece_upload_fences.append(fence)
+        return fence
 
 
 class _FakeOrder(StreamOrder):

@@ -7,6 +7,8 @@ the kernels themselves, DLPack of CUDA tensors) is in tests/test_gpu.py."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import logging
 import sys
 from typing import Any
 
@@ -231,3 +233,79 @@ async def test_a_pending_fence_does_not_hold_back_other_pooled_blocks(cupy: Any)
 
     for pooled in await run_ranks(2, fn, device=0):
         assert pooled == [2, 2, 2, 2]  # the pending one and one reused, no more
+
+
+class _MemOps:
+    """A stand-in for the driver's stream memory operations: writes land at once, waits
+    are only recorded (fake copies are synchronous); both join fake_cupy's log."""
+
+    def __init__(self, works: bool = True) -> None:
+        self.works = works
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        fake_cupy.enqueued.append(("write", stream, addr, value))
+        if self.works:
+            ctypes.c_uint32.from_address(addr).value = value
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        fake_cupy.enqueued.append(("wait", stream, addr, value))
+
+    def device_pointer(self, host_ptr: int) -> int:
+        return host_ptr
+
+
+async def test_copy_counters_and_piecewise_copies_on_the_callers_stream(
+        cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """CudaStaging's copy counters: one pair per pooled block, kept with it; downloads
+    piece by piece, each followed by a write of the ready counter's next value, and
+    uploads each after a wait for the final counter's, all on the caller's stream; a
+    release lets every upload through."""
+    from acoll._memory import cuda as cuda_mod
+
+    monkeypatch.setattr(cuda_mod, "_MEM_OPS", [_MemOps()])
+    space = cuda_mod.CudaSpace(0)
+    staging = space.staging()
+    view, block = staging.lease(1 << 16)
+    sig = staging.signals(block)
+    assert sig is not None
+    assert staging.signals(block) is sig
+    other = staging.signals(staging.lease(1 << 16)[1])
+    assert other is not None
+    assert other.ready_addr != sig.ready_addr
+    sig.words[sig.READY] = 0xFFFFFFFF  # (values wrap)
+    sig.begin(2)
+    src = space.adopt(fake_cupy.ndarray(np.arange(16384, dtype=np.float32)), "x")
+    dst = space.adopt(fake_cupy.ndarray(np.zeros(16384, np.float32)), "y", writable=True)
+    stream = space.resolve_stream(None)
+    fake_cupy.enqueued.clear()
+    staging.download_pieces_on(stream, view, src, [(0, 4096), (4096, 65536)], sig)
+    ready = sig.device_ptr + 4 * sig.READY
+    assert fake_cupy.enqueued[:4] == [("memcpy", 0), ("write", stream.ptr, ready, 0),
+                                      ("memcpy", 0), ("write", stream.ptr, ready, 1)]
+    assert view.array.view(np.float32).tolist() == list(range(16384))
+    fake_cupy.enqueued.clear()
+    staging.upload_pieces_on(stream, dst, view, [(0, 8), (8, 65536)], sig)
+    final = sig.device_ptr + 4 * sig.FINAL
+    assert fake_cupy.enqueued[:4] == [("wait", stream.ptr, final, sig.final_value(0)),
+                                      ("memcpy", 0),
+                                      ("wait", stream.ptr, final, sig.final_value(1)),
+                                      ("memcpy", 0)]
+    sig.release()
+    assert int(sig.words[sig.FINAL]) == sig.final_value(1)
+
+
+async def test_copy_counters_absent_or_broken_mean_whole_copies(
+        cupy: Any, monkeypatch: pytest.MonkeyPatch, caplog: Any) -> None:
+    """Without the driver's stream memory operations, or where a value the device writes
+    does not arrive (checked once per staging), blocks get no counters: the native ring's
+    copies then go whole. Logged at INFO."""
+    from acoll._memory import cuda as cuda_mod
+
+    caplog.set_level(logging.INFO, logger="acoll")
+    for ops in (None, _MemOps(works=False)):
+        monkeypatch.setattr(cuda_mod, "_MEM_OPS", [ops])
+        staging = cuda_mod.CudaSpace(0).staging()
+        block = staging.lease(1 << 16)[1]
+        assert staging.signals(block) is None
+        assert staging.signals(block) is None
+    assert "did not arrive" in caplog.text

@@ -82,8 +82,8 @@ def _inline_max(path: str, rank: int) -> int:
 def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op: int,
                   *, mode: int = native.NativeLib.ALL_REDUCE, count: int | None = None,
                   send_items: int = 333, headers: list[bytes] | None = None,
-                  deadline_ns: int = 0, path: str = "helper"
-                  ) -> list[tuple[int, int, bytes]]:
+                  deadline_ns: int = 0, path: str = "helper",
+                  stages: list[Any] | None = None) -> list[tuple[int, int, bytes]]:
     """Run the C call on ``len(srcs)`` threads, rank i sending to i + 1 over a socket
     pair. ``count``: items per block (default: a whole all-reduce input). ``path``: every
     rank sends from its helper thread ("helper"), every rank runs its call on one thread
@@ -105,7 +105,7 @@ def _ring_threads(srcs: list[np.ndarray], dsts: list[np.ndarray], dtype: Any, op
             dsts[r].ctypes.data, scratch[r].ctypes.data if n > 2 else 0,
             srcs[r].size if count is None else count, code, op, r, n, send_items,
             deadline_ns, native.State(), headers[r] if headers else HEADER,
-            _inline_max(path, r))
+            _inline_max(path, r), None if stages is None else stages[r])
 
     threads = [threading.Thread(target=rank, args=(r,), daemon=True) for r in range(n)]
     for t in threads:
@@ -137,6 +137,156 @@ def test_c_ring_computes_the_ring_order_bit_for_bit(n: int, dtype: Any, op: str,
             assert dsts[r].tobytes() == expect.tobytes(), (count, r)
             if not in_place:
                 assert srcs[r].tobytes() == xs[r].tobytes()  # (the input is only read)
+
+
+_BASE = 0xFFFFFFF0  # (the copy counters start here: their values wrap around mid-call)
+
+
+def _later(value: int, than: int) -> bool:
+    """``value`` has reached ``than``, compared cyclically as ``ring.c`` and
+    ``cuStreamWaitValue32`` compare them."""
+    return (value - than) & 0xFFFFFFFF < 0x80000000
+
+
+def _staged_ring(xs: list[np.ndarray], op: str, piece: int, path: str, *, hold: bool = False,
+                 pause: float = 0.0, deadline_s: float = 20.0
+                 ) -> tuple[list[tuple[int, int, bytes]], list[np.ndarray], list[np.ndarray]]:
+    """The staged all-reduce (ring.c's contract) with a copier thread per rank standing in
+    for the device's stream: it lands ``xs[r]`` in the host copy piece by piece (a pause
+    before each), bumping the ready counter, then copies each piece of the result out once
+    the final counter lets it. The host copies start as garbage, so a piece read before it
+    landed spoils the result. ``hold``: rank 1 holds back its downloads of segment 0 until
+    rank 0 has published a final piece, which it can only do mid-call (rank 0 needs
+    rank 1's segment 0 to finish). Returns the calls' results, the copied-out results, and
+    the piece orders' landing times."""
+    n, count = len(xs), xs[0].size
+    hosts = [np.frombuffer(b"\x7f" * x.nbytes, x.dtype).copy() for x in xs]
+    outs = [np.zeros_like(x) for x in xs]
+    words = [np.full(32, _BASE, np.uint32) for _ in range(n)]
+    stages = [native.Stage(w.ctypes.data, w.ctypes.data + 64, _BASE, _BASE, piece)
+              for w in words]
+    plans = [native_ring.staged_pieces(count, n, r, piece) for r in range(n)]
+    seg0_stop = count // n + (1 if count % n else 0)
+    errors: list[str] = []
+
+    def copier(r: int) -> None:
+        end = time.monotonic() + deadline_s
+        downloads, uploads = plans[r]
+        for i, (a, b) in enumerate(downloads):
+            while hold and r == 1 and a < seg0_stop and not _later(int(words[0][16]),
+                                                                     _BASE + 1):
+                if time.monotonic() > end:
+                    errors.append("rank 0 published nothing while rank 1 held back")
+                    return
+                time.sleep(0.0002)
+            if pause:
+                time.sleep(pause)
+            hosts[r][a:b] = xs[r][a:b]
+            words[r][0] = (_BASE + i + 1) & 0xFFFFFFFF
+        for i, (a, b) in enumerate(uploads):
+            while not _later(int(words[r][16]), _BASE + i + 1):
+                if time.monotonic() > end:
+                    errors.append(f"rank {r}: upload piece {i} never became final")
+                    return
+                time.sleep(0)
+            outs[r][a:b] = hosts[r][a:b]
+
+    copiers = [threading.Thread(target=copier, args=(r,), daemon=True) for r in range(n)]
+    for t in copiers:
+        t.start()
+    results = _ring_threads(hosts, hosts, xs[0].dtype, OPS[op], path=path, stages=stages,
+                            deadline_ns=time.monotonic_ns() + int(deadline_s * 1e9))
+    for t in copiers:
+        t.join(deadline_s)
+    assert not errors, errors
+    return results, outs, hosts
+
+
+@needs_lib
+@pytest.mark.parametrize("n", [2, 3, 5])
+@pytest.mark.parametrize("path", PATHS)
+def test_staged_all_reduce_reads_pieces_once_landed_and_publishes_each_final_one(
+        n: int, path: str) -> None:
+    """ring.c's staged all-reduce: every piece read only after its download landed (the
+    host copy starts as garbage and pieces land late), every piece of the result published
+    exactly in the order of staged_pieces (the copier copies each once, when the counter
+    lets it), counters that wrap around mid-call; the same bits as the ring without
+    copies. Uneven segments, pieces smaller and larger than a segment, a count under n."""
+    for count, piece, dtype, op in ((70_001, 4096, np.float32, "sum"),
+                                    (10_007, 100_000, np.int64, "max"),
+                                    (n - 1, 1, np.float64, "avg"),
+                                    (33_333, 777, np.int32, "prod")):
+        xs = _inputs(n, count, dtype, seed=count)
+        results, outs, _ = _staged_ring(xs, op, piece, path, pause=0.0002 if count > 1000
+                                        else 0.0)
+        assert all(r[0] == native.NR.OK for r in results), results
+        expect = _ring_reference(xs, op)
+        for r in range(n):
+            assert outs[r].tobytes() == expect.tobytes(), (count, piece, r)
+
+
+@needs_lib
+@pytest.mark.parametrize("path", ["helper", "mixed"])
+def test_staged_all_reduce_publishes_final_pieces_before_the_call_ends(path: str) -> None:
+    """Rank 0 publishes its first final segment while its call still runs: rank 1 holds
+    back its last downloads until it sees that, and rank 0 cannot finish without them.
+    (Rank 1 sends from its helper thread: an inline call waits for all of its input.)"""
+    xs = _inputs(2, 50_000, np.float32)
+    results, outs, _ = _staged_ring(xs, "sum", 2048, path, hold=True, deadline_s=10)
+    assert all(r[0] == native.NR.OK for r in results), results
+    expect = _ring_reference(xs, "sum")
+    assert all(o.tobytes() == expect.tobytes() for o in outs)
+
+
+@needs_lib
+def test_staged_copies_are_refused_off_all_reduce_and_without_counters() -> None:
+    assert LIB is not None
+    words = np.zeros(32, np.uint32)
+    good = native.Stage(words.ctypes.data, words.ctypes.data + 64, 0, 0, 16)
+    bad = [native.Stage(words.ctypes.data, words.ctypes.data + 64, 0, 0, 0),
+           native.Stage(None, words.ctypes.data + 64, 0, 0, 16),
+           native.Stage(words.ctypes.data, None, 0, 0, 16)]
+    x = np.zeros(64, np.float32)
+    a, b = socket.socketpair()
+    try:
+        for mode, stage in [(native.NativeLib.REDUCE_SCATTER, good),
+                            (native.NativeLib.ALL_GATHER, good)] + [
+                (native.NativeLib.ALL_REDUCE, s) for s in bad]:
+            code, _, _ = LIB.run(mode, a.fileno(), b.fileno(), x.ctypes.data, x.ctypes.data,
+                                 0, 32, DTYPES[x.dtype], 0, 0, 2, 16, 0, native.State(),
+                                 HEADER, -1, stage)
+            assert code == native.NR.BAD_ARGS
+    finally:
+        a.close()
+        b.close()
+
+
+def test_staged_pieces_follow_the_ring_order() -> None:
+    """Downloads go in the order the ring reads its segments (own, then backwards),
+    uploads in the order they become final (the next rank's segment first); together
+    they cover every element once, in pieces no larger than asked, never across a
+    segment's end."""
+    for count, n, piece in ((10, 3, 2), (7, 4, 100), (2, 5, 1), (0, 2, 8), (1000, 2, 128)):
+        base, extra = divmod(count, n)
+        bounds = [q * base + min(q, extra) for q in range(n + 1)]
+        for rank in range(n):
+            downs, ups = native_ring.staged_pieces(count, n, rank, piece)
+            for pieces in (downs, ups):
+                assert sorted(i for a, b in pieces for i in range(a, b)) == list(range(count))
+                assert all(0 < b - a <= piece for a, b in pieces)
+                assert all(bisect_seg(bounds, a) == bisect_seg(bounds, b - 1)
+                           for a, b in pieces)
+            seg_order = [bisect_seg(bounds, a) for a, _ in downs]
+            assert seg_order == sorted(seg_order, key=lambda q: (rank - q) % n)
+            seg_order = [bisect_seg(bounds, a) for a, _ in ups]
+            assert seg_order == sorted(seg_order, key=lambda q: (rank + 1 - q) % n)
+    assert native_ring.staged_pieces(10, 2, 0, 3) == (
+        [(0, 3), (3, 5), (5, 8), (8, 10)], [(5, 8), (8, 10), (0, 3), (3, 5)])
+
+
+def bisect_seg(bounds: list[int], i: int) -> int:
+    """The segment (of the ring's split, ``bounds``) holding element ``i``."""
+    return max(q for q in range(len(bounds) - 1) if bounds[q] <= i)
 
 
 def _rs_reference(xs: list[np.ndarray], op: str, block: int) -> list[np.ndarray]:

@@ -919,6 +919,71 @@ async def test_native_ring_runs_device_all_reduces_through_the_host(
     assert len(native_runs) == nranks * 8
 
 
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_native_ring_pipelines_its_copies_through_counters(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]], nranks: int) -> None:
+    """From NATIVE_PIPELINE_MIN, a device all_reduce on the native ring (direct path)
+    copies in pieces beside the ring: downloads land late, one by one, bumping the block's
+    ready counter (the C ring reads no piece before), and each piece of the result is
+    uploaded once the ring's final counter lets it (fake: a poller, as a stream waiting on
+    the counter): exact results for dtypes and ops, in place and not, with stream=, over
+    many calls (the counters wrap around), every piece moved once and every upload done.
+    Without counters (a staging that has none) or with ACOLL_GPU_VIA_HOST_PIPELINE=0 the
+    copies go whole."""
+    from acoll._comm import via_host
+
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIECE", "8K")
+    monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 64 << 10)
+    monkeypatch.setattr(FakeDeviceSpace, "delay", 20)
+    cases = [(np.int32, "sum"), (np.float32, "max"), (np.int64, "prod"), (np.float64, "avg")]
+    n = 30_001
+
+    async def fn(comm: acoll.Communicator) -> tuple[list[int], int]:
+        staging = comm.mem.staging()
+        assert isinstance(staging, FakeStaging)
+        pieces = []
+        for rnd in range(3):
+            for i, (dtype, op) in enumerate(cases):
+                ins = [((np.arange(n) * (i + 3) + r + rnd) % 5 + 1).astype(dtype)
+                       for r in range(comm.size)]
+                want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
+                        "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op]
+                for inplace, kw in ((False, {}), (True, {"stream": "s"})):
+                    before = staging.piece_downloads
+                    x = FakeDevArray(ins[comm.rank].copy())
+                    out = None if inplace else FakeDevArray(np.zeros(n, dtype))
+                    await comm.all_reduce(x, out, op, **kw)
+                    got = x.arr if inplace else out.arr  # type: ignore[union-attr]
+                    np.testing.assert_array_equal(got, want.astype(dtype))
+                    pieces.append(staging.piece_downloads - before)
+        await asyncio.sleep(0.01)  # (a stream=s call's last uploads may still be going)
+        assert all(f.done() for f in staging.piece_upload_fences)
+        return pieces, staging.piece_uploads - staging.piece_downloads
+
+    for pieces, unmatched in await run_ranks(nranks, fn, device=0):
+        assert all(p > 2 for p in pieces), pieces  # (4- and 8-byte items in 8 KiB pieces)
+        assert unmatched == 0  # (as many pieces up as down)
+    assert {kind for kind, _ in native_runs} == {MemoryKind.HOST}
+    assert len(native_runs) == nranks * 24
+
+    async def whole(comm: acoll.Communicator) -> tuple[int, int]:
+        staging = comm.mem.staging()
+        assert isinstance(staging, FakeStaging)
+        before = staging.piece_downloads, staging.downloads
+        x = FakeDevArray(np.full(n, comm.rank + 1, np.float32))
+        await comm.all_reduce(x)
+        np.testing.assert_array_equal(x.arr, sum(range(1, comm.size + 1)))
+        return staging.piece_downloads - before[0], staging.downloads - before[1]
+
+    monkeypatch.setattr(FakeStaging, "signalled", False)
+    assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
+    monkeypatch.setattr(FakeStaging, "signalled", True)
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "0")
+    assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
+
+
 async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
         native_runs: list[tuple[MemoryKind, int]]) -> None:
@@ -957,12 +1022,22 @@ async def _native_pair(size: int) -> list[acoll.Communicator]:
     return list(comms)
 
 
+def _released(comms: list[acoll.Communicator]) -> bool:
+    """Every piecewise upload of these fake-device communicators went (a failed op's
+    stream is let through, never left waiting on its counter)."""
+    return all(f.done() for c in comms
+               for f in c.mem.staging().piece_upload_fences)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("copies", ["pieces", "whole"])
 async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        native_runs: list[tuple[MemoryKind, int]]) -> None:
+        native_runs: list[tuple[MemoryKind, int]], copies: str) -> None:
     """A device all_reduce on the native ring whose peer aborts ends in RemoteError naming
-    the peer within seconds; the communicator then refuses calls."""
+    the peer within seconds; the communicator then refuses calls. With piecewise copies,
+    the failed op's uploads are let through (nothing waits on its counter forever)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)
     assert len(native_runs) == 2
@@ -975,18 +1050,25 @@ async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
     assert asyncio.get_running_loop().time() - t < 5
     with pytest.raises(acoll.AcollError):
         await comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32)))
+    await asyncio.sleep(0.01)
+    assert _released(comms)
+    assert (sum(c.mem.staging().piece_downloads for c in comms) > 0  # type: ignore[attr-defined]
+            ) == (copies == "pieces")
     for c in comms:
         c.abort()
 
 
+@pytest.mark.parametrize("copies", ["pieces", "whole"])
 async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        native_runs: list[tuple[MemoryKind, int]]) -> None:
+        native_runs: list[tuple[MemoryKind, int]], copies: str) -> None:
     """A device all_reduce on the native ring cancelled mid-op (its peer never joins)
     returns the cancellation at once, fails its communicator, and the peer's next call
     fails too, naming the cancel; no C call or block is left behind (the next op of a
-    fresh pair of communicators runs)."""
+    fresh pair of communicators runs), and with piecewise copies the cancelled op's
+    uploads are let through."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)
     task = asyncio.ensure_future(comms[0].all_reduce(FakeDevArray(np.ones(size, np.float32))))
@@ -999,6 +1081,8 @@ async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
     assert asyncio.get_running_loop().time() - t < 2
     with pytest.raises(acoll.AcollError, match="cancel"):
         await comms[1].all_reduce(FakeDevArray(np.ones(size, np.float32)))
+    await asyncio.sleep(0.01)
+    assert _released(comms)
     for c in comms:
         c.abort()
     uid = acoll.get_unique_id(ifname="=lo")

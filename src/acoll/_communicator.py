@@ -88,8 +88,10 @@ from ._comm.via_host import (
     DirectCall,
     DirectLarge,
     DirectPlan,
+    NativeCopies,
     RingStaging,
     ViaHost,
+    native_pipelines,
     pipelines,
 )
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
@@ -103,6 +105,7 @@ from ._memory import (
     HostSpace,
     MemoryKind,
     MemorySpace,
+    SignalledStaging,
     StreamOrder,
     shared,
 )
@@ -1027,15 +1030,23 @@ class Communicator:
         # The download goes first, at the call (the executor runs the op at once).
         download: Fence | None = None
         stage: RingStaging | None = None
+        copies: NativeCopies | None = None
         native = self._via_native(s, rop, cls)
-        if (native is None and self._via_pipe and pipelines(cls, s.nbytes)
+        signals = (staging.signals(lease[1]) if native is not None and self._via_pipe
+                   and native_pipelines(s.nbytes)
+                   and isinstance(staging, SignalledStaging) else None)
+        if signals is not None:
+            assert isinstance(staging, SignalledStaging)
+            copies = NativeCopies(staging, signals, caller, s, r, lease[0], self.size,
+                                  self.rank)
+        elif (native is None and self._via_pipe and pipelines(cls, s.nbytes)
                 and s.count > chunk):
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,
                                 self.rank, chunk)
         else:
             download = staging.download_on(caller, lease[0], s, own=True)
         call = DirectLarge(cls, rop, staging, lease, data, r, caller, download, stage,
-                           stream is None, host, self.timeout, native)
+                           stream is None, host, self.timeout, native, copies)
         return self._direct_large(desc, call)
 
     async def _direct_large(self, desc: Descriptor, call: DirectLarge) -> None:

@@ -49,7 +49,7 @@ from .._coll.base import OpContext
 from .._config import Setting, get_logger, parse_size
 from .._dtypes import DTYPES, ReduceOp
 from .._memory import Buffer, MemoryKind
-from .._native import HEADER_SIZE, NR, NativeLib, State
+from .._native import HEADER_SIZE, NR, NativeLib, Stage, State
 from .._transport.base import PeerInfo, Transport
 from .._transport.tcp import RawLink, TcpTransport
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
@@ -57,7 +57,7 @@ from ..errors import TimeoutError as AcollTimeoutError
 from .peers import PeerLinks
 
 __all__ = ["NATIVE", "NATIVE_INLINE", "NATIVE_MIN", "NativeRing", "NativeRingAllGather",
-           "NativeRingAllReduce", "NativeRingReduceScatter", "native_record"]
+           "NativeRingAllReduce", "NativeRingReduceScatter", "native_record", "staged_pieces"]
 
 log = get_logger("COLL")
 
@@ -99,6 +99,26 @@ def native_record(lib: NativeLib | None, small: int, via_host: int | None = None
     if via_host is None:
         return [lib.version, NATIVE_MIN.resolve(), small]
     return [lib.version, NATIVE_MIN.resolve(), small, via_host]
+
+
+def staged_pieces(count: int, n: int, rank: int, piece: int
+                  ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """A staged all-reduce's copies on rank ``rank`` of ``n`` (``ring.c``'s contract):
+    ``(downloads, uploads)``, element ranges ``(start, stop)`` of ``count`` elements in
+    pieces of at most ``piece`` within each of the ring's segments, downloads in the order
+    the ring first reads the segments (``rank``, ``rank - 1``, ...), uploads in the order
+    they become final (``rank + 1``, ``rank``, ``rank - 1``, ...). ``ring.c`` counts the
+    same pieces in the same orders."""
+    base, extra = divmod(count, n)
+
+    def pieces(q: int) -> list[tuple[int, int]]:
+        start = q * base + min(q, extra)
+        stop = start + base + (1 if q < extra else 0)
+        return [(a, min(a + piece, stop)) for a in range(start, stop, piece)]
+
+    downloads = [p for j in range(n) for p in pieces((rank - j) % n)]
+    uploads = [p for j in range(n) for p in pieces((rank + 1 - j) % n)]
+    return downloads, uploads
 
 
 def _header(version: int, seq: int, desc: bytes) -> bytes:
@@ -302,8 +322,14 @@ class NativeRing:
         self._worker.stop()
 
     async def run(self, ctx: OpContext, mode: int, src: Buffer, dst: Buffer,
-                  scratch: Buffer | None, count: int, op: ReduceOp, chunk: int
+                  scratch: Buffer | None, count: int, op: ReduceOp, chunk: int,
+                  stage: Stage | None = None, started: Callable[[], None] | None = None
                   ) -> tuple[int, int, bytes]:
+        """One call into ``ring.c`` on the worker thread (``stage``: a staged all-reduce's
+        copy counters; ``started()``: called on the loop once the C call is on its way, as
+        where the copies that wait on it are queued). Returns ``(code, side, peer header)``
+        of ``NativeLib.run``; a cancel (or ``started`` raising) aborts the C call and
+        waits a moment for it to stop before it propagates."""
         send, recv = await self.links()
         if self._dead:
             raise ClosedError("the communicator is closed")
@@ -318,9 +344,9 @@ class NativeRing:
         ctx.heard = _Heard(ctx.heard, self.prv, state)
         args = (mode, send.fileno(), recv.fileno(), src.ptr, dst.ptr,
                 0 if scratch is None else scratch.ptr, count, DTYPES[src.dtype], _OPS[op],
-                self.rank, self.size, chunk, backstop, state, header, self.inline_max)
+                self.rank, self.size, chunk, backstop, state, header, self.inline_max, stage)
         # (the buffers stay alive while the C code runs, even after a cancel)
-        lib, keep = self.lib, (src, dst, scratch)
+        lib, keep = self.lib, (src, dst, scratch, stage)
         send.busy = recv.busy = True
         fut = self._worker.submit(lambda: (lib.run(*args), keep)[0])
 
@@ -333,8 +359,10 @@ class NativeRing:
 
         fut.add_done_callback(returned)
         try:
+            if started is not None:
+                started()
             result: tuple[int, int, bytes] = await asyncio.shield(fut)
-        except asyncio.CancelledError:
+        except BaseException:
             # Cancelled: the C code stops at its next check (a piece, or a poll slice of
             # 50 ms); wait that long, so that the buffers are not written after the
             # cancellation reached the caller (unless cancelled again meanwhile).
@@ -356,6 +384,10 @@ class _NativeOp:
                  ring: NativeRing) -> None:
         self.ctx, self.src, self.dst, self.op, self.ring = ctx, src, dst, op, ring
         self.place = ring.join_line()  # (made in sequence order: see NativeRing)
+        #: a staged all-reduce's copy counters, and what queues the copies that wait on
+        #: the ring once its C call is on its way (:meth:`NativeRing.run`)
+        self.stage: Stage | None = None
+        self.started: Callable[[], None] | None = None
 
     def on(self, src: Buffer, dst: Buffer) -> None:
         """Run on ``src``/``dst`` instead (before :meth:`run`): a device all_reduce takes
@@ -399,7 +431,8 @@ class _NativeOp:
         ctx.waiting_on = ring.prv  # (a ring waits on its previous rank: probes ask it)
         try:
             code, side, peer = await ring.run(ctx, self.mode, self.src, self.dst,
-                                              self.scratch(), self.block(), self.op, chunk)
+                                              self.scratch(), self.block(), self.op, chunk,
+                                              self.stage, self.started)
         except AcollError as exc:  # (making the links: the communicator's error first)
             found = host_error(ctx)
             if found is not None and found is not exc:

@@ -43,13 +43,25 @@ from typing import Any
 
 from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
+from .._config import Setting, parse_size
 from .._dtypes import ReduceOp
-from .._memory import Buffer, DirectStaging, Fence, HostSpace, MemorySpace, Staging, StreamOrder
+from .._memory import (
+    Buffer,
+    CopySignals,
+    DirectStaging,
+    Fence,
+    HostSpace,
+    MemorySpace,
+    SignalledStaging,
+    Staging,
+    StreamOrder,
+)
+from .._native import Stage
 from .executor import Algorithm
-from .native_ring import NativeRing, NativeRingAllReduce
+from .native_ring import NativeRing, NativeRingAllReduce, staged_pieces
 
-__all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "OrderedCopies",
-           "RingStaging", "ViaHost", "pipelines"]
+__all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "NativeCopies",
+           "OrderedCopies", "RingStaging", "ViaHost", "native_pipelines", "pipelines"]
 
 #: Calls of more bytes than this pipeline their copies with the ring (when
 #: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on). At 1 MiB the first piece is half the input or
@@ -60,6 +72,14 @@ PIPELINE_MIN = 1 << 20
 #: an op has at most about ``MAX_PIECES`` of them; uploads join into pieces as large.
 PIECE_CHUNKS = 4
 MAX_PIECES = 64
+
+STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
+                      "Through the host on the native ring: the copies' piece (bytes; 0, "
+                      "auto: an eighth of the call, from 256 KiB to 4 MiB).", "COLL")
+#: Calls of at least this many bytes on the native ring have their copies pipelined with
+#: it (:class:`NativeCopies`, where the staging has copy counters and
+#: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on); smaller ones copy whole.
+NATIVE_PIPELINE_MIN = 512 << 10
 
 
 class ViaHost:
@@ -334,7 +354,8 @@ class DirectLarge:
     def __init__(self, cls: Any, op: ReduceOp, staging: DirectStaging,
                  lease: tuple[Buffer, Buffer], data: Buffer, recv: Buffer, stream: Any,
                  download: Fence | None, stage: RingStaging | None, settle: bool,
-                 host: HostSpace, timeout: float, native: NativeRing | None = None) -> None:
+                 host: HostSpace, timeout: float, native: NativeRing | None = None,
+                 copies: NativeCopies | None = None) -> None:
         self.cls, self.op, self.staging = cls, op, staging
         (self.view, self.block), self.data, self.recv = lease, data, recv
         self.stream, self.stage, self.settle = stream, stage, settle
@@ -342,8 +363,11 @@ class DirectLarge:
         self._last = download  # (whole copies: the last one enqueued)
         self.ctx: OpContext | None = None
         self.started = False
-        self._ring = native  # (with it: whole copies, ``stage`` is None)
+        self._ring = native  # (with it: ``stage`` is None; copies whole or ``copies``)
+        self.copies = copies
         self.native: NativeRingAllReduce | None = None
+        if copies is not None:
+            self._last = copies.download
 
     @property
     def last(self) -> Fence | None:
@@ -357,6 +381,15 @@ class DirectLarge:
         self.ctx = ctx
         if self._ring is not None:
             self.native = NativeRingAllReduce(ctx, self.data, self.data, self.op, self._ring)
+            copies = self.copies
+            if copies is not None:
+                self.native.stage = copies.stage
+
+                def started() -> None:
+                    copies.start_uploads()
+                    self._last = copies.upload
+
+                self.native.started = started
         return self
 
     def abandon(self) -> None:
@@ -375,7 +408,14 @@ class DirectLarge:
         ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         waited = False
         try:
-            if stage is None:
+            if self.copies is not None:
+                assert self.native is not None
+                try:
+                    await self.native.run()  # (the copies wait on the ring, and it on them)
+                except BaseException:
+                    self.copies.signals.release()  # (the stream must not wait forever)
+                    raise
+            elif stage is None:
                 assert self._last is not None
                 await self._last.wait(deadline)
                 if self.native is not None:
@@ -396,6 +436,42 @@ class DirectLarge:
                 waited = True
         finally:
             self.staging.release(self.block, None if waited else self.last)
+
+
+class NativeCopies:
+    """The copies of a staged native all-reduce (``ring.c``'s contract) on the caller's
+    stream: the downloads, piece by piece in the order the ring reads them, each bumping
+    the block's ready counter, queued at the call; the uploads, each waiting on the device
+    for the ring to make its piece final, queued once the C call is on its way
+    (:meth:`start_uploads`). Nothing is awaited from the loop until the op's end."""
+
+    def __init__(self, staging: SignalledStaging, signals: CopySignals, stream: Any,
+                 send: Buffer, recv: Buffer, view: Buffer, size: int, rank: int) -> None:
+        self.staging, self.signals, self.stream = staging, signals, stream
+        self.recv, self.view = recv, view
+        isz = send.itemsize
+        wanted = STAGE_PIECE.resolve()
+        piece_bytes = wanted if wanted > 0 else min(4 << 20, max(256 << 10, send.nbytes // 8))
+        piece = max(1, piece_bytes // isz)
+        downloads, uploads = staged_pieces(send.count, size, rank, piece)
+        self.uploads = [(a * isz, b * isz) for a, b in uploads]
+        signals.begin(len(uploads))
+        self.download = staging.download_pieces_on(
+            stream, view, send, [(a * isz, b * isz) for a, b in downloads], signals)
+        self.stage = Stage(signals.ready_addr, signals.final_addr, signals.ready_base,
+                           signals.final_base, piece)
+        self.upload: Fence | None = None
+
+    def start_uploads(self) -> None:
+        """Queue the uploads (the ring's C call is on its way)."""
+        self.upload = self.staging.upload_pieces_on(self.stream, self.recv, self.view,
+                                                    self.uploads, self.signals)
+
+
+def native_pipelines(nbytes: int) -> bool:
+    """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies (when
+    the setting allows and the staging has copy counters)."""
+    return nbytes >= NATIVE_PIPELINE_MIN
 
 
 def pipelines(cls: type, nbytes: int) -> bool:

@@ -10,19 +10,22 @@ from . import shared
 from .base import (
     BYTE,
     Buffer,
+    CopySignals,
     DirectStaging,
     DType,
     Fence,
     MemoryKind,
     MemorySpace,
     Pace,
+    SignalledStaging,
     Staging,
     StreamOrder,
 )
 from .host import HostSpace
 
-__all__ = ["BYTE", "Buffer", "DType", "Fence", "HostSpace", "MemoryKind", "MemorySpace", "Pace",
-           "DirectStaging", "Staging", "StreamOrder", "host_buffer", "shared"]
+__all__ = ["BYTE", "Buffer", "CopySignals", "DType", "Fence", "HostSpace", "MemoryKind",
+           "MemorySpace", "Pace", "DirectStaging", "SignalledStaging", "Staging", "StreamOrder",
+           "host_buffer", "shared"]
 
 _HOST = HostSpace()  # for buffers made outside any communicator (tests, transports)
 

@@ -37,8 +37,8 @@ import numpy as np
 from .._dtypes import ReduceOp
 from ..errors import InvalidUsage
 
-__all__ = ["BYTE", "Buffer", "DType", "Fence", "MemoryKind", "MemorySpace", "Pace",
-           "DirectStaging", "Staging", "StreamOrder"]
+__all__ = ["BYTE", "Buffer", "CopySignals", "DType", "Fence", "MemoryKind", "MemorySpace",
+           "Pace", "DirectStaging", "SignalledStaging", "Staging", "StreamOrder"]
 
 #: Element types are NumPy dtypes in every space (CuPy uses them too).
 DType = np.dtype[Any]
@@ -377,6 +377,84 @@ class DirectStaging(Staging):
                   ) -> Fence:
         """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
         on it sees the data. ``own`` as for :meth:`download_on`."""
+
+
+class CopySignals:
+    """Two 32-bit counters in page-locked host memory that a pooled block's copies and the
+    native ring (``ring.c``'s staged all-reduce) share: the device's stream bumps
+    ``ready`` once per download piece landed, the ring bumps ``final`` once per piece of
+    the result that is final, and the stream waits on ``final`` before each upload.
+
+    ``words``: 32 words of host memory (the counters in separate cache lines), which the
+    device reaches at ``device_ptr`` (their first word). Values count from the bases
+    :meth:`begin` takes and compare cyclically, so the counters are never reset."""
+
+    READY, FINAL = 0, 16  # word offsets
+
+    def __init__(self, words: np.ndarray[Any, Any], device_ptr: int) -> None:
+        assert words.dtype == np.uint32
+        assert words.size >= 32
+        self.words = words
+        self.device_ptr = device_ptr
+        self.ready_base = self.final_base = 0
+        self.uploads = 0
+
+    @property
+    def ready_addr(self) -> int:
+        return int(self.words.ctypes.data) + 4 * self.READY
+
+    @property
+    def final_addr(self) -> int:
+        return int(self.words.ctypes.data) + 4 * self.FINAL
+
+    def begin(self, uploads: int) -> None:
+        """A new op on the block, with ``uploads`` upload pieces: the bases are the
+        counters' values now (the block's previous copies have all passed)."""
+        self.ready_base = int(self.words[self.READY])
+        self.final_base = int(self.words[self.FINAL])
+        self.uploads = uploads
+
+    def ready_value(self, i: int) -> int:
+        """``ready`` once download piece ``i`` (from 0) has landed."""
+        return (self.ready_base + i + 1) & 0xFFFFFFFF
+
+    def final_value(self, i: int) -> int:
+        """``final`` once upload piece ``i`` (from 0) may go."""
+        return (self.final_base + i + 1) & 0xFFFFFFFF
+
+    def release(self) -> None:
+        """Let every upload of the op go (its ring failed or never ran: the stream must
+        not wait forever; the uploads then carry whatever the block holds)."""
+        self.words[self.FINAL] = self.final_value(self.uploads - 1)
+
+
+class SignalledStaging(DirectStaging):
+    """A direct staging whose device streams can bump and wait on host counters
+    (:class:`CopySignals`): a staged native all-reduce's copies run on the caller's stream
+    beside the ring, each download piece read by the ring once landed and each piece of
+    the result uploaded once final, with nothing awaited from the loop in between."""
+
+    @abstractmethod
+    def signals(self, block: Buffer) -> CopySignals | None:
+        """The copy counters of pooled ``block`` (made on first use, kept with it), or
+        ``None`` where the device cannot bump and wait on host counters from its streams
+        (then copies go whole, awaited from the loop)."""
+
+    @abstractmethod
+    def download_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                           pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        """Enqueue ``dst[a:b] = src[a:b]`` for each byte range ``(a, b)`` of ``pieces`` on
+        the caller's ``stream``, in order, each followed by bumping ``signals``' ready
+        counter to :meth:`CopySignals.ready_value` of its index; the fence is the last
+        one's (own, as :meth:`download_on` with ``own``)."""
+
+    @abstractmethod
+    def upload_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                         pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        """Enqueue, for each byte range ``(a, b)`` of ``pieces`` in order on the caller's
+        ``stream``: wait until ``signals``' final counter reaches
+        :meth:`CopySignals.final_value` of its index, then ``dst[a:b] = src[a:b]``; the
+        fence is the last one's (own). Later work on ``stream`` sees the data."""
 
 
 def _size_class(nbytes: int) -> int:

@@ -24,10 +24,12 @@ import math
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from .._config import get_logger
 from .._cuda import CudaUnavailable, import_cupy
 from .._cuda.completion import arm_stream
 from .._cuda.kernels import launch_finish_avg, launch_reduce
@@ -43,17 +45,20 @@ from .._dtypes import (
 from ..errors import InvalidUsage
 from .base import (
     Buffer,
-    DirectStaging,
+    CopySignals,
     DType,
     Fence,
     MemoryKind,
     MemorySpace,
     Pace,
+    SignalledStaging,
     StreamOrder,
 )
 from .host import HostSpace
 
 __all__ = ["CudaSpace", "DeviceView", "adopt_device_array"]
+
+log = get_logger("COLL")
 
 #: Seconds a wait polls its event (yielding to the loop in between) before it arms the
 #: pipe signal: small copies and kernels finish within it, at a few µs of latency.
@@ -521,7 +526,67 @@ class CudaSpace(MemorySpace):
         return self._staging
 
 
-class CudaStaging(DirectStaging):
+class _StreamMemOps:
+    """The driver's stream memory operations (``cuStreamWriteValue32`` and
+    ``cuStreamWaitValue32`` from ``libcuda``, through ctypes: CuPy has no binding), which
+    copy counters (:class:`~.base.CopySignals`) need."""
+
+    WAIT_GEQ = 0x0  # CU_STREAM_WAIT_VALUE_GEQ: (int32_t)(*addr - value) >= 0
+    WRITE_DEFAULT = 0x0  # (the write follows a memory fence: earlier copies are visible)
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+
+        def entry(*names: str) -> Any:
+            for name in names:
+                fn = getattr(lib, name, None)
+                if fn is not None:
+                    fn.restype = ctypes.c_int
+                    return fn
+            raise OSError(f"libcuda has none of {', '.join(names)}")
+
+        self._write = entry("cuStreamWriteValue32_v2", "cuStreamWriteValue32")
+        self._wait = entry("cuStreamWaitValue32_v2", "cuStreamWaitValue32")
+        for fn in (self._write, self._wait):
+            fn.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32, ctypes.c_uint]
+        self._device_pointer = entry("cuMemHostGetDevicePointer_v2",
+                                     "cuMemHostGetDevicePointer")
+        self._device_pointer.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_void_p,
+                                         ctypes.c_uint]
+
+    @staticmethod
+    def _check(code: int, what: str) -> None:
+        if code:
+            raise RuntimeError(f"{what} failed (CUresult {code})")
+
+    def write(self, stream: int, addr: int, value: int) -> None:
+        self._check(self._write(stream, addr, value, self.WRITE_DEFAULT), "cuStreamWriteValue32")
+
+    def wait(self, stream: int, addr: int, value: int) -> None:
+        self._check(self._wait(stream, addr, value, self.WAIT_GEQ), "cuStreamWaitValue32")
+
+    def device_pointer(self, host_ptr: int) -> int:
+        out = ctypes.c_uint64(0)
+        self._check(self._device_pointer(ctypes.byref(out), host_ptr, 0),
+                    "cuMemHostGetDevicePointer")
+        return int(out.value)
+
+
+_MEM_OPS: list[_StreamMemOps | None] = []  # (found once per process)
+
+
+def _stream_mem_ops() -> _StreamMemOps | None:
+    if not _MEM_OPS:
+        try:
+            _MEM_OPS.append(_StreamMemOps())
+        except (OSError, AttributeError) as exc:
+            log.info("GPU copies through the host: no stream memory operations (%s); "
+                     "the native ring's copies go whole", exc)
+            _MEM_OPS.append(None)
+    return _MEM_OPS[0]
+
+
+class CudaStaging(SignalledStaging):
     """D2H/H2D copies on the space's stream through pooled page-locked host memory."""
 
     kind = MemoryKind.CUDA
@@ -531,6 +596,93 @@ class CudaStaging(DirectStaging):
         self.space = space
         self.device = space.device
         self._host = HostSpace()
+        self._signals: dict[int, CopySignals] = {}  # by block address
+        self._spare: list[CopySignals] = []  # made, not yet given to a block
+        self._signals_work: bool | None = None  # (None: not tried yet)
+
+    def signals(self, block: Buffer) -> CopySignals | None:
+        found = self._signals.get(block.ptr)
+        if found is not None or self._signals_work is False:
+            return found
+        ops = _stream_mem_ops()
+        if ops is None:
+            self._signals_work = False
+            return None
+        if not self._spare:
+            try:
+                self._spare = self._new_signals(ops)
+            except RuntimeError as exc:
+                log.info("GPU copies through the host: copy counters unavailable on "
+                         "device %d (%s); the native ring's copies go whole",
+                         self.space.device, exc)
+                self._signals_work = False
+                return None
+        self._signals_work = True
+        made = self._signals[block.ptr] = self._spare.pop()
+        return made
+
+    def _new_signals(self, ops: _StreamMemOps) -> list[CopySignals]:
+        """A page of copy counters (32 pairs); the first time, checked: a value the device
+        writes is seen here, and a wait that holds passes (on a stream of its own, idle
+        but for these two operations: its synchronize returns at once)."""
+        cp = self.space.cp
+        with cp.cuda.Device(self.space.device):
+            mem = cp.cuda.alloc_pinned_memory(4096)
+            words = np.frombuffer(mem, np.uint32, 1024)  # (keeps mem alive)
+            words[...] = 0
+            dev = ops.device_pointer(int(words.ctypes.data))
+            if self._signals_work is None:
+                stream = cp.cuda.Stream(non_blocking=True)
+                ops.write(stream.ptr, dev, 0x9E3779B9)
+                ops.wait(stream.ptr, dev, 0x9E3779B9)
+                stream.synchronize()
+                if int(words[0]) != 0x9E3779B9:
+                    raise RuntimeError("a value the device wrote did not arrive")
+                words[0] = 0
+        return [CopySignals(words[i * 32:(i + 1) * 32], dev + i * 128) for i in range(32)]
+
+    def download_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                           pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        ops = _stream_mem_ops()
+        assert ops is not None
+        ready = signals.device_ptr + 4 * signals.READY
+
+        def enqueue(runtime: Any, sp: int) -> None:
+            for i, (a, b) in enumerate(pieces):
+                runtime.memcpyAsync(dst.ptr + a, src.ptr + a, b - a, _D2H, sp)
+                ops.write(sp, ready, signals.ready_value(i))
+
+        return self._pieces_on(stream, enqueue)
+
+    def upload_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
+                         pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
+        ops = _stream_mem_ops()
+        assert ops is not None
+        final = signals.device_ptr + 4 * signals.FINAL
+
+        def enqueue(runtime: Any, sp: int) -> None:
+            for i, (a, b) in enumerate(pieces):
+                ops.wait(sp, final, signals.final_value(i))
+                runtime.memcpyAsync(dst.ptr + a, src.ptr + a, b - a, _H2D, sp)
+
+        return self._pieces_on(stream, enqueue)
+
+    def _pieces_on(self, stream: Any, enqueue: Callable[[Any, int], None]) -> Fence:
+        """``enqueue(runtime, stream pointer)`` on the caller's ``stream`` under the space's
+        device, then an event (pooled) as the fence."""
+        space = self.space
+        runtime = space.cp.cuda.runtime
+        prev = runtime.getDevice()
+        if prev != space.device:
+            runtime.setDevice(space.device)
+        try:
+            enqueue(runtime, stream.ptr)
+            event = space.take_event()
+            event.record(stream)
+        finally:
+            if prev != space.device:
+                runtime.setDevice(prev)
+        return _EventFence(space, event)
 
     def _allocate(self, nbytes: int) -> Buffer:
         cp = self.space.cp

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from .._config import Setting, get_logger
 
-__all__ = ["NR", "NativeLib", "State", "load", "load_async"]
+__all__ = ["NR", "NativeLib", "Stage", "State", "load", "load_async"]
 
 log = get_logger("NET")
 
@@ -66,6 +66,14 @@ class State(ctypes.Structure):
                 ("err", ctypes.c_int32), ("abort", ctypes.c_int32)]
 
 
+class Stage(ctypes.Structure):
+    """``nr_stage``: a staged all-reduce's copy counters (``ring.c``'s contract)."""
+
+    _fields_ = [("ready", ctypes.c_void_p), ("final", ctypes.c_void_p),
+                ("ready_base", ctypes.c_uint32), ("final_base", ctypes.c_uint32),
+                ("piece", ctypes.c_int64)]
+
+
 class NativeLib:
     """The loaded library: :meth:`run` blocks its (worker) thread, GIL released."""
 
@@ -80,7 +88,7 @@ class NativeLib:
                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int,
                        ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int64,
                        ctypes.c_int64, ctypes.c_int64, ctypes.POINTER(State), ctypes.c_char_p,
-                       ctypes.c_char_p, ctypes.POINTER(ctypes.c_int)]
+                       ctypes.c_char_p, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(Stage)]
         self._fn = fn
         lib.acoll_nr_version.restype = ctypes.c_int
         self.version = int(lib.acoll_nr_version())
@@ -88,18 +96,20 @@ class NativeLib:
 
     def run(self, mode: int, send_fd: int, recv_fd: int, src: int, dst: int, scratch: int,
             count: int, dtype: int, op: int, rank: int, nranks: int, send_items: int,
-            deadline_ns: int, state: State, header: bytes, inline_max: int = -1
-            ) -> tuple[int, int, bytes]:
+            deadline_ns: int, state: State, header: bytes, inline_max: int = -1,
+            stage: Stage | None = None) -> tuple[int, int, bytes]:
         """Run one ring collective (see ``acoll_nr_run`` in ``ring.c``); returns (code,
         side, the previous rank's header). ``side``: 1 the receiving side failed first, 2
         the sending side, 0 no failure. ``count``: items per rank's block (all_reduce: of
         the whole buffer). ``inline_max``: a call sending at most this many bytes runs on
-        the calling thread alone (no helper thread; -1: never)."""
+        the calling thread alone (no helper thread; -1: never). ``stage``: an all-reduce's
+        copy counters (the staged all-reduce of ``ring.c``'s contract)."""
         peer = ctypes.create_string_buffer(HEADER_SIZE)
         which = ctypes.c_int(0)
         code = self._fn(mode, send_fd, recv_fd, src, dst, scratch or None, count, dtype, op,
                         rank, nranks, send_items, inline_max, deadline_ns,
-                        ctypes.byref(state), header, peer, ctypes.byref(which))
+                        ctypes.byref(state), header, peer, ctypes.byref(which),
+                        None if stage is None else ctypes.byref(stage))
         return int(code), int(which.value), peer.raw
 
 

@@ -25,6 +25,15 @@
  * - It returns when done, on an error of either socket, when *abort becomes non-zero, or
  *   at deadline_ns (CLOCK_MONOTONIC; 0: none). Progress counters and the error's errno go
  *   to *state.
+ * - Staged all-reduce (stage != NULL): src/dst are a host copy of device data whose copies
+ *   run beside the ring. Both directions go in pieces of stage->piece items within each
+ *   segment (the segments as the ring splits count). Downloads land in the order the ring
+ *   first reads the segments (r, r-1, ..., r+1), and whoever copies bumps *stage->ready
+ *   once per landed piece (a GPU stream: cuStreamWriteValue32); the ring reads no piece of
+ *   src before the counter says it landed. The ring bumps *stage->final once per piece of
+ *   the result that is final, in the order they become final (segments r+1, r, r-1, ...,
+ *   r+2), so that a copier (a GPU stream: cuStreamWaitValue32) uploads each at once. Both
+ *   counters count from their base values and compare cyclically (wrap-around is fine).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -34,9 +43,10 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sched.h>
 #include <time.h>
 
-#define ACOLL_NR_VERSION 3
+#define ACOLL_NR_VERSION 4
 #define HEADER_SIZE 32
 #define SLICE_MS 50
 
@@ -187,6 +197,7 @@ typedef struct {
     char *recv;
     const char *local;
     int avg;
+    int seg; /* all-reduce: the segment received (for staged copies) */
 } step;
 
 static int mod(int a, int n) { return ((a % n) + n) % n; }
@@ -207,6 +218,7 @@ static int make_steps(step *st, int mode, int n, int r, int64_t count, int items
             st[k].recv = dst + SEG_AT(in);
             st[k].local = src + SEG_AT(in);
             st[k].avg = t == n - 2 && op == OP_AVG;
+            st[k].seg = in;
         }
         for (int u = 0; u < n - 1; u++, k++) { /* all-gather, straight into dst */
             int out = mod(r + 1 - u, n), in = mod(r - u, n);
@@ -216,6 +228,7 @@ static int make_steps(step *st, int mode, int n, int r, int64_t count, int items
             st[k].recv = dst + SEG_AT(in);
             st[k].local = NULL;
             st[k].avg = 0;
+            st[k].seg = in;
         }
 #undef SEG_AT
 #undef SEG_LEN
@@ -314,6 +327,91 @@ static int recv_all(const waiter *w, int fd, char *p, int64_t len) {
     return 0;
 }
 
+/* ------------------------------------------------------------------ staged copies */
+/* A staged all-reduce's copy counters (see the contract at the top). */
+typedef struct {
+    const volatile uint32_t *ready; /* bumped by the copier per landed download piece */
+    volatile uint32_t *final;       /* bumped here per final piece of the result */
+    uint32_t ready_base, final_base;
+    int64_t piece;                  /* items per copy piece, within a segment */
+} nr_stage;
+
+typedef struct {
+    const nr_stage *st;
+    int n, r;
+    int64_t base, extra;   /* segment q has base items, one more when q < extra */
+    int64_t *dl_before;    /* download pieces before the j-th segment downloaded */
+    int64_t *ul_before;    /* upload pieces before the j-th segment made final */
+} stager;
+
+static int64_t seg_len(const stager *g, int q) { return g->base + (q < g->extra ? 1 : 0); }
+
+static int64_t pieces_of(const stager *g, int64_t items) {
+    return (items + g->st->piece - 1) / g->st->piece;
+}
+
+static int stager_init(stager *g, const nr_stage *st, int n, int r, int64_t count) {
+    g->st = st;
+    g->n = n;
+    g->r = r;
+    g->base = count / n;
+    g->extra = count % n;
+    g->dl_before = malloc(sizeof(int64_t) * (size_t)(2 * n));
+    if (!g->dl_before) return -1;
+    g->ul_before = g->dl_before + n;
+    int64_t down = 0, up = 0;
+    for (int j = 0; j < n; j++) {
+        g->dl_before[j] = down;
+        down += pieces_of(g, seg_len(g, mod(r - j, n)));
+        g->ul_before[j] = up;
+        up += pieces_of(g, seg_len(g, mod(r + 1 - j, n)));
+    }
+    return 0;
+}
+
+/* items of segment q whose download has landed (a prefix of it) */
+static int64_t landed(const stager *g, int q) {
+    uint32_t c = __atomic_load_n((const uint32_t *)g->st->ready, __ATOMIC_ACQUIRE);
+    int64_t k = (int64_t)(int32_t)(c - g->st->ready_base) - g->dl_before[mod(g->r - q, g->n)];
+    int64_t len = seg_len(g, q);
+    if (k <= 0) return 0;
+    return k >= pieces_of(g, len) ? len : k * g->st->piece;
+}
+
+/* wait until items [0, upto) of segment q have landed: 0 or an NR_ code. Yields the CPU
+ * for the first 200 us, then sleeps in short slices (a piece lands in microseconds). */
+static int wait_landed(const stager *g, const waiter *w, int q, int64_t upto) {
+    int64_t t0 = 0;
+    for (;;) {
+        if (landed(g, q) >= upto) return 0;
+        if (w->st->abort) return NR_ABORTED;
+        int stop = __atomic_load_n(w->stop, __ATOMIC_ACQUIRE);
+        if (stop) return stop;
+        int64_t now = now_ns();
+        if (w->deadline && now >= w->deadline) return NR_DEADLINE;
+        if (!t0) t0 = now;
+        if (now - t0 < 200000) {
+            sched_yield();
+        } else {
+            struct timespec ts = {0, 20000};
+            nanosleep(&ts, NULL);
+        }
+    }
+}
+
+/* items [0, upto) of segment q are final: publish the pieces they complete (the counter
+ * only ever moves forward, even past a value the caller stored to release its copier) */
+static void publish(const stager *g, int q, int64_t upto) {
+    int64_t len = seg_len(g, q);
+    int64_t k = upto >= len ? pieces_of(g, len) : upto / g->st->piece;
+    uint32_t v = g->st->final_base + (uint32_t)(g->ul_before[mod(g->r + 1 - q, g->n)] + k);
+    uint32_t *p = (uint32_t *)g->st->final;
+    uint32_t cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+    while ((int32_t)(v - cur) > 0 &&
+           !__atomic_compare_exchange_n(p, &cur, v, 0, __ATOMIC_RELEASE, __ATOMIC_RELAXED)) {
+    }
+}
+
 /* ------------------------------------------------------------------ the call */
 /* The receiving side (the caller's thread) works in pieces of at most PIECE bytes, so a
  * piece is reduced while it is still in cache, and publishes its progress in items of the
@@ -336,6 +434,7 @@ typedef struct {
     int waiting;   /* the sender sleeps on cv (under mu) */
     int failed;    /* an NR_ code once either side stopped (written under mu) */
     int failed_by; /* 1: the receiving side, 2: the sending side */
+    const stager *stage; /* a staged all-reduce's copies (NULL: none) */
 } ring_call;
 
 static void set_failed(ring_call *s, int code, int side) {
@@ -383,6 +482,13 @@ static void *send_main(void *arg) {
                     continue;
                 }
                 upto = ready < len ? ready : len;
+            } else if (s->stage) { /* step 0 reads this rank's own segment of src */
+                int64_t have = landed(s->stage, s->stage->r);
+                if (have <= pos) {
+                    r = wait_landed(s->stage, &s->w, s->stage->r, pos + 1);
+                    continue;
+                }
+                upto = have < len ? have : len;
             }
             if (s->w.st->abort) {
                 r = NR_ABORTED;
@@ -502,8 +608,16 @@ static int run_inline(ring_call *s, int recv_fd, char *tmp, int dtype, int op, i
     /* receive cursor: header bytes in, then step tr, piece at item pr, bytes of it in */
     int64_t hdr_in = 0, pr = 0, got = 0;
     int tr = 0;
+    const stager *g = s->stage;
     while (tr < nsteps && steps[tr].len == 0) tr++;
     while (ts < nsteps && steps[ts].send_len == 0) ts++;
+    for (int q = 0; g && q < nranks; q++) { /* (small calls: the whole input first) */
+        int r = wait_landed(g, &s->w, q, seg_len(g, q));
+        if (r) {
+            *which = 1;
+            return r;
+        }
+    }
     for (;;) {
         int moved = 0;
         /* ---- send what is ready */
@@ -589,6 +703,7 @@ static int run_inline(ring_call *s, int recv_fd, char *tmp, int dtype, int op, i
                 reduce_into(st->recv + at, st->local + at, tmp, k_items, dtype, op);
                 if (st->avg) average(st->recv + at, k_items, dtype, nranks);
             }
+            if (g && tr >= nranks - 2) publish(g, st->seg, pr + k_items);
             got = 0;
             pr += k_items;
             s->done += k_items;
@@ -639,17 +754,20 @@ static int run_inline(ring_call *s, int recv_fd, char *tmp, int dtype, int op, i
  * NR_MISMATCH). *which is set to 1 when the error came from the receiving side first, 2
  * from the sending side. send_items: the most items one send call takes (the sender
  * sends what is ready, up to that). inline_max: a call sending at most this many bytes
- * (the header aside) runs on the calling thread alone (see run_inline). */
+ * (the header aside) runs on the calling thread alone (see run_inline). stage: a staged
+ * all-reduce's copy counters (see the contract at the top), or NULL. */
 int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
                  void *scratch, int64_t count, int dtype, int op, int rank, int nranks,
                  int64_t send_items, int64_t inline_max, int64_t deadline_ns,
                  nr_state *state, const unsigned char *header, unsigned char *peer_header,
-                 int *which) {
+                 int *which, const nr_stage *stage) {
     int itemsize = itemsize_of(dtype);
     *which = 0;
     if (!itemsize || nranks < 2 || rank < 0 || rank >= nranks || count < 0 ||
         send_items < 1 || op < OP_SUM || op > OP_AVG || mode < MODE_ALL_REDUCE ||
-        mode > MODE_ALL_GATHER || (mode == MODE_REDUCE_SCATTER && nranks > 2 && !scratch))
+        mode > MODE_ALL_GATHER || (mode == MODE_REDUCE_SCATTER && nranks > 2 && !scratch) ||
+        (stage && (mode != MODE_ALL_REDUCE || stage->piece < 1 || !stage->ready ||
+                   !stage->final)))
         return NR_BAD_ARGS;
     ring_call s;
     memset(&s, 0, sizeof s);
@@ -663,11 +781,13 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     helper *h = get_helper();
     step *steps = malloc(sizeof(step) * (size_t)(2 * nranks));
     int64_t *base = malloc(sizeof(int64_t) * (size_t)(2 * nranks + 1));
-    if (!h || !steps || !base) {
+    stager g = {0};
+    if (!h || !steps || !base || (stage && stager_init(&g, stage, nranks, rank, count))) {
         free(steps);
         free(base);
         return NR_NO_MEMORY;
     }
+    s.stage = stage ? &g : NULL;
     char *tmp = h->tmp;
     if (mode == MODE_ALL_GATHER) { /* this rank's own block, unless src is it already */
         char *own = (char *)dst + (int64_t)rank * count * itemsize;
@@ -686,6 +806,7 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
         /* (inline also when no sender thread can start: slower for large calls, never
          * wrong) */
         int r = run_inline(&s, recv_fd, tmp, dtype, op, nranks, peer_header, which);
+        free(g.dl_before);
         free(base);
         free(steps);
         return r;
@@ -716,12 +837,14 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
             if (st->local) { /* recv = local (op) received */
                 r = recv_all(&s.w, recv_fd, tmp, k * itemsize);
                 if (r) break;
+                if (s.stage && (r = wait_landed(s.stage, &s.w, st->seg, pos + k))) break;
                 reduce_into(st->recv + at, st->local + at, tmp, k, dtype, op);
                 if (st->avg) average(st->recv + at, k, dtype, nranks);
             } else { /* straight into place */
                 r = recv_all(&s.w, recv_fd, st->recv + at, k * itemsize);
                 if (r) break;
             }
+            if (s.stage && t >= nranks - 2) publish(s.stage, st->seg, pos + k);
             pthread_mutex_lock(&s.mu);
             s.done += k;
             if (s.waiting) pthread_cond_broadcast(&s.cv);
@@ -732,6 +855,7 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
     pthread_mutex_lock(&h->mu);
     while (!h->finished) pthread_cond_wait(&h->cv, &h->mu);
     pthread_mutex_unlock(&h->mu);
+    free(g.dl_before);
     free(base);
     free(steps);
     pthread_mutex_destroy(&s.mu);
