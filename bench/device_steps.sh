@@ -32,7 +32,8 @@
 #   device_issue9 DIR    issue 9 on the one GPU: bench/via_host_paths.py (MIBS, default "1 4 16
 #                        64") with 2 and 4 ranks over TCP into DIR/via_host.txt, the loop-lag
 #                        and 8 B latency run (bench/gpu_loop_lag.py, 2 ranks) into DIR/lag.json,
-#                        and the GPU, staging and native-ring tests into DIR/gpu_tests.txt
+#                        and the GPU, staging and native-ring tests (GPU_TESTS) into
+#                        DIR/gpu_tests.txt
 # bench/device_batch.sh runs a list of these steps by name.
 export NCCL_NVLS_ENABLE=0 ACOLL_TIMEOUT=${ACOLL_TIMEOUT:-60}
 SITE=${GPU_SITE:-/tmp/acoll-site}
@@ -45,7 +46,7 @@ device_machine() {
 device_suite() {  # (make test-gpu installs the carried wheels into $SITE)
   local t0=$SECONDS
   timeout --kill-after=10 "${SUITE_LIMIT:-300}" make test-gpu \
-    PYTEST_ARGS="-q -n ${WORKERS:-12} --dist loadgroup -p no:randomly -p no:benchmark -rs --timeout 300" \
+    PYTEST_ARGS="-q -n ${WORKERS:-12} --dist loadgroup -p no:randomly -p no:benchmark -rs ${SUITE_ARGS:---timeout 300}" \
     >"$1/suite.txt" 2>&1
   echo "== suite: exit $? after $((SECONDS - t0)) s" | tee -a "$1/suite.txt"
   tail -n 3 "$1/suite.txt"
@@ -204,8 +205,9 @@ device_issue9() {
     -n 2 -- python3 bench/gpu_loop_lag.py --gc collect --iters 16 --json "$1/lag.json" \
     >"$1/lag.txt" 2>&1
   echo "== lag: exit $? at $SECONDS s" | tee -a "$1/lag.txt"
-  PYTHONPATH="$PWD/src:$PWD/tests:$SITE" timeout 200 python3 -m pytest -q -p no:randomly \
-    -p no:benchmark -p no:cacheprovider --timeout 120 -rs tests/test_gpu.py tests/test_staging.py \
-    tests/test_native_ring.py >"$1/gpu_tests.txt" 2>&1
+  PYTHONPATH="$PWD/src:$PWD/tests:$SITE" timeout ${TESTS_LIMIT:-200} python3 -m pytest -q \
+    -p no:randomly -p no:benchmark -p no:cacheprovider --timeout 120 --timeout-method=thread \
+    -rs --durations=10 ${GPU_TESTS:-tests/test_gpu.py tests/test_staging.py tests/test_native_ring.py} \
+    >"$1/gpu_tests.txt" 2>&1
   echo "== gpu tests: exit $? at $SECONDS s" | tee -a "$1/gpu_tests.txt"; tail -n 3 "$1/gpu_tests.txt"
 }
