@@ -67,8 +67,9 @@ async def timed_run(self: Any) -> None:
             try:
                 await self.native.run()
             except BaseException:
-                self.copies.signals.release()
+                self.copies.finish(failed=True)
                 raise
+            self.copies.finish(failed=False)
             m.append(clock())
         elif stage is None:
             await self.last.wait(deadline)

@@ -247,6 +247,10 @@ class FakeStaging(SignalledStaging):
         return fence
 
 
+    def join_on(self, stream: Any, fence: Fence) -> None:
+        self.on_streams.append(("join", stream))
+
+
 class _FakeOrder(StreamOrder):
     def __init__(self, space: FakeDeviceSpace, stream: Any) -> None:
         self.space, self.stream, self.settle = space, stream, stream is None

@@ -257,9 +257,10 @@ class _MemOps:
 async def test_copy_counters_and_piecewise_copies_on_the_callers_stream(
         cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """CudaStaging's copy counters: one pair per pooled block, kept with it; downloads
-    piece by piece, each followed by a write of the ready counter's next value, and
-    uploads each after a wait for the final counter's, all on the caller's stream; a
-    release lets every upload through."""
+    piece by piece on the caller's stream, each followed by a write of the ready
+    counter's next value; uploads each after a wait for the final counter's, on a stream
+    of the staging's own ordered after the caller's work, and the caller's stream joined
+    after them; a release lets every upload through."""
     from acoll._memory import cuda as cuda_mod
 
     monkeypatch.setattr(cuda_mod, "_MEM_OPS", [_MemOps()])
@@ -275,7 +276,8 @@ async def test_copy_counters_and_piecewise_copies_on_the_callers_stream(
     sig.words[sig.READY] = 0xFFFFFFFF  # (values wrap)
     sig.begin(2)
     src = space.adopt(fake_cupy.ndarray(np.arange(16384, dtype=np.float32)), "x")
-    dst = space.adopt(fake_cupy.ndarray(np.zeros(16384, np.float32)), "y", writable=True)
+    out = fake_cupy.ndarray(np.zeros(16384, np.float32))
+    dst = space.adopt(out, "y", writable=True)
     stream = space.resolve_stream(None)
     fake_cupy.enqueued.clear()
     staging.download_pieces_on(stream, view, src, [(0, 4096), (4096, 65536)], sig)
@@ -284,12 +286,21 @@ async def test_copy_counters_and_piecewise_copies_on_the_callers_stream(
                                       ("memcpy", 0), ("write", stream.ptr, ready, 1)]
     assert view.array.view(np.float32).tolist() == list(range(16384))
     fake_cupy.enqueued.clear()
-    staging.upload_pieces_on(stream, dst, view, [(0, 8), (8, 65536)], sig)
+    fence = staging.upload_pieces_on(stream, dst, view, [(0, 8), (8, 65536)], sig)
     final = sig.device_ptr + 4 * sig.FINAL
-    assert fake_cupy.enqueued[:4] == [("wait", stream.ptr, final, sig.final_value(0)),
-                                      ("memcpy", 0),
-                                      ("wait", stream.ptr, final, sig.final_value(1)),
-                                      ("memcpy", 0)]
+    side = staging._side
+    assert side is not None
+    assert side.ptr != stream.ptr  # (never the caller's stream: see upload_pieces_on)
+    assert fake_cupy.enqueued == [("record", 0), ("wait_event", 0),  # (after the caller's)
+                                  ("wait", side.ptr, final, sig.final_value(0)),
+                                  ("memcpy", 0),
+                                  ("wait", side.ptr, final, sig.final_value(1)),
+                                  ("memcpy", 0), ("record", 0)]
+    assert out.get().tolist() == list(range(16384))
+    fake_cupy.enqueued.clear()
+    staging.join_on(stream, fence)
+    assert fake_cupy.enqueued == [("wait_event", 0)]
+    assert stream.waits[-1] is fence.event  # type: ignore[attr-defined]
     sig.release()
     assert int(sig.words[sig.FINAL]) == sig.final_value(1)
 

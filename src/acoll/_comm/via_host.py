@@ -413,8 +413,9 @@ class DirectLarge:
                 try:
                     await self.native.run()  # (the copies wait on the ring, and it on them)
                 except BaseException:
-                    self.copies.signals.release()  # (the stream must not wait forever)
+                    self.copies.finish(failed=True)
                     raise
+                self.copies.finish(failed=False)
             elif stage is None:
                 assert self._last is not None
                 await self._last.wait(deadline)
@@ -466,6 +467,14 @@ class NativeCopies:
         """Queue the uploads (the ring's C call is on its way)."""
         self.upload = self.staging.upload_pieces_on(self.stream, self.recv, self.view,
                                                     self.uploads, self.signals)
+
+    def finish(self, failed: bool) -> None:
+        """The ring returned (``failed``: or never ran, or failed): let every upload go
+        when it failed, and order the caller's stream after the uploads."""
+        if failed:
+            self.signals.release()  # (the upload stream must not wait forever)
+        if self.upload is not None:
+            self.staging.join_on(self.stream, self.upload)
 
 
 def native_pipelines(nbytes: int) -> bool:

@@ -451,10 +451,19 @@ class SignalledStaging(DirectStaging):
     @abstractmethod
     def upload_pieces_on(self, stream: Any, dst: Buffer, src: Buffer,
                          pieces: list[tuple[int, int]], signals: CopySignals) -> Fence:
-        """Enqueue, for each byte range ``(a, b)`` of ``pieces`` in order on the caller's
-        ``stream``: wait until ``signals``' final counter reaches
-        :meth:`CopySignals.final_value` of its index, then ``dst[a:b] = src[a:b]``; the
-        fence is the last one's (own). Later work on ``stream`` sees the data."""
+        """Enqueue, for each byte range ``(a, b)`` of ``pieces`` in order, after the work
+        queued on the caller's ``stream`` so far: wait until ``signals``' final counter
+        reaches :meth:`CopySignals.final_value` of its index, then ``dst[a:b] =
+        src[a:b]``; the fence is the last one's (own). The waits go on a stream of the
+        staging's own, never the caller's: another rank of the process may queue work on
+        that stream that this op's ring needs first (its downloads). :meth:`join_on` then
+        orders the caller's stream after them."""
+
+    @abstractmethod
+    def join_on(self, stream: Any, fence: Fence) -> None:
+        """Later work on the caller's ``stream`` waits for ``fence`` (of
+        :meth:`upload_pieces_on`); called once the uploads' waits are all met or
+        released."""
 
 
 def _size_class(nbytes: int) -> int:

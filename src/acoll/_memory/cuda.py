@@ -599,6 +599,7 @@ class CudaStaging(SignalledStaging):
         self._signals: dict[int, CopySignals] = {}  # by block address
         self._spare: list[CopySignals] = []  # made, not yet given to a block
         self._signals_work: bool | None = None  # (None: not tried yet)
+        self._side: Any = None  # the stream piecewise uploads wait on (made on first use)
 
     def signals(self, block: Buffer) -> CopySignals | None:
         found = self._signals.get(block.ptr)
@@ -659,17 +660,39 @@ class CudaStaging(SignalledStaging):
         ops = _stream_mem_ops()
         assert ops is not None
         final = signals.device_ptr + 4 * signals.FINAL
+        space = self.space
+        if self._side is None:
+            with space.cp.cuda.Device(space.device):
+                self._side = space.cp.cuda.Stream(non_blocking=True)
+        side = self._side
 
         def enqueue(runtime: Any, sp: int) -> None:
+            after = space.take_event()
+            after.record(stream)
+            side.wait_event(after)
+            space.give_event(after)  # (the wait took the event's state: reusable)
             for i, (a, b) in enumerate(pieces):
-                ops.wait(sp, final, signals.final_value(i))
-                runtime.memcpyAsync(dst.ptr + a, src.ptr + a, b - a, _H2D, sp)
+                ops.wait(side.ptr, final, signals.final_value(i))
+                runtime.memcpyAsync(dst.ptr + a, src.ptr + a, b - a, _H2D, side.ptr)
 
-        return self._pieces_on(stream, enqueue)
+        return self._pieces_on(side, enqueue)
+
+    def join_on(self, stream: Any, fence: Fence) -> None:
+        assert type(fence) is _EventFence
+        space = self.space
+        runtime = space.cp.cuda.runtime
+        prev = runtime.getDevice()
+        if prev != space.device:
+            runtime.setDevice(space.device)
+        try:
+            stream.wait_event(fence.event)
+        finally:
+            if prev != space.device:
+                runtime.setDevice(prev)
 
     def _pieces_on(self, stream: Any, enqueue: Callable[[Any, int], None]) -> Fence:
-        """``enqueue(runtime, stream pointer)`` on the caller's ``stream`` under the space's
-        device, then an event (pooled) as the fence."""
+        """``enqueue(runtime, stream pointer)`` under the space's device, then an event
+        (pooled) recorded on ``stream`` as the fence."""
         space = self.space
         runtime = space.cp.cuda.runtime
         prev = runtime.getDevice()
