@@ -69,7 +69,7 @@ async def test_matrix_ranks_sharing_one_gpu(nranks: int, path: str,
     assert len(set(results)) == 1
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(100)
 @pytest.mark.parametrize("nranks", [2, 3])
 async def test_native_ring_pipelines_copies_through_counters_on_the_gpu(
         nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
