@@ -70,6 +70,10 @@ async def test_matrix_ranks_sharing_one_gpu(nranks: int, path: str,
 
 
 @pytest.mark.timeout(100)
+@pytest.mark.skipif(os.environ.get("ACOLL_GPU_VIA_HOST_COUNTERS") != "1",
+                    reason="copy counters are experimental and off: on an H100 they broke "
+                    "the process's CUDA context (session 45, bench/results/session45_h100/"
+                    "README.md); ACOLL_GPU_VIA_HOST_COUNTERS=1 runs this test")
 @pytest.mark.parametrize("nranks", [2, 3])
 async def test_native_ring_pipelines_copies_through_counters_on_the_gpu(
         nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:

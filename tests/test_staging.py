@@ -929,11 +929,12 @@ async def test_native_ring_pipelines_its_copies_through_counters(
     uploaded once the ring's final counter lets it (fake: a poller, as a stream waiting on
     the counter): exact results for dtypes and ops, in place and not, with stream=, over
     many calls (the counters wrap around), every piece moved once and every upload done.
-    Without counters (a staging that has none) or with ACOLL_GPU_VIA_HOST_PIPELINE=0 the
-    copies go whole."""
+    Without counters (a staging that has none), with ACOLL_GPU_VIA_HOST_PIPELINE=0 or
+    without ACOLL_GPU_VIA_HOST_COUNTERS (the default) the copies go whole."""
     from acoll._comm import via_host
 
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIECE", "8K")
     monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 64 << 10)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 20)
@@ -981,6 +982,9 @@ async def test_native_ring_pipelines_its_copies_through_counters(
     assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
     monkeypatch.setattr(FakeStaging, "signalled", True)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "0")
+    assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
+    monkeypatch.delenv("ACOLL_GPU_VIA_HOST_COUNTERS")
     assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
 
 
@@ -1037,6 +1041,7 @@ async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
     the peer within seconds; the communicator then refuses calls. With piecewise copies,
     the failed op's uploads are let through (nothing waits on its counter forever)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
     monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)
@@ -1068,6 +1073,7 @@ async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
     fresh pair of communicators runs), and with piecewise copies the cancelled op's
     uploads are let through."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
     monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)

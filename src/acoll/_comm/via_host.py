@@ -43,7 +43,7 @@ from typing import Any
 
 from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
-from .._config import Setting, parse_size
+from .._config import Setting, parse_bool, parse_size
 from .._dtypes import ReduceOp
 from .._memory import (
     Buffer,
@@ -73,6 +73,11 @@ PIPELINE_MIN = 1 << 20
 PIECE_CHUNKS = 4
 MAX_PIECES = 64
 
+STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", parse_bool, False,
+                         "Experimental, off: through the host on the native ring, pipeline "
+                         "the copies with it through copy counters (cuStreamWriteValue32 / "
+                         "cuStreamWaitValue32); on an H100 it broke the CUDA context "
+                         "(session 45, not yet understood).", "COLL")
 STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
                       "Through the host on the native ring: the copies' piece (bytes; 0, "
                       "auto: an eighth of the call, from 256 KiB to 4 MiB).", "COLL")
@@ -478,9 +483,9 @@ class NativeCopies:
 
 
 def native_pipelines(nbytes: int) -> bool:
-    """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies (when
-    the setting allows and the staging has copy counters)."""
-    return nbytes >= NATIVE_PIPELINE_MIN
+    """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies
+    through copy counters (``ACOLL_GPU_VIA_HOST_COUNTERS``; where the staging has them)."""
+    return nbytes >= NATIVE_PIPELINE_MIN and STAGE_COUNTERS.resolve()
 
 
 def pipelines(cls: type, nbytes: int) -> bool:
