@@ -919,22 +919,25 @@ async def test_native_ring_runs_device_all_reduces_through_the_host(
     assert len(native_runs) == nranks * 8
 
 
-@pytest.mark.parametrize("nranks", [2, 3])
+@pytest.mark.parametrize(("nranks", "mode"), [(2, "1"), (3, "both"), (2, "down"), (3, "up")])
 async def test_native_ring_pipelines_its_copies_through_counters(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
-        native_runs: list[tuple[MemoryKind, int]], nranks: int) -> None:
+        native_runs: list[tuple[MemoryKind, int]], nranks: int, mode: str) -> None:
     """From NATIVE_PIPELINE_MIN, a device all_reduce on the native ring (direct path)
     copies in pieces beside the ring: downloads land late, one by one, bumping the block's
     ready counter (the C ring reads no piece before), and each piece of the result is
     uploaded once the ring's final counter lets it (fake: a poller, as a stream waiting on
     the counter): exact results for dtypes and ops, in place and not, with stream=, over
     many calls (the counters wrap around), every piece moved once and every upload done.
-    Without counters (a staging that has none), with ACOLL_GPU_VIA_HOST_PIPELINE=0 or
-    without ACOLL_GPU_VIA_HOST_COUNTERS (the default) the copies go whole."""
+    ``down``: downloads only in pieces, the upload whole after the ring; ``up``: the
+    download whole (awaited before the ring: the ring is told every piece landed), the
+    uploads in pieces. Without counters (a staging that has none), with
+    ACOLL_GPU_VIA_HOST_PIPELINE=0 or without ACOLL_GPU_VIA_HOST_COUNTERS (the default)
+    the copies go whole."""
     from acoll._comm import via_host
 
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
-    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", mode)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIECE", "8K")
     monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 64 << 10)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 20)
@@ -964,8 +967,12 @@ async def test_native_ring_pipelines_its_copies_through_counters(
         return pieces, staging.piece_uploads - staging.piece_downloads
 
     for pieces, unmatched in await run_ranks(nranks, fn, device=0):
-        assert all(p > 2 for p in pieces), pieces  # (4- and 8-byte items in 8 KiB pieces)
-        assert unmatched == 0  # (as many pieces up as down)
+        if mode == "up":  # (the download whole, then as many pieces up as the ring made)
+            assert all(p == 0 for p in pieces), pieces
+            assert unmatched > 2 * len(pieces)
+        else:  # (4- and 8-byte items in 8 KiB pieces)
+            assert all(p > 2 for p in pieces), pieces
+            assert (unmatched == 0) == (mode != "down")  # (as many pieces up as down)
     assert {kind for kind, _ in native_runs} == {MemoryKind.HOST}
     assert len(native_runs) == nranks * 24
 

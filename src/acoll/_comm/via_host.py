@@ -43,7 +43,7 @@ from typing import Any
 
 from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
-from .._config import Setting, parse_bool, parse_size
+from .._config import Setting, parse_size
 from .._dtypes import ReduceOp
 from .._memory import (
     Buffer,
@@ -73,10 +73,20 @@ PIPELINE_MIN = 1 << 20
 PIECE_CHUNKS = 4
 MAX_PIECES = 64
 
-STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", parse_bool, False,
+def _parse_counters(text: str) -> str:
+    """``ACOLL_GPU_VIA_HOST_COUNTERS``: which copies go through copy counters."""
+    mode = {"0": "", "off": "", "1": "both", "on": "both"}.get(text.lower(), text.lower())
+    if mode not in ("", "both", "down", "up"):
+        raise ValueError("expected 0, 1, both, down or up")
+    return mode
+
+
+STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", _parse_counters, "",
                          "Experimental, off: through the host on the native ring, pipeline "
                          "the copies with it through copy counters (cuStreamWriteValue32 / "
-                         "cuStreamWaitValue32); on an H100 it broke the CUDA context "
+                         "cuStreamWaitValue32): 1 or both, down (downloads only; the "
+                         "upload whole after the ring) or up (uploads only; the download "
+                         "whole, awaited first). On an H100 both broke the CUDA context "
                          "(session 45, not yet understood).", "COLL")
 STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
                       "Through the host on the native ring: the copies' piece (bytes; 0, "
@@ -392,7 +402,8 @@ class DirectLarge:
 
                 def started() -> None:
                     copies.start_uploads()
-                    self._last = copies.upload
+                    if copies.upload is not None:
+                        self._last = copies.upload
 
                 self.native.started = started
         return self
@@ -416,11 +427,15 @@ class DirectLarge:
             if self.copies is not None:
                 assert self.native is not None
                 try:
+                    if self.copies.mode == "up":
+                        await self.copies.download.wait(deadline)
                     await self.native.run()  # (the copies wait on the ring, and it on them)
                 except BaseException:
                     self.copies.finish(failed=True)
                     raise
                 self.copies.finish(failed=False)
+                if self.copies.upload is not None:
+                    self._last = self.copies.upload
             elif stage is None:
                 assert self._last is not None
                 await self._last.wait(deadline)
@@ -455,6 +470,8 @@ class NativeCopies:
                  send: Buffer, recv: Buffer, view: Buffer, size: int, rank: int) -> None:
         self.staging, self.signals, self.stream = staging, signals, stream
         self.recv, self.view = recv, view
+        #: which copies go in pieces: "both", "down" or "up" (``ACOLL_GPU_VIA_HOST_COUNTERS``)
+        self.mode = STAGE_COUNTERS.resolve() or "both"
         isz = send.itemsize
         wanted = STAGE_PIECE.resolve()
         piece_bytes = wanted if wanted > 0 else min(4 << 20, max(256 << 10, send.nbytes // 8))
@@ -462,30 +479,42 @@ class NativeCopies:
         downloads, uploads = staged_pieces(send.count, size, rank, piece)
         self.uploads = [(a * isz, b * isz) for a, b in uploads]
         signals.begin(len(uploads))
-        self.download = staging.download_pieces_on(
-            stream, view, send, [(a * isz, b * isz) for a, b in downloads], signals)
-        self.stage = Stage(signals.ready_addr, signals.final_addr, signals.ready_base,
+        ready_base = signals.ready_base
+        if self.mode == "up":  # (one whole download, awaited before the ring starts:
+            # the ring sees every piece landed from the first)
+            self.download = staging.download_on(stream, view, send, own=True)
+            ready_base = (ready_base - len(downloads)) & 0xFFFFFFFF
+        else:
+            self.download = staging.download_pieces_on(
+                stream, view, send, [(a * isz, b * isz) for a, b in downloads], signals)
+        self.stage = Stage(signals.ready_addr, signals.final_addr, ready_base,
                            signals.final_base, piece)
         self.upload: Fence | None = None
 
     def start_uploads(self) -> None:
         """Queue the uploads (the ring's C call is on its way)."""
-        self.upload = self.staging.upload_pieces_on(self.stream, self.recv, self.view,
-                                                    self.uploads, self.signals)
+        if self.mode != "down":
+            self.upload = self.staging.upload_pieces_on(self.stream, self.recv, self.view,
+                                                        self.uploads, self.signals)
 
     def finish(self, failed: bool) -> None:
         """The ring returned (``failed``: or never ran, or failed): let every upload go
-        when it failed, and order the caller's stream after the uploads."""
+        when it failed, and order the caller's stream after the uploads (or, downloads
+        only in pieces, upload the result whole)."""
         if failed:
             self.signals.release()  # (the upload stream must not wait forever)
-        if self.upload is not None:
+        if self.mode == "down":
+            if not failed:
+                self.upload = self.staging.upload_on(self.stream, self.recv, self.view,
+                                                     own=True)
+        elif self.upload is not None:
             self.staging.join_on(self.stream, self.upload)
 
 
 def native_pipelines(nbytes: int) -> bool:
     """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies
     through copy counters (``ACOLL_GPU_VIA_HOST_COUNTERS``; where the staging has them)."""
-    return nbytes >= NATIVE_PIPELINE_MIN and STAGE_COUNTERS.resolve()
+    return nbytes >= NATIVE_PIPELINE_MIN and bool(STAGE_COUNTERS.resolve())
 
 
 def pipelines(cls: type, nbytes: int) -> bool:
