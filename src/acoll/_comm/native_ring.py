@@ -363,9 +363,10 @@ class NativeRing:
                 started()
             result: tuple[int, int, bytes] = await asyncio.shield(fut)
         except BaseException:
-            # Cancelled: the C code stops at its next check (a piece, or a poll slice of
-            # 50 ms); wait that long, so that the buffers are not written after the
-            # cancellation reached the caller (unless cancelled again meanwhile).
+            # Cancelled (or ``started`` failed): the C code stops at its next check (a
+            # piece, or a poll slice of 50 ms); wait that long, so that the buffers are not
+            # written after the cancellation reached the caller (unless cancelled again
+            # meanwhile).
             state.abort = 1
             with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
                 await asyncio.wait_for(asyncio.shield(fut), _CANCEL_WAIT)
