@@ -679,33 +679,34 @@ class CudaStaging(SignalledStaging):
 
     def join_on(self, stream: Any, fence: Fence) -> None:
         assert type(fence) is _EventFence
-        space = self.space
-        runtime = space.cp.cuda.runtime
-        prev = runtime.getDevice()
-        if prev != space.device:
-            runtime.setDevice(space.device)
-        try:
-            stream.wait_event(fence.event)
-        finally:
-            if prev != space.device:
-                runtime.setDevice(prev)
+        self._on_device(lambda runtime: stream.wait_event(fence.event))
 
     def _pieces_on(self, stream: Any, enqueue: Callable[[Any, int], None]) -> Fence:
         """``enqueue(runtime, stream pointer)`` under the space's device, then an event
         (pooled) recorded on ``stream`` as the fence."""
         space = self.space
+
+        def work(runtime: Any) -> Any:
+            enqueue(runtime, stream.ptr)
+            event = space.take_event()
+            event.record(stream)
+            return event
+
+        return _EventFence(space, self._on_device(work))
+
+    def _on_device(self, work: Callable[[Any], Any]) -> Any:
+        """``work(runtime)`` with the space's device current (switched only when it is
+        not, and back after)."""
+        space = self.space
         runtime = space.cp.cuda.runtime
         prev = runtime.getDevice()
         if prev != space.device:
             runtime.setDevice(space.device)
         try:
-            enqueue(runtime, stream.ptr)
-            event = space.take_event()
-            event.record(stream)
+            return work(runtime)
         finally:
             if prev != space.device:
                 runtime.setDevice(prev)
-        return _EventFence(space, event)
 
     def _allocate(self, nbytes: int) -> Buffer:
         cp = self.space.cp
