@@ -1,8 +1,15 @@
-"""Where acoll's copy counters break the CUDA context (session 45): CudaStaging's
-piecewise copies driven by hand (no ring), one step at a time, the context checked after
-each (a CuPy op and an event sync). Run on a GPU host:
+"""Where acoll's copy counters break the CUDA context (session 45). Each case runs in a
+fresh process (a crash hides nothing else):
 
-    python bench/counters_probe.py
+- ``staging``: CudaStaging's piecewise copies driven by hand (no ring), one step at a
+  time, the context checked after each (a CuPy op and an event sync);
+- ``ring-down``, ``ring-up``, ``ring-both``: two ranks of one process over TCP, 1 MiB and
+  12 MiB float32 all_reduces with ``ACOLL_GPU_VIA_HOST_COUNTERS`` at that value, checked
+  after each call.
+
+Run on a GPU host:
+
+    python bench/counters_probe.py [CASE]
 """
 
 from __future__ import annotations
@@ -67,8 +74,43 @@ async def main() -> None:
     staging.release(block, up)
 
 
+async def ring(mode: str) -> None:
+    import os
+
+    import cupy as cp
+
+    import acoll
+    from acoll.testing import run_ranks
+
+    for name in ("ACOLL_P2P_DISABLE", "ACOLL_SHM_DISABLE", "ACOLL_INPROC_DISABLE"):
+        os.environ[name] = "1"
+    os.environ["ACOLL_GPU_VIA_HOST_COUNTERS"] = mode
+
+    async def fn(comm: acoll.Communicator) -> None:
+        for n in ((1 << 18) + 7, 3_000_001, 3_000_001):
+            with cp.cuda.Device(0):
+                x = cp.full(n, comm.rank + 1, cp.float32)
+            await comm.all_reduce(x)
+            ok(cp, f"rank {comm.rank}, {n} floats: {float(x[0])}, counters "
+               f"{len(comm.mem.staging()._signals)}")
+
+    await run_ranks(2, fn, device=0)
+
+
 if __name__ == "__main__":
-    try:
-        asyncio.run(main())
-    except Exception:
-        traceback.print_exc()
+    import subprocess
+    import sys
+
+    cases = ["staging", "ring-down", "ring-up", "ring-both"]
+    if len(sys.argv) == 1:
+        for case in cases:
+            r = subprocess.run([sys.executable, __file__, case], capture_output=True,
+                               text=True, timeout=120)
+            print(f"## {case}: exit {r.returncode}", *(r.stdout + r.stderr).splitlines()[-12:],
+                  sep="\n  ", flush=True)
+    else:
+        try:
+            asyncio.run(main() if sys.argv[1] == "staging" else ring(sys.argv[1][5:]))
+        except Exception:
+            traceback.print_exc()
+            sys.exit(1)
