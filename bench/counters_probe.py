@@ -89,10 +89,10 @@ async def ring(mode: str) -> None:
     async def fn(comm: acoll.Communicator) -> None:
         for n in ((1 << 18) + 7, 3_000_001, 3_000_001):
             with cp.cuda.Device(0):
-                x = cp.full(n, comm.rank + 1, cp.float32)
+                x = cp.ones(n, cp.float32)
             await comm.all_reduce(x)
-            ok(cp, f"rank {comm.rank}, {n} floats: {float(x[0])}, counters "
-               f"{len(comm.mem.staging()._signals)}")
+            ok(cp, f"rank {comm.rank}, {n} floats: {float(x.get()[-1])} (2 expected), "
+               f"counters {len(comm.mem.staging()._signals)}")
 
     await run_ranks(2, fn, device=0)
 
