@@ -64,16 +64,7 @@ async def timed_run(self: Any) -> None:
     waited = False
     try:
         if self.copies is not None:  # (the native ring, its copies pipelined by counters)
-            try:
-                if self.copies.mode == "up":
-                    await self.copies.download.wait(deadline)
-                await self.native.run()
-            except BaseException:
-                self.copies.finish(failed=True)
-                raise
-            self.copies.finish(failed=False)
-            if self.copies.upload is not None:
-                self._last = self.copies.upload
+            await self.run_copies(deadline)
             m.append(clock())
         elif stage is None:
             await self.last.wait(deadline)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -852,6 +853,28 @@ def _needs_native() -> None:
         pytest.skip("no C compiler: the native ring cannot be built here")
 
 
+async def _each_case(comm: acoll.Communicator, n: int, cases: list[tuple[Any, str]],
+                     shift: int, counter: Callable[[], int]) -> list[int]:
+    """Device all_reduces of ``n`` elements on the fake device, each (dtype, op) of
+    ``cases`` out of place and then in place with ``stream=``, results checked exactly
+    (inputs shifted by ``shift``); per call, how much ``counter()`` grew."""
+    grew = []
+    for i, (dtype, op) in enumerate(cases):
+        ins = [((np.arange(n) * (i + 3) + r + shift) % 5 + 1).astype(dtype)
+               for r in range(comm.size)]
+        want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
+                "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op]
+        for inplace, kw in ((False, {}), (True, {"stream": "s"})):
+            before = counter()
+            x = FakeDevArray(ins[comm.rank].copy())
+            out = None if inplace else FakeDevArray(np.zeros(n, dtype))
+            await comm.all_reduce(x, out, op, **kw)
+            got = x.arr if inplace else out.arr  # type: ignore[union-attr]
+            np.testing.assert_array_equal(got, want.astype(dtype))
+            grew.append(counter() - before)
+    return grew
+
+
 @pytest.fixture
 def native_runs(monkeypatch: pytest.MonkeyPatch) -> list[tuple[MemoryKind, int]]:
     """(memory kind, bytes) of the buffers of every native ring call."""
@@ -895,19 +918,8 @@ async def test_native_ring_runs_device_all_reduces_through_the_host(
         staging = fake_devices[comm.rank].staging()
         downloads = []
         for n in (50_001, 300):  # (the ring's, then the small algorithm's)
-            for i, (dtype, op) in enumerate(cases):
-                ins = [((np.arange(n) * (i + 3) + r) % 5 + 1).astype(dtype)
-                       for r in range(comm.size)]
-                want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
-                        "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op]
-                for inplace, kw in ((False, {}), (True, {"stream": "s"})):
-                    before = staging.downloads
-                    x = FakeDevArray(ins[comm.rank].copy())
-                    out = None if inplace else FakeDevArray(np.zeros(n, dtype))
-                    await comm.all_reduce(x, out, op, **kw)
-                    got = x.arr if inplace else out.arr  # type: ignore[union-attr]
-                    np.testing.assert_array_equal(got, want.astype(dtype))
-                    downloads.append(staging.downloads - before)
+            downloads += await _each_case(comm, n, cases, 0,
+                                          lambda: staging.downloads)
         return downloads
 
     for downloads in await run_ranks(nranks, fn, device=0):
@@ -949,19 +961,7 @@ async def test_native_ring_pipelines_its_copies_through_counters(
         assert isinstance(staging, FakeStaging)
         pieces = []
         for rnd in range(3):
-            for i, (dtype, op) in enumerate(cases):
-                ins = [((np.arange(n) * (i + 3) + r + rnd) % 5 + 1).astype(dtype)
-                       for r in range(comm.size)]
-                want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
-                        "prod": np.prod(ins, 0), "avg": sum(ins) / comm.size}[op]
-                for inplace, kw in ((False, {}), (True, {"stream": "s"})):
-                    before = staging.piece_downloads
-                    x = FakeDevArray(ins[comm.rank].copy())
-                    out = None if inplace else FakeDevArray(np.zeros(n, dtype))
-                    await comm.all_reduce(x, out, op, **kw)
-                    got = x.arr if inplace else out.arr  # type: ignore[union-attr]
-                    np.testing.assert_array_equal(got, want.astype(dtype))
-                    pieces.append(staging.piece_downloads - before)
+            pieces += await _each_case(comm, n, cases, rnd, lambda: staging.piece_downloads)
         await asyncio.sleep(0.01)  # (a stream=s call's last uploads may still be going)
         assert all(f.done() for f in staging.piece_upload_fences)
         return pieces, staging.piece_uploads - staging.piece_downloads

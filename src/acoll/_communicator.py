@@ -84,6 +84,7 @@ from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
 from ._comm.probe import PeerState, answer, ask, is_probe
 from ._comm.via_host import (
+    STAGE_COUNTERS,
     CallerCopies,
     DirectCall,
     DirectLarge,
@@ -377,6 +378,8 @@ class Communicator:
         self._native: NativeRing | None = None  # large TCP all_reduces in C (_form)
         self._via_host_max = VIA_HOST_MAX.resolve() if self.mem.device is not None else 0
         self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
+        # (the native ring's copies through counters: "", or which go in pieces)
+        self._via_counters = STAGE_COUNTERS.resolve() if self._via_pipe else ""
         self._host_mem = HostSpace()  # for device ops run on host copies (and scratch)
         # small device all_reduces run on the host, by (count, dtype, op): a page-locked
         # copy of their own and the algorithm's choice (see _via_host_direct)
@@ -1032,13 +1035,13 @@ class Communicator:
         stage: RingStaging | None = None
         copies: NativeCopies | None = None
         native = self._via_native(s, rop, cls)
-        signals = (staging.signals(lease[1]) if native is not None and self._via_pipe
+        signals = (staging.signals(lease[1]) if native is not None and self._via_counters
                    and native_pipelines(s.nbytes)
                    and isinstance(staging, SignalledStaging) else None)
         if signals is not None:
             assert isinstance(staging, SignalledStaging)
             copies = NativeCopies(staging, signals, caller, s, r, lease[0], self.size,
-                                  self.rank)
+                                  self.rank, self._via_counters)
         elif (native is None and self._via_pipe and pipelines(cls, s.nbytes)
                 and s.count > chunk):
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,

@@ -60,8 +60,9 @@ from .._native import Stage
 from .executor import Algorithm
 from .native_ring import NativeRing, NativeRingAllReduce, staged_pieces
 
-__all__ = ["CallerCopies", "DirectCall", "DirectLarge", "DirectPlan", "NativeCopies",
-           "OrderedCopies", "RingStaging", "ViaHost", "native_pipelines", "pipelines"]
+__all__ = ["STAGE_COUNTERS", "CallerCopies", "DirectCall", "DirectLarge", "DirectPlan",
+           "NativeCopies", "OrderedCopies", "RingStaging", "ViaHost", "native_pipelines",
+           "pipelines"]
 
 #: Calls of more bytes than this pipeline their copies with the ring (when
 #: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on). At 1 MiB the first piece is half the input or
@@ -416,6 +417,23 @@ class DirectLarge:
             self.started = True
             self.staging.release(self.block, self.last)
 
+    async def run_copies(self, deadline: float) -> None:
+        """The native ring with its copies through counters (``copies``): on failure the
+        waiting uploads are let go; either way the caller's stream joins them."""
+        copies, native = self.copies, self.native
+        assert copies is not None
+        assert native is not None
+        try:
+            if copies.mode == "up":
+                await copies.download.wait(deadline)
+            await native.run()  # (the copies wait on the ring, and it on them)
+        except BaseException:
+            copies.finish(failed=True)
+            raise
+        copies.finish(failed=False)
+        if copies.upload is not None:
+            self._last = copies.upload
+
     async def run(self) -> None:
         self.started = True
         deadline = asyncio.get_running_loop().time() + self.timeout
@@ -425,17 +443,7 @@ class DirectLarge:
         waited = False
         try:
             if self.copies is not None:
-                assert self.native is not None
-                try:
-                    if self.copies.mode == "up":
-                        await self.copies.download.wait(deadline)
-                    await self.native.run()  # (the copies wait on the ring, and it on them)
-                except BaseException:
-                    self.copies.finish(failed=True)
-                    raise
-                self.copies.finish(failed=False)
-                if self.copies.upload is not None:
-                    self._last = self.copies.upload
+                await self.run_copies(deadline)
             elif stage is None:
                 assert self._last is not None
                 await self._last.wait(deadline)
@@ -467,11 +475,12 @@ class NativeCopies:
     (:meth:`start_uploads`). Nothing is awaited from the loop until the op's end."""
 
     def __init__(self, staging: SignalledStaging, signals: CopySignals, stream: Any,
-                 send: Buffer, recv: Buffer, view: Buffer, size: int, rank: int) -> None:
+                 send: Buffer, recv: Buffer, view: Buffer, size: int, rank: int,
+                 mode: str) -> None:
         self.staging, self.signals, self.stream = staging, signals, stream
         self.recv, self.view = recv, view
         #: which copies go in pieces: "both", "down" or "up" (``ACOLL_GPU_VIA_HOST_COUNTERS``)
-        self.mode = STAGE_COUNTERS.resolve() or "both"
+        self.mode = mode
         isz = send.itemsize
         wanted = STAGE_PIECE.resolve()
         piece_bytes = wanted if wanted > 0 else min(4 << 20, max(256 << 10, send.nbytes // 8))
@@ -513,8 +522,9 @@ class NativeCopies:
 
 def native_pipelines(nbytes: int) -> bool:
     """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies
-    through copy counters (``ACOLL_GPU_VIA_HOST_COUNTERS``; where the staging has them)."""
-    return nbytes >= NATIVE_PIPELINE_MIN and bool(STAGE_COUNTERS.resolve())
+    through copy counters (when ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them and the
+    staging has them)."""
+    return nbytes >= NATIVE_PIPELINE_MIN
 
 
 def pipelines(cls: type, nbytes: int) -> bool:
