@@ -1,6 +1,7 @@
 """GPU all_reduce over sockets through the host, 1 to 64 MiB: the paths side by side (issue 9).
 
     python -m acoll.run -n 2 -- python bench/via_host_paths.py [--mib 1 4 16 64] [--ops 10]
+        [--variants gpu gpu-counters ...]
 
 Each rank forms a GPU communicator (``device="auto"``) and a host-only one. Per size and
 mode (in place / out of place) it times, in alternating blocks of ``--ops`` awaited
@@ -9,10 +10,14 @@ float32 sums (the order reversed every round):
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
   copies on the caller's stream; where the communicator has the native ring, the ring is
-  ``ring.c`` with its copies pipelined through copy counters from 512 KiB (session 45),
+  ``ring.c`` on one whole copy each way unless ``ACOLL_GPU_VIA_HOST_COUNTERS`` is set,
   else the Python ring with its copies pipelined), its stages timed by a patched copy of
   ``DirectLarge.run`` (on the counters' path "algorithm" is the whole C call, copies
   included, and "finish" is empty);
+- ``gpu-counters``, ``gpu-counters-down``, ``gpu-counters-up`` (only with ``--variants``):
+  the native ring with its copies pipelined through copy counters from 512 KiB, both
+  ways, the downloads only, the uploads only (``ACOLL_GPU_VIA_HOST_COUNTERS`` at 1,
+  down, up; sessions 45, 46);
 - ``gpu-whole``: the native ring on one whole copy each way (session 44's way;
   ``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
@@ -143,12 +148,23 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
         for comm, native in zip(comms, natives, strict=True):
             comm._via_pipe = name not in ("gpu-python-whole", "gpu-whole")
             comm._native = None if name.startswith("gpu-python") else native
+            comm._via_counters = COUNTERS.get(name, "")
 
     return apply
 
 
+#: variants on the native ring with copy counters (ACOLL_GPU_VIA_HOST_COUNTERS)
+COUNTERS = {"gpu-counters": "both", "gpu-counters-down": "down", "gpu-counters-up": "up"}
+VARIANTS = ["host", "gpu", "gpu-whole", "gpu-ordered", "gpu-python", "gpu-python-whole",
+            *COUNTERS]
+
+
 async def main() -> None:
     p = argparse.ArgumentParser()
+    p.add_argument("--variants", nargs="+", choices=VARIANTS[1:],
+                   default=["gpu", "gpu-whole", "gpu-ordered", "gpu-python",
+                            "gpu-python-whole"],
+                   help="GPU variants to time beside host (gpu: the default path)")
     p.add_argument("--mib", type=float, nargs="+", default=[1, 4, 16, 64])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--ops", type=int, default=10)
@@ -172,7 +188,7 @@ async def main() -> None:
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
-    names = ["host", "gpu", "gpu-whole", "gpu-ordered", "gpu-python", "gpu-python-whole"]
+    names = ["host", *args.variants]
     patch = {name: variant(name, gpus) for name in names}
     lines: list[str] = []
     for mib in args.mib:
@@ -209,7 +225,7 @@ async def main() -> None:
                         rows += [m for m in marks if len(m) == len(STAGES) + 1]
                         syncs += sync_ns
                         stages += stage_ns
-            patch["gpu"]()
+            patch["gpu" if "gpu" in patch else names[1]]()
             h = statistics.median(times["host"])
             lines.append(f"## {mib:g} MiB {mode}: host {h * 1e6:9.1f} us")
             for name in names[1:]:

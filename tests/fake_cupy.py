@@ -107,15 +107,29 @@ def get_current_stream(device_id: int = -1) -> Stream:
 
 
 class Event:
+    """As CuPy's: the CUDA event is destroyed in ``__del__`` (which the cyclic collector
+    calls for everything only garbage reaches, even an object a finalizer then revives);
+    using it after that is an error here (on a GPU: a crash or a destroyed context)."""
+
     def __init__(self, block: bool = False, disable_timing: bool = False) -> None:
         self.recorded_on: Stream | None = None
+        self.destroyed = False
+
+    def __del__(self) -> None:
+        self.destroyed = True
+
+    def _alive(self) -> None:
+        if self.destroyed:
+            raise RuntimeError("use of a destroyed CUDA event")
 
     def record(self, stream: Stream | None = None) -> None:
+        self._alive()
         self.recorded_on = stream
         enqueued.append(("record", _current[0]))
 
     @property
     def done(self) -> bool:
+        self._alive()
         return self.recorded_on is None or not self.recorded_on.busy
 
 

@@ -320,3 +320,85 @@ async def test_copy_counters_absent_or_broken_mean_whole_copies(
         assert staging.signals(block) is None
         assert staging.signals(block) is None
     assert "did not arrive" in caplog.text
+
+
+def test_fences_dropped_in_a_reference_cycle_never_pool_a_destroyed_event(
+        cupy: Any) -> None:
+    """A fence that dies in a reference cycle goes when the cyclic collector runs, which
+    finalizes everything only garbage reaches: CuPy's events are destroyed in __del__,
+    so an event reached only through such a fence would be destroyed before the fence's
+    __del__ gave it back to the pool, and the next take would hand out a dead event (the
+    copy counters' crash on an H100, session 46). The space keeps lent events alive."""
+    import gc
+
+    from acoll._memory.cuda import CudaSpace, _EventFence
+
+    space = CudaSpace(0)
+
+    class Holder:
+        """A garbage cycle holding fences (as a finished call's objects once were)."""
+
+    gc.collect()
+    gc.disable()  # (the cycle goes at the collect below, not earlier)
+    try:
+        holder = Holder()
+        holder.me = holder  # type: ignore[attr-defined]
+        holder.fences = [_EventFence(space, space.take_event())  # type: ignore[attr-defined]
+                         for _ in range(8)]
+        del holder
+        assert gc.collect() > 0
+    finally:
+        gc.enable()
+    assert len(space._events) == 8
+    for _ in range(8):
+        event = space.take_event()
+        event.record(space.stream)  # (raises on a destroyed event)
+        assert event.done
+    assert not any(e.destroyed for e in space._lent.values())
+
+
+async def test_a_direct_call_on_the_native_ring_leaves_no_reference_cycle(
+        cupy: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A larger device all_reduce on the native ring with copy counters (whose hook the
+    ring calls once its C call is on its way) leaves nothing for the cyclic collector:
+    its fences go back to the pool when the call returns, not whenever the collector
+    runs (see the test above for what that cost)."""
+    import gc
+
+    from acoll import _native
+    from acoll._memory import cuda as cuda_mod
+
+    if await _native.load_async() is None:
+        pytest.skip("no C compiler: the native ring cannot be built here")
+    monkeypatch.setattr(cuda_mod, "_MEM_OPS", [_MemOps()])
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "down")
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo")
+                                   for r in range(2)))
+    try:
+        assert all(c._native is not None for c in comms)
+        xs = [fake_cupy.ndarray(np.full(1 << 18, c.rank + 1.0, np.float32), 0)
+              for c in comms]
+        for _ in range(2):  # (the first call allocates the pooled block)
+            await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+        staged = sum(len(c.mem.staging()._signals) for c in comms)
+        assert staged == 2  # (the calls ran with counters)
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                await asyncio.gather(*(c.all_reduce(x)
+                                       for c, x in zip(comms, xs, strict=True)))
+            gc.set_debug(gc.DEBUG_SAVEALL)
+            gc.collect()
+            left = sorted({type(o).__name__ for o in gc.garbage
+                           if type(o).__module__.startswith("acoll")})
+        finally:
+            gc.set_debug(0)
+            gc.garbage.clear()
+            gc.enable()
+        assert left == [], left
+        assert all((x.get() == 3 * 2 ** 4).all() for x in xs)
+    finally:
+        for c in comms:
+            c.abort()

@@ -410,9 +410,13 @@ class DirectLarge:
         return self
 
     def abandon(self) -> None:
-        """The call failed before it ran: give the block back."""
+        """The call ended (or failed before it ran: then give the block back). Also
+        unhooks the ring's ``started`` hook, which refers back to this call: nothing of
+        the call may outlive it in a reference cycle (its fences would go back to the pool
+        only when the cyclic collector runs)."""
         if self.native is not None:
             self.native.leave()
+            self.native.started = None
         if not self.started:
             self.started = True
             self.staging.release(self.block, self.last)

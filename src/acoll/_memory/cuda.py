@@ -386,19 +386,33 @@ class CudaSpace(MemorySpace):
         self._pool: dict[int, Any] = {}
         self._staging: CudaStaging | None = None
         self._events: list[Any] = []  # idle events (see take_event)
+        # Events handed out and not yet given back, by id. The space keeps them alive:
+        # an event that only a garbage object (a fence in a reference cycle) reaches would
+        # be finalized by the cyclic collector, and CuPy destroys the CUDA event in
+        # ``Event.__del__``, possibly before the fence's own ``__del__`` gives it back to
+        # the pool, which then hands out a destroyed event (on an H100: segfaults in
+        # cuEventQuery and "context is destroyed", session 46).
+        self._lent: dict[int, Any] = {}
 
     def take_event(self) -> Any:
         """An idle timing-free event of this device (call under its device context); give
         it back with :meth:`give_event` once nothing will wait on its current record."""
-        return self._events.pop() if self._events else self.cp.cuda.Event(
+        event = self._events.pop() if self._events else self.cp.cuda.Event(
             block=False, disable_timing=True)
+        self._lent[id(event)] = event
+        return event
 
     def idle_event(self) -> Any:
         """An idle event from the pool (see :meth:`take_event`), or ``None`` when it is
         empty (creating one needs this device's context: :meth:`take_event` then)."""
-        return self._events.pop() if self._events else None
+        if not self._events:
+            return None
+        event = self._events.pop()
+        self._lent[id(event)] = event
+        return event
 
     def give_event(self, event: Any) -> None:
+        self._lent.pop(id(event), None)
         if len(self._events) < 64:
             self._events.append(event)
 
