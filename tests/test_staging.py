@@ -944,8 +944,8 @@ async def test_native_ring_pipelines_its_copies_through_counters(
     ``down``: downloads only in pieces, the upload whole after the ring; ``up``: the
     download whole (awaited before the ring: the ring is told every piece landed), the
     uploads in pieces. Without counters (a staging that has none), with
-    ACOLL_GPU_VIA_HOST_PIPELINE=0 or without ACOLL_GPU_VIA_HOST_COUNTERS (the default)
-    the copies go whole."""
+    ACOLL_GPU_VIA_HOST_PIPELINE=0 or with ACOLL_GPU_VIA_HOST_COUNTERS=0 the copies go
+    whole; without the setting (the default: both) they go in pieces."""
     from acoll._comm import via_host
 
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
@@ -991,8 +991,12 @@ async def test_native_ring_pipelines_its_copies_through_counters(
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "0")
     assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIPELINE", "1")
-    monkeypatch.delenv("ACOLL_GPU_VIA_HOST_COUNTERS")
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "0")
     assert await run_ranks(2, whole, device=0) == [(0, 1)] * 2
+    monkeypatch.delenv("ACOLL_GPU_VIA_HOST_COUNTERS")
+    for pieces, downloads in await run_ranks(2, whole, device=0):
+        assert pieces > 2
+        assert downloads == 1  # (one call's download, in pieces)
 
 
 async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(

@@ -18,11 +18,16 @@ result once.
   ordered after the caller's stream by events, on a pooled block.
 - Where the communicator has the native ring (``ring.c``, :mod:`.native_ring`: every pair
   of ranks over TCP, the same settings everywhere) and the tuner gives the call to the
-  ring, the host algorithm is the native ring, on one whole copy each way: the choice is
-  made from the call and the formation records alone, the same on every rank, since the
-  native ring's bytes go over links of its own. Such an op takes its place in the native
-  ring's line when it starts (in sequence order, as on the host) and runs on its host copy
-  once leased (:meth:`NativeRingAllReduce.on`).
+  ring, the host algorithm is the native ring: the choice is made from the call and the
+  formation records alone, the same on every rank, since the native ring's bytes go over
+  links of its own. Such an op takes its place in the native ring's line when it starts
+  (in sequence order, as on the host) and runs on its host copy once leased
+  (:meth:`NativeRingAllReduce.on`). Direct calls from 512 KiB (:data:`NATIVE_PIPELINE_MIN`)
+  pipeline their copies with the C ring through copy counters (:class:`NativeCopies`,
+  ``ACOLL_GPU_VIA_HOST_COUNTERS``): downloads land piece by piece, each bumping a
+  page-locked counter the ring reads before the piece, and each piece of the result goes
+  up once the ring's other counter says it is final, the stream itself waiting on it;
+  nothing is awaited from the loop in between. Other calls copy whole, each way.
 - Otherwise, on the ring algorithm, above 1 MiB (:data:`PIPELINE_MIN`), the copies of both larger
   kinds are pipelined with it (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
   :class:`OrderedCopies`; ``ACOLL_GPU_VIA_HOST_PIPELINE=0`` turns it off): the input
@@ -82,13 +87,13 @@ def _parse_counters(text: str) -> str:
     return mode
 
 
-STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", _parse_counters, "",
-                         "Experimental, off: through the host on the native ring, pipeline "
-                         "the copies with it through copy counters (cuStreamWriteValue32 / "
-                         "cuStreamWaitValue32): 1 or both, down (downloads only; the "
-                         "upload whole after the ring) or up (uploads only; the download "
-                         "whole, awaited first). On an H100 both broke the CUDA context "
-                         "(session 45, not yet understood).", "COLL")
+STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", _parse_counters, "both",
+                         "Through the host on the native ring, pipeline the copies with it "
+                         "through copy counters (cuStreamWriteValue32 / "
+                         "cuStreamWaitValue32): 1 or both (the default), down (downloads "
+                         "only; the upload whole after the ring), up (uploads only; the "
+                         "download whole, awaited first) or 0 (one whole copy each way).",
+                         "COLL")
 STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
                       "Through the host on the native ring: the copies' piece (bytes; 0, "
                       "auto: an eighth of the call, from 256 KiB to 4 MiB).", "COLL")
