@@ -15,7 +15,8 @@ for n in ${RANKS:-2 4}; do
   echo "## $n ranks sharing one GPU, TCP (P2P and SHM off)" >>"$OUT/via_host.txt"
   ACOLL_P2P_DISABLE=1 ACOLL_SHM_DISABLE=1 ACOLL_NET=socket timeout 240 python3 -m acoll.run \
     -n $n -- python3 bench/via_host_paths.py --mib ${MIBS:-1 4 16 64} --rounds ${ROUNDS:-4} \
-    --variants gpu gpu-counters gpu-counters-down gpu-counters-up >>"$OUT/via_host.txt" 2>&1
+    --variants ${VARIANTS:-gpu gpu-counters gpu-counters-down gpu-counters-up} \
+    >>"$OUT/via_host.txt" 2>&1
   echo "== exit $? at $SECONDS s" >>"$OUT/via_host.txt"
 done
 grep "^##\|host/gpu\|== exit" "$OUT/via_host.txt" | cut -c1-110

@@ -10,16 +10,16 @@ float32 sums (the order reversed every round):
 - ``host``: the host communicator on NumPy buffers;
 - ``gpu``: the GPU one as it is (back-to-back calls take the direct path: a pooled block,
   copies on the caller's stream; where the communicator has the native ring, the ring is
-  ``ring.c`` on one whole copy each way unless ``ACOLL_GPU_VIA_HOST_COUNTERS`` is set,
-  else the Python ring with its copies pipelined), its stages timed by a patched copy of
+  ``ring.c`` with its copies pipelined through copy counters from 512 KiB, as
+  ``ACOLL_GPU_VIA_HOST_COUNTERS`` says (both ways by default since session 46), else the
+  Python ring with its copies pipelined), its stages timed by a patched copy of
   ``DirectLarge.run`` (on the counters' path "algorithm" is the whole C call, copies
   included, and "finish" is empty);
 - ``gpu-counters``, ``gpu-counters-down``, ``gpu-counters-up`` (only with ``--variants``):
-  the native ring with its copies pipelined through copy counters from 512 KiB, both
-  ways, the downloads only, the uploads only (``ACOLL_GPU_VIA_HOST_COUNTERS`` at 1,
-  down, up; sessions 45, 46);
-- ``gpu-whole``: the native ring on one whole copy each way (session 44's way;
-  ``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
+  the native ring with its copies pipelined through copy counters, both ways, the
+  downloads only, the uploads only (``ACOLL_GPU_VIA_HOST_COUNTERS`` at 1, down, up);
+- ``gpu-whole``: the native ring on one whole copy each way (session 44's way, the
+  default until session 46; ``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
   path refused by a pool that reports no block;
 - ``gpu-python``: the direct path on the Python ring (the native ring hidden), copies
@@ -141,14 +141,15 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     """Set the patches of variant ``name`` (and undo every other's)."""
     lease_now = Staging.lease_now
     natives = [comm._native for comm in comms]
+    counters = [comm._via_counters for comm in comms]  # (as the settings resolved them)
 
     def apply() -> None:
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
-        for comm, native in zip(comms, natives, strict=True):
+        for comm, native, default in zip(comms, natives, counters, strict=True):
             comm._via_pipe = name not in ("gpu-python-whole", "gpu-whole")
             comm._native = None if name.startswith("gpu-python") else native
-            comm._via_counters = COUNTERS.get(name, "")
+            comm._via_counters = COUNTERS.get(name, default if name == "gpu" else "")
 
     return apply
 
