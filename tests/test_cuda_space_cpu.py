@@ -370,7 +370,10 @@ async def test_a_direct_call_on_the_native_ring_leaves_no_reference_cycle(
 
     if await _native.load_async() is None:
         pytest.skip("no C compiler: the native ring cannot be built here")
+    from acoll._comm import via_host
+
     monkeypatch.setattr(cuda_mod, "_MEM_OPS", [_MemOps()])
+    monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 256 << 10)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "down")
     uid = acoll.get_unique_id(ifname="=lo")
     comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, device=0, ifname="=lo")

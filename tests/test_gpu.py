@@ -73,11 +73,12 @@ async def test_matrix_ranks_sharing_one_gpu(nranks: int, path: str,
 @pytest.mark.parametrize("nranks", [2, 3])
 async def test_native_ring_pipelines_copies_through_counters_on_the_gpu(
         nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ranks sharing the GPU over TCP only: device all_reduces from 512 KiB run on the
-    native ring with their copies pipelined through copy counters (the driver's
-    cuStreamWriteValue32 / cuStreamWaitValue32 on page-locked words): exact results for
-    several dtypes and ops, in place and out, with and without stream=, and every block
-    used got its counters (none fell back to whole copies)."""
+    """Ranks sharing the GPU over TCP only: device all_reduces of 2 MiB a rank or more run
+    on the native ring with their copies pipelined through copy counters (the driver's
+    cuStreamWriteValue32 / cuStreamWaitValue32 on page-locked words; 1 MiB calls copy
+    whole): exact results for several dtypes and ops, in place and out, with and without
+    stream=, the cyclic collector run between calls, and the large calls' blocks got
+    their counters."""
     for name in ("ACOLL_P2P_DISABLE", "ACOLL_SHM_DISABLE", "ACOLL_INPROC_DISABLE",
                  "ACOLL_GPU_VIA_HOST_COUNTERS"):
         monkeypatch.setenv(name, "1")

@@ -935,7 +935,7 @@ async def test_native_ring_runs_device_all_reduces_through_the_host(
 async def test_native_ring_pipelines_its_copies_through_counters(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
         native_runs: list[tuple[MemoryKind, int]], nranks: int, mode: str) -> None:
-    """From NATIVE_PIPELINE_MIN, a device all_reduce on the native ring (direct path)
+    """From NATIVE_PIPELINE_MIN a rank, a device all_reduce on the native ring (direct path)
     copies in pieces beside the ring: downloads land late, one by one, bumping the block's
     ready counter (the C ring reads no piece before), and each piece of the result is
     uploaded once the ring's final counter lets it (fake: a poller, as a stream waiting on
@@ -951,7 +951,7 @@ async def test_native_ring_pipelines_its_copies_through_counters(
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", mode)
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_PIECE", "8K")
-    monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 64 << 10)
+    monkeypatch.setattr(via_host, "NATIVE_PIPELINE_MIN", 32 << 10)  # (a rank's segment)
     monkeypatch.setattr(FakeDeviceSpace, "delay", 20)
     cases = [(np.int32, "sum"), (np.float32, "max"), (np.int64, "prod"), (np.float64, "avg")]
     n = 30_001
@@ -1053,6 +1053,7 @@ async def test_a_peer_aborting_during_a_native_device_all_reduce_fails_it(
     the failed op's uploads are let through (nothing waits on its counter forever)."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
+    monkeypatch.setattr(via_host_mod, "NATIVE_PIPELINE_MIN", 256 << 10)  # (a rank's part)
     monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)
@@ -1085,6 +1086,7 @@ async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
     uploads are let through."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     monkeypatch.setenv("ACOLL_GPU_VIA_HOST_COUNTERS", "1")
+    monkeypatch.setattr(via_host_mod, "NATIVE_PIPELINE_MIN", 256 << 10)  # (a rank's part)
     monkeypatch.setattr(FakeStaging, "signalled", copies == "pieces")
     size = 300_000
     comms = await _native_pair(size)

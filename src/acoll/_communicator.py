@@ -1036,7 +1036,7 @@ class Communicator:
         copies: NativeCopies | None = None
         native = self._via_native(s, rop, cls)
         signals = (staging.signals(lease[1]) if native is not None and self._via_counters
-                   and native_pipelines(s.nbytes)
+                   and native_pipelines(s.nbytes, self.size)
                    and isinstance(staging, SignalledStaging) else None)
         if signals is not None:
             assert isinstance(staging, SignalledStaging)

@@ -22,12 +22,13 @@ result once.
   formation records alone, the same on every rank, since the native ring's bytes go over
   links of its own. Such an op takes its place in the native ring's line when it starts
   (in sequence order, as on the host) and runs on its host copy once leased
-  (:meth:`NativeRingAllReduce.on`). Direct calls from 512 KiB (:data:`NATIVE_PIPELINE_MIN`)
-  pipeline their copies with the C ring through copy counters (:class:`NativeCopies`,
-  ``ACOLL_GPU_VIA_HOST_COUNTERS``): downloads land piece by piece, each bumping a
-  page-locked counter the ring reads before the piece, and each piece of the result goes
-  up once the ring's other counter says it is final, the stream itself waiting on it;
-  nothing is awaited from the loop in between. Other calls copy whole, each way.
+  (:meth:`NativeRingAllReduce.on`). Direct calls of 2 MiB a rank or more
+  (:data:`NATIVE_PIPELINE_MIN`) pipeline their copies with the C ring through copy
+  counters (:class:`NativeCopies`, ``ACOLL_GPU_VIA_HOST_COUNTERS``): downloads land piece
+  by piece, each bumping a page-locked counter the ring reads before the piece, and each
+  piece of the result goes up once the ring's other counter says it is final, the stream
+  itself waiting on it; nothing is awaited from the loop in between. Other calls copy
+  whole, each way.
 - Otherwise, on the ring algorithm, above 1 MiB (:data:`PIPELINE_MIN`), the copies of both larger
   kinds are pipelined with it (:class:`RingStaging`, copies placed by :class:`CallerCopies` or
   :class:`OrderedCopies`; ``ACOLL_GPU_VIA_HOST_PIPELINE=0`` turns it off): the input
@@ -97,10 +98,14 @@ STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", _parse_counters, "both",
 STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
                       "Through the host on the native ring: the copies' piece (bytes; 0, "
                       "auto: an eighth of the call, from 256 KiB to 4 MiB).", "COLL")
-#: Calls of at least this many bytes on the native ring have their copies pipelined with
-#: it (:class:`NativeCopies`, where the staging has copy counters and
-#: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on); smaller ones copy whole.
-NATIVE_PIPELINE_MIN = 512 << 10
+#: Direct calls on the native ring have their copies pipelined with it (:class:`NativeCopies`,
+#: where the staging has copy counters and ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them)
+#: when each rank's segment (the call's bytes over the ranks) has at least this many bytes;
+#: smaller ones copy whole. On one H200 shared by 2 and 4 processes (session 46,
+#: ``bench/results/session46_gpu/``) whole copies were faster with segments up to 1 MiB
+#: (1 and 2 MiB calls with 2 ranks, 1 to 4 MiB with 4), the counters from 2 MiB segments
+#: (4 MiB calls with 2 ranks, 16 MiB with 4; 1.04 to 1.23x the whole copies at 64 MiB).
+NATIVE_PIPELINE_MIN = 2 << 20
 
 
 class ViaHost:
@@ -529,11 +534,11 @@ class NativeCopies:
             self.staging.join_on(self.stream, self.upload)
 
 
-def native_pipelines(nbytes: int) -> bool:
-    """Whether a via-host call of ``nbytes`` on the native ring pipelines its copies
-    through copy counters (when ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them and the
-    staging has them)."""
-    return nbytes >= NATIVE_PIPELINE_MIN
+def native_pipelines(nbytes: int, nranks: int) -> bool:
+    """Whether a via-host call of ``nbytes`` on the native ring of ``nranks`` pipelines
+    its copies through copy counters (when ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them
+    and the staging has them): a local choice (the bytes on the wire are the same)."""
+    return nbytes >= NATIVE_PIPELINE_MIN * nranks
 
 
 def pipelines(cls: type, nbytes: int) -> bool:
