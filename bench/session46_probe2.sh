@@ -16,10 +16,5 @@ for args in "write 4000" "wait 4000" "late 2000" "none 4000" "--procs 2 write 40
   echo "== exit $? at $SECONDS s" >>"$OUT/stress.txt"
 done
 grep "^## \|^== exit\|done\|segv_bt: signal\|CUresult\|Error" "$OUT/stress.txt" | head -40
-for c in ${CASES:-mp-up-ringonly mp-up-ringonly-big mp-down-many mp-down-big mp-up-many}; do
-  echo "## $c" >>"$OUT/mp.txt"
-  LD_PRELOAD=/tmp/segv_bt.so timeout 90 python3 -m acoll.run -n 2 -- \
-    python3 bench/counters_probe.py "$c" >>"$OUT/mp.txt" 2>&1
-  echo "== exit $? at $SECONDS s" >>"$OUT/mp.txt"
-done
-awk '/^## /{c=$2} / op [0-9]+$/{last[c]=$0} /^== exit/{print c, last[c], $0}' "$OUT/mp.txt"
+CASES=${CASES:-mp-up-ringonly mp-up-ringonly-big mp-down-many mp-down-big mp-up-many} \
+  bash bench/session46_cases.sh
