@@ -18,6 +18,8 @@ float32 sums (the order reversed every round):
 - ``gpu-counters``, ``gpu-counters-down``, ``gpu-counters-up`` (only with ``--variants``):
   the native ring with its copies pipelined through copy counters, both ways, the
   downloads only, the uploads only (``ACOLL_GPU_VIA_HOST_COUNTERS`` at 1, down, up);
+- ``gpu-piece-256K``, ``-512K``, ``-1M`` (only with ``--variants``): the counters both
+  ways with that copy piece (``ACOLL_GPU_VIA_HOST_PIECE``) instead of the automatic one;
 - ``gpu-whole``: the native ring on one whole copy each way (session 44's way, the
   default until session 46; ``ACOLL_GPU_VIA_HOST_PIPELINE=0``);
 - ``gpu-ordered``: the ordered path (copies on acoll's stream after events): the direct
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -150,14 +153,23 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
             comm._via_pipe = name not in ("gpu-python-whole", "gpu-whole")
             comm._native = None if name.startswith("gpu-python") else native
             comm._via_counters = COUNTERS.get(name, default if name == "gpu" else "")
+            if name in PIECES:
+                comm._via_counters = "both"
+        if name in PIECES:
+            os.environ["ACOLL_GPU_VIA_HOST_PIECE"] = PIECES[name]
+        else:
+            os.environ.pop("ACOLL_GPU_VIA_HOST_PIECE", None)
 
     return apply
 
 
 #: variants on the native ring with copy counters (ACOLL_GPU_VIA_HOST_COUNTERS)
 COUNTERS = {"gpu-counters": "both", "gpu-counters-down": "down", "gpu-counters-up": "up"}
+#: the counters both ways with a fixed copy piece (ACOLL_GPU_VIA_HOST_PIECE; auto: an
+#: eighth of the call, 256 KiB to 4 MiB)
+PIECES = {"gpu-piece-256K": "256K", "gpu-piece-512K": "512K", "gpu-piece-1M": "1M"}
 VARIANTS = ["host", "gpu", "gpu-whole", "gpu-ordered", "gpu-python", "gpu-python-whole",
-            *COUNTERS]
+            *COUNTERS, *PIECES]
 
 
 async def main() -> None:
