@@ -248,15 +248,25 @@ def adopt_device_array(obj: Any, what: str, *, writable: bool = False) -> Device
 class _EventFence(Fence):
     """A recorded event of ``space``'s stream, taken from the space's pool: it goes back
     when the fence is dropped (nothing else holds the event, so nothing can wait on it
-    any more; a pipe signal already armed captured its record)."""
+    any more; a pipe signal already armed captured its record).
+
+    While the fence lives, the space holds its event too (``CudaSpace.fenced``): a fence
+    dropped in a reference cycle goes when the cyclic collector runs, which finalizes
+    everything only the garbage reaches, and CuPy destroys the CUDA event in
+    ``Event.__del__``, perhaps before this ``__del__`` gave it back to the pool, which
+    would then hand out a destroyed event (on an H100: segfaults in cuEventQuery and
+    "context is destroyed", session 46)."""
 
     __slots__ = ("event", "space")
 
     def __init__(self, space: CudaSpace, event: Any) -> None:
         self.space, self.event = space, event
+        space.fenced[id(event)] = event
 
     def __del__(self) -> None:
-        self.space.give_event(self.event)
+        space, event = self.space, self.event
+        space.fenced.pop(id(event), None)
+        space.give_event(event)
 
     def done(self) -> bool:
         return bool(self.event.done)
@@ -386,33 +396,23 @@ class CudaSpace(MemorySpace):
         self._pool: dict[int, Any] = {}
         self._staging: CudaStaging | None = None
         self._events: list[Any] = []  # idle events (see take_event)
-        # Events handed out and not yet given back, by id. The space keeps them alive:
-        # an event that only a garbage object (a fence in a reference cycle) reaches would
-        # be finalized by the cyclic collector, and CuPy destroys the CUDA event in
-        # ``Event.__del__``, possibly before the fence's own ``__del__`` gives it back to
-        # the pool, which then hands out a destroyed event (on an H100: segfaults in
-        # cuEventQuery and "context is destroyed", session 46).
-        self._lent: dict[int, Any] = {}
+        #: the events of live fences, by id (see :class:`_EventFence`)
+        self.fenced: dict[int, Any] = {}
 
     def take_event(self) -> Any:
         """An idle timing-free event of this device (call under its device context); give
-        it back with :meth:`give_event` once nothing will wait on its current record."""
-        event = self._events.pop() if self._events else self.cp.cuda.Event(
+        it back with :meth:`give_event` once nothing will wait on its current record (an
+        event never given back is simply dropped). Never give one back from a finalizer
+        (``__del__``) unless the space holds it meanwhile, as :class:`_EventFence` does."""
+        return self._events.pop() if self._events else self.cp.cuda.Event(
             block=False, disable_timing=True)
-        self._lent[id(event)] = event
-        return event
 
     def idle_event(self) -> Any:
         """An idle event from the pool (see :meth:`take_event`), or ``None`` when it is
         empty (creating one needs this device's context: :meth:`take_event` then)."""
-        if not self._events:
-            return None
-        event = self._events.pop()
-        self._lent[id(event)] = event
-        return event
+        return self._events.pop() if self._events else None
 
     def give_event(self, event: Any) -> None:
-        self._lent.pop(id(event), None)
         if len(self._events) < 64:
             self._events.append(event)
 
