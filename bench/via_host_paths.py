@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import time
 from collections.abc import Callable
@@ -53,6 +52,7 @@ from via_host_breakdown import block, communicators, marks
 
 from acoll import _communicator
 from acoll._comm import via_host
+from acoll._config import parse_size
 from acoll._memory.base import Staging
 
 clock = time.perf_counter_ns
@@ -145,6 +145,7 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     lease_now = Staging.lease_now
     natives = [comm._native for comm in comms]
     counters = [comm._via_counters for comm in comms]  # (as the settings resolved them)
+    piece = comms[0]._via_piece
 
     def apply() -> None:
         Staging.lease_now = (  # type: ignore[method-assign]
@@ -153,12 +154,9 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
             comm._via_pipe = name not in ("gpu-python-whole", "gpu-whole")
             comm._native = None if name.startswith("gpu-python") else native
             comm._via_counters = COUNTERS.get(name, default if name == "gpu" else "")
+            comm._via_piece = parse_size(PIECES[name]) if name in PIECES else piece
             if name in PIECES:
                 comm._via_counters = "both"
-        if name in PIECES:
-            os.environ["ACOLL_GPU_VIA_HOST_PIECE"] = PIECES[name]
-        else:
-            os.environ.pop("ACOLL_GPU_VIA_HOST_PIECE", None)
 
     return apply
 

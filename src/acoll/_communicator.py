@@ -85,6 +85,7 @@ from ._comm.peers import PeerLinks, error_for_lost
 from ._comm.probe import PeerState, answer, ask, is_probe
 from ._comm.via_host import (
     STAGE_COUNTERS,
+    STAGE_PIECE,
     CallerCopies,
     DirectCall,
     DirectLarge,
@@ -380,6 +381,7 @@ class Communicator:
         self._via_pipe = bool(self._via_host_max) and VIA_HOST_PIPELINE.resolve()
         # (the native ring's copies through counters: "", or which go in pieces)
         self._via_counters = STAGE_COUNTERS.resolve() if self._via_pipe else ""
+        self._via_piece = STAGE_PIECE.resolve() if self._via_counters else 0  # (0: auto)
         self._host_mem = HostSpace()  # for device ops run on host copies (and scratch)
         # small device all_reduces run on the host, by (count, dtype, op): a page-locked
         # copy of their own and the algorithm's choice (see _via_host_direct)
@@ -1041,7 +1043,7 @@ class Communicator:
         if signals is not None:
             assert isinstance(staging, SignalledStaging)
             copies = NativeCopies(staging, signals, caller, s, r, lease[0], self.size,
-                                  self.rank, self._via_counters)
+                                  self.rank, self._via_counters, self._via_piece)
         elif (native is None and self._via_pipe and pipelines(cls, s.nbytes)
                 and s.count > chunk):
             stage = RingStaging(CallerCopies(staging, caller), s, r, data, self.size,

@@ -66,9 +66,9 @@ from .._native import Stage
 from .executor import Algorithm
 from .native_ring import NativeRing, NativeRingAllReduce, staged_pieces
 
-__all__ = ["STAGE_COUNTERS", "CallerCopies", "DirectCall", "DirectLarge", "DirectPlan",
-           "NativeCopies", "OrderedCopies", "RingStaging", "ViaHost", "native_pipelines",
-           "pipelines"]
+__all__ = ["STAGE_COUNTERS", "STAGE_PIECE", "CallerCopies", "DirectCall", "DirectLarge",
+           "DirectPlan", "NativeCopies", "OrderedCopies", "RingStaging", "ViaHost",
+           "native_pipelines", "pipelines"]
 
 #: Calls of more bytes than this pipeline their copies with the ring (when
 #: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on). At 1 MiB the first piece is half the input or
@@ -392,14 +392,17 @@ class DirectLarge:
         self._ring = native  # (with it: ``stage`` is None; copies whole or ``copies``)
         self.copies = copies
         self.native: NativeRingAllReduce | None = None
-        if copies is not None:
-            self._last = copies.download
 
     @property
     def last(self) -> Fence | None:
-        """The fence of the last copy enqueued (every copy goes on the caller's stream,
-        so it covers them all)."""
-        return self._last if self.stage is None else self.stage.last
+        """The fence of the last copy enqueued (it covers every copy before it: they go
+        on the caller's stream, or after its work)."""
+        if self.stage is not None:
+            return self.stage.last
+        copies = self.copies
+        if copies is not None:
+            return copies.download if copies.upload is None else copies.upload
+        return self._last
 
     def bind(self, ctx: OpContext) -> DirectLarge:
         """This call as the executor's algorithm for ``ctx`` (its op starts: a native ring
@@ -410,23 +413,15 @@ class DirectLarge:
             copies = self.copies
             if copies is not None:
                 self.native.stage = copies.stage
-
-                def started() -> None:
-                    copies.start_uploads()
-                    if copies.upload is not None:
-                        self._last = copies.upload
-
-                self.native.started = started
+                # (the copies' own method: a hook referring back to this call would keep
+                # it, and its fences, in a reference cycle until the cyclic collector ran)
+                self.native.started = copies.start_uploads
         return self
 
     def abandon(self) -> None:
-        """The call ended (or failed before it ran: then give the block back). Also
-        unhooks the ring's ``started`` hook, which refers back to this call: nothing of
-        the call may outlive it in a reference cycle (its fences would go back to the pool
-        only when the cyclic collector runs)."""
+        """The call failed before it ran: give the block back."""
         if self.native is not None:
             self.native.leave()
-            self.native.started = None
         if not self.started:
             self.started = True
             self.staging.release(self.block, self.last)
@@ -445,8 +440,6 @@ class DirectLarge:
             copies.finish(failed=True)
             raise
         copies.finish(failed=False)
-        if copies.upload is not None:
-            self._last = copies.upload
 
     async def run(self) -> None:
         self.started = True
@@ -490,14 +483,14 @@ class NativeCopies:
 
     def __init__(self, staging: SignalledStaging, signals: CopySignals, stream: Any,
                  send: Buffer, recv: Buffer, view: Buffer, size: int, rank: int,
-                 mode: str) -> None:
+                 mode: str, piece_bytes: int = 0) -> None:
         self.staging, self.signals, self.stream = staging, signals, stream
         self.recv, self.view = recv, view
         #: which copies go in pieces: "both", "down" or "up" (``ACOLL_GPU_VIA_HOST_COUNTERS``)
         self.mode = mode
         isz = send.itemsize
-        wanted = STAGE_PIECE.resolve()
-        piece_bytes = wanted if wanted > 0 else min(4 << 20, max(256 << 10, send.nbytes // 8))
+        if piece_bytes <= 0:  # (auto; ``ACOLL_GPU_VIA_HOST_PIECE``)
+            piece_bytes = min(4 << 20, max(256 << 10, send.nbytes // 8))
         piece = max(1, piece_bytes // isz)
         downloads, uploads = staged_pieces(send.count, size, rank, piece)
         self.uploads = [(a * isz, b * isz) for a, b in uploads]
