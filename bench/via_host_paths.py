@@ -140,6 +140,42 @@ def timed_stage(real: Any) -> Any:
     return wrapper
 
 
+#: ``--detail``: time (ns) per call of the synchronous pieces of a direct call, by name
+detail: dict[str, list[int]] = {}
+
+
+def timed_piece(name: str, real: Any) -> Any:
+    def wrapper(*args: Any, **kw: Any) -> Any:
+        t = clock()
+        res = real(*args, **kw)
+        detail.setdefault(name, []).append(clock() - t)
+        return res
+    return wrapper
+
+
+def patch_detail() -> None:
+    """Time the pieces of a direct call's synchronous part (``--detail``)."""
+    from acoll._memory import cuda
+
+    for cls, names in ((Staging, ("lease_now",)),
+                       (cuda.CudaStaging, ("signals", "download_pieces_on",
+                                           "upload_pieces_on", "caller_stream",
+                                           "download_on", "upload_on")),
+                       (via_host.NativeCopies, ("__init__", "start_uploads", "finish")),
+                       (_communicator.Communicator, ("_via_native",))):
+        for name in names:
+            setattr(cls, name, timed_piece(f"{cls.__name__}.{name}", getattr(cls, name)))
+    for cls, names in ((cuda._StreamMemOps, ("write", "wait")),
+                       (cuda.CudaSpace, ("take_event", "give_event"))):
+        for name in names:
+            setattr(cls, name, timed_piece(f"{cls.__name__}.{name}", getattr(cls, name)))
+    import cupy
+
+    runtime = cupy.cuda.runtime
+    runtime.memcpyAsync = timed_piece("runtime.memcpyAsync", runtime.memcpyAsync)
+    runtime.getDevice = timed_piece("runtime.getDevice", runtime.getDevice)
+
+
 def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     """Set the patches of variant ``name`` (and undo every other's)."""
     lease_now = Staging.lease_now
@@ -165,7 +201,15 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
 COUNTERS = {"gpu-counters": "both", "gpu-counters-down": "down", "gpu-counters-up": "up"}
 #: the counters both ways with a fixed copy piece (ACOLL_GPU_VIA_HOST_PIECE; auto: an
 #: eighth of the call, 256 KiB to 4 MiB)
-PIECES = {"gpu-piece-256K": "256K", "gpu-piece-512K": "512K", "gpu-piece-1M": "1M"}
+PIECES = {"gpu-piece-256K": "256K", "gpu-piece-512K": "512K", "gpu-piece-1M": "1M",
+          "gpu-piece-2M": "2M", "gpu-piece-4M": "4M", "gpu-piece-8M": "8M",
+          "gpu-eighth": "0"}
+#: gpu-eighth: the automatic piece before session 47 (an eighth of the call, 256 KiB to
+#: 4 MiB), set per size in main()
+
+
+def eighth(nbytes: int) -> str:
+    return str(min(4 << 20, max(256 << 10, nbytes // 8)))
 VARIANTS = ["host", "gpu", "gpu-whole", "gpu-ordered", "gpu-python", "gpu-python-whole",
             *COUNTERS, *PIECES]
 
@@ -181,6 +225,8 @@ async def main() -> None:
     p.add_argument("--ops", type=int, default=10)
     p.add_argument("--per-proc", type=int, default=1)
     p.add_argument("--switch", type=float, help="sys.setswitchinterval (seconds)")
+    p.add_argument("--detail", action="store_true",
+                   help="time the synchronous pieces of the default path's calls")
     args = p.parse_args()
     import cupy as cp
 
@@ -196,6 +242,8 @@ async def main() -> None:
             via_host.RingStaging.__init__)
         via_host.RingStaging.ready = timed_ready  # type: ignore[method-assign]
         via_host.RingStaging.final = timed_final  # type: ignore[method-assign]
+    if args.detail:
+        patch_detail()
     gpus = await communicators(args.per_proc, True)
     hosts = await communicators(args.per_proc, False)
     gpu, per = gpus[0], len(gpus)
@@ -204,6 +252,7 @@ async def main() -> None:
     lines: list[str] = []
     for mib in args.mib:
         n = int(mib * (1 << 18))
+        PIECES["gpu-eighth"] = eighth(n * 4)
         with cp.cuda.Device(gpu.device):
             xg = [cp.ones(n, cp.float32) for _ in range(per)]
             og = [cp.zeros(n, cp.float32) for _ in range(per)]
@@ -222,17 +271,21 @@ async def main() -> None:
             rows: list[list[int]] = []
             syncs: list[int] = []
             stages: list[int] = []
+            details: dict[str, list[int]] = {}
             for r in range(args.rounds):
                 for name in names if r % 2 == 0 else names[::-1]:
                     patch[name]()
                     marks.clear()
                     del sync_ns[:], stage_ns[:]
+                    detail.clear()
                     timed = name == "gpu" and per == 1
                     before = dict(hooks)
                     times[name].append(await block(*bufs[name], args.ops, timed))
                     for key in hooks:
                         hook_sums[name][key] += hooks[key] - before[key]
                     if timed:
+                        for key, ns in detail.items():
+                            details.setdefault(key, []).extend(ns)
                         rows += [m for m in marks if len(m) == len(STAGES) + 1]
                         syncs += sync_ns
                         stages += stage_ns
@@ -260,6 +313,9 @@ async def main() -> None:
                 lines.append(f"       of which the call's lease and downloads "
                              f"{statistics.median(syncs) / 1e3:9.1f}, the ring's pieces "
                              f"{statistics.median(stages) / 1e3 if stages else 0:9.1f}")
+            for key, ns in sorted(details.items()):
+                lines.append(f"         {key:<38} {statistics.median(ns) / 1e3:7.1f} us "
+                             f"x {len(ns) / (args.rounds * args.ops):.1f} a call")
         del xg, og
     await asyncio.gather(*(c.close() for c in gpus + hosts))
     if gpu.rank == 0:

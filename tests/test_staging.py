@@ -999,6 +999,25 @@ async def test_native_ring_pipelines_its_copies_through_counters(
         assert downloads == 1  # (one call's download, in pieces)
 
 
+def test_automatic_copy_piece_is_a_quarter_of_the_call_from_2_to_4_mib() -> None:
+    """The copy counters' automatic piece: a quarter of the call, at least 2 MiB and at
+    most 4 MiB; pieces never cross a rank's segment, so a 4 MiB call on 2 ranks copies
+    one piece per segment each way, and a 64 MiB call on 4 ranks four per segment."""
+    from acoll._comm.native_ring import staged_pieces
+    from acoll._comm.via_host import auto_piece
+
+    mib = 1 << 20
+    assert [auto_piece(n * mib) // mib for n in (1, 4, 8, 12, 16, 64, 1024)] == [
+        2, 2, 2, 3, 4, 4, 4]
+    assert auto_piece(12 * mib) == 3 * mib
+    for nbytes, ranks, per_segment in ((4 * mib, 2, 1), (16 * mib, 2, 2), (64 * mib, 4, 4),
+                                       (16 * mib, 4, 1)):
+        count = nbytes // 4
+        downloads, uploads = staged_pieces(count, ranks, 0, auto_piece(nbytes) // 4)
+        assert len(downloads) == len(uploads) == ranks * per_segment
+        assert sum(b - a for a, b in downloads) == count
+
+
 async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(
         fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
         native_runs: list[tuple[MemoryKind, int]]) -> None:

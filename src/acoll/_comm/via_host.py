@@ -68,7 +68,7 @@ from .native_ring import NativeRing, NativeRingAllReduce, staged_pieces
 
 __all__ = ["STAGE_COUNTERS", "STAGE_PIECE", "CallerCopies", "DirectCall", "DirectLarge",
            "DirectPlan", "NativeCopies", "OrderedCopies", "RingStaging", "ViaHost",
-           "native_pipelines", "pipelines"]
+           "auto_piece", "native_pipelines", "pipelines"]
 
 #: Calls of more bytes than this pipeline their copies with the ring (when
 #: ``ACOLL_GPU_VIA_HOST_PIPELINE`` is on). At 1 MiB the first piece is half the input or
@@ -97,7 +97,19 @@ STAGE_COUNTERS = Setting("GPU_VIA_HOST_COUNTERS", _parse_counters, "both",
                          "COLL")
 STAGE_PIECE = Setting("GPU_VIA_HOST_PIECE", parse_size, 0,
                       "Through the host on the native ring: the copies' piece (bytes; 0, "
-                      "auto: an eighth of the call, from 256 KiB to 4 MiB).", "COLL")
+                      "auto: a quarter of the call, from 2 MiB to 4 MiB).", "COLL")
+
+
+def auto_piece(nbytes: int) -> int:
+    """The copy counters' piece for a call of ``nbytes`` when ``ACOLL_GPU_VIA_HOST_PIECE``
+    is auto: a quarter of the call, from 2 to 4 MiB (never more than a rank's segment:
+    pieces split at segment bounds). Each piece costs the loop's thread two driver calls
+    each way (a copy and a counter write or wait, a few microseconds each with two
+    processes on the GPU), and the ring starts once the first piece landed. On one H100
+    shared by 2 and 4 processes (session 47, ``bench/results/session47_gpu/``) 2 to 8 MiB
+    pieces beat the eighth of the call used before (256 KiB to 4 MiB) at 4 and 16 MiB;
+    at 64 MiB 2, 4 and 8 MiB pieces were level."""
+    return min(4 << 20, max(2 << 20, nbytes // 4))
 #: Direct calls on the native ring have their copies pipelined with it (:class:`NativeCopies`,
 #: where the staging has copy counters and ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them)
 #: when each rank's segment (the call's bytes over the ranks) has at least this many bytes;
@@ -490,7 +502,7 @@ class NativeCopies:
         self.mode = mode
         isz = send.itemsize
         if piece_bytes <= 0:  # (auto; ``ACOLL_GPU_VIA_HOST_PIECE``)
-            piece_bytes = min(4 << 20, max(256 << 10, send.nbytes // 8))
+            piece_bytes = auto_piece(send.nbytes)
         piece = max(1, piece_bytes // isz)
         downloads, uploads = staged_pieces(send.count, size, rank, piece)
         self.uploads = [(a * isz, b * isz) for a, b in uploads]
