@@ -182,8 +182,11 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
     natives = [comm._native for comm in comms]
     counters = [comm._via_counters for comm in comms]  # (as the settings resolved them)
     piece = comms[0]._via_piece
+    pipeline_min = via_host.NATIVE_PIPELINE_MIN
 
     def apply() -> None:
+        via_host.NATIVE_PIPELINE_MIN = (256 << 10 if name == "gpu-counters-small"
+                                        else pipeline_min)
         Staging.lease_now = (  # type: ignore[method-assign]
             (lambda self, nbytes: None) if name == "gpu-ordered" else lease_now)
         for comm, native, default in zip(comms, natives, counters, strict=True):
@@ -198,7 +201,9 @@ def variant(name: str, comms: list[Any]) -> Callable[[], None]:
 
 
 #: variants on the native ring with copy counters (ACOLL_GPU_VIA_HOST_COUNTERS)
-COUNTERS = {"gpu-counters": "both", "gpu-counters-down": "down", "gpu-counters-up": "up"}
+COUNTERS = {"gpu-counters": "both", "gpu-counters-down": "down", "gpu-counters-up": "up",
+            "gpu-counters-small": "both"}
+#: gpu-counters-small: the counters also below NATIVE_PIPELINE_MIN (from 256 KiB a rank)
 #: the counters both ways with a fixed copy piece (ACOLL_GPU_VIA_HOST_PIECE; auto: an
 #: eighth of the call, 256 KiB to 4 MiB)
 PIECES = {"gpu-piece-256K": "256K", "gpu-piece-512K": "512K", "gpu-piece-1M": "1M",

@@ -22,7 +22,7 @@ result once.
   formation records alone, the same on every rank, since the native ring's bytes go over
   links of its own. Such an op takes its place in the native ring's line when it starts
   (in sequence order, as on the host) and runs on its host copy once leased
-  (:meth:`NativeRingAllReduce.on`). Direct calls of 2 MiB a rank or more
+  (:meth:`NativeRingAllReduce.on`). Direct calls of 512 KiB a rank or more
   (:data:`NATIVE_PIPELINE_MIN`) pipeline their copies with the C ring through copy
   counters (:class:`NativeCopies`, ``ACOLL_GPU_VIA_HOST_COUNTERS``): downloads land piece
   by piece, each bumping a page-locked counter the ring reads before the piece, and each
@@ -113,11 +113,13 @@ def auto_piece(nbytes: int) -> int:
 #: Direct calls on the native ring have their copies pipelined with it (:class:`NativeCopies`,
 #: where the staging has copy counters and ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them)
 #: when each rank's segment (the call's bytes over the ranks) has at least this many bytes;
-#: smaller ones copy whole. On one H200 shared by 2 and 4 processes (session 46,
-#: ``bench/results/session46_gpu/``) whole copies were faster with segments up to 1 MiB
-#: (1 and 2 MiB calls with 2 ranks, 1 to 4 MiB with 4), the counters from 2 MiB segments
-#: (4 MiB calls with 2 ranks, 16 MiB with 4; 1.04 to 1.23x the whole copies at 64 MiB).
-NATIVE_PIPELINE_MIN = 2 << 20
+#: smaller ones copy whole. Session 46 put this at 2 MiB (on one H200, with pieces of an
+#: eighth of the call, whole copies were faster up to 1 MiB segments); with the pieces of
+#: :func:`auto_piece` (one piece per segment there) the counters won from 512 KiB segments
+#: on one H100 shared by 2 and 4 processes (session 47, ``bench/results/session47_gpu/``:
+#: 2 ranks 1 and 2 MiB out of place 0.79 and 0.85 of the host's time against 0.60 and 0.63,
+#: in place level; 4 ranks 2 and 4 MiB 0.62 to 0.72 against 0.47 to 0.62).
+NATIVE_PIPELINE_MIN = 512 << 10
 
 
 class ViaHost:
