@@ -1009,7 +1009,6 @@ def test_automatic_copy_piece_is_a_quarter_of_the_call_from_2_to_4_mib() -> None
     mib = 1 << 20
     assert [auto_piece(n * mib) // mib for n in (1, 4, 8, 12, 16, 64, 1024)] == [
         2, 2, 2, 3, 4, 4, 4]
-    assert auto_piece(12 * mib) == 3 * mib
     for nbytes, ranks, per_segment in ((4 * mib, 2, 1), (16 * mib, 2, 2), (64 * mib, 4, 4),
                                        (16 * mib, 4, 1)):
         count = nbytes // 4

@@ -110,6 +110,8 @@ def auto_piece(nbytes: int) -> int:
     pieces beat the eighth of the call used before (256 KiB to 4 MiB) at 4 and 16 MiB;
     at 64 MiB 2, 4 and 8 MiB pieces were level."""
     return min(4 << 20, max(2 << 20, nbytes // 4))
+
+
 #: Direct calls on the native ring have their copies pipelined with it (:class:`NativeCopies`,
 #: where the staging has copy counters and ``ACOLL_GPU_VIA_HOST_COUNTERS`` asks for them)
 #: when each rank's segment (the call's bytes over the ranks) has at least this many bytes;
