@@ -24,7 +24,7 @@
 #                        ranks, one run per lane size in LIMITS (ACOLL_SHM_LANE_MAX, default
 #                        "2M 1M 512K 256K"), PASSES times (default 2), into DIR/limit_ab.txt
 #   device_lane_piece_ab DIR  the 2-rank lane's one-shot step piece, paired in the same
-#                        processes (bench/lane_piece_ab.py, PIECES default "2M,1M,512K"),
+#                        processes (bench/lane_piece_ab.py, PIECES default "0,1M,512K"),
 #                        4 to 64 MiB, into DIR/piece_ab.txt
 #   device_via_host DIR  issue 9's staged path on the one GPU: bench/via_host_paths.py with
 #                        2 ranks (separate processes sharing the GPU) over TCP, as they are
@@ -187,7 +187,7 @@ device_via_host() {
 
 device_lane_piece_ab() {
   CUDA_VISIBLE_DEVICES= timeout 150 python3 -m acoll.run -n 2 -- python3 bench/lane_piece_ab.py \
-    4M 8M 16M 64M --pieces "${PIECES:-2M,1M,512K}" --rounds 8 >>"$1/piece_ab.txt" 2>&1
+    4M 8M 16M 64M --pieces "${PIECES:-0,1M,512K}" --rounds 8 >>"$1/piece_ab.txt" 2>&1
   echo "== exit $? at $SECONDS s" >>"$1/piece_ab.txt"
   lscpu | grep -i "model name\|cache" >>"$1/piece_ab.txt"
 }

@@ -112,7 +112,7 @@ async def steps_matrix(comm: acoll.Communicator) -> dict[str, Any]:
 
 async def pair_large(comm: acoll.Communicator) -> dict[str, Any]:
     """2 ranks, the automatic lane (2 MiB slots): every collective over a slot, so
-    all_reduce goes in one-shot steps of 1 MiB, the others in steps of at most 1 MiB per
+    all_reduce goes in one-shot steps of 512 KiB, the others in steps of at most 1 MiB per
     peer, reduce off the lane; float32 and float64, every op."""
     counts = [(5 << 18) + 7]  # 5 MiB + 28 bytes of float32
     checks = await check_all(comm, counts, [np.dtype(np.float32), np.dtype(np.float64)],

@@ -243,6 +243,17 @@ def test_steps_move_at_most_step_max_per_peer() -> None:
         assert len(steps) == 2 * -(-(4 << 20) // (2 * step))
 
 
+def test_one_shot_steps_move_at_most_pair_step() -> None:
+    """2-rank one-shot all_reduce steps move the lane's step, at most PAIR_STEP (512 KiB:
+    the slots a run of steps touches stay small beside the arrays), whatever the slot."""
+    from acoll._comm.lane import PAIR_STEP, Lane, one_shot_step
+
+    assert PAIR_STEP == 512 << 10
+    for limit, step in ((2 << 20, PAIR_STEP), (1 << 20, PAIR_STEP), (PAIR_STEP, PAIR_STEP),
+                        (64 << 10, 64 << 10)):
+        assert one_shot_step(Lane(1, 2, limit)) == step
+
+
 def test_two_ranks_with_boards_take_one_shot_steps() -> None:
     """2 ranks with boards: every all_reduce too large for one step goes in one-shot steps
     of a slot (each rank puts its piece on its board, combines the peer's); without boards
@@ -348,9 +359,9 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
 @pytest.mark.timeout(450)
 def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
     """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in
-    one-shot steps of STEP_MAX (1 MiB), every other collective in steps of at most
-    STEP_MAX per peer, and every result matches NumPy bit for bit."""
-    from acoll._comm.lane import STEP_MAX
+    one-shot steps of PAIR_STEP (512 KiB), every other collective in steps of at most
+    STEP_MAX (1 MiB) per peer, and every result matches NumPy bit for bit."""
+    from acoll._comm.lane import PAIR_STEP, STEP_MAX
 
     results = _run("pair_large", 2, cpus=max(2, os.cpu_count() or 1), wait=400)
     for res in results:
@@ -359,7 +370,8 @@ def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
         assert res["boards"], res
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
         plans = {(kind, per) for kind, per in res["plans"]}
-        assert ("_AllReduceOneShotSteps", STEP_MAX) in plans, plans
+        assert ("_AllReduceOneShotSteps", PAIR_STEP) in plans, plans
+        assert ("_AllGatherSteps", STEP_MAX) in plans, plans
         assert not any(kind == "_AllReduceSteps" for kind, _ in plans), plans
         assert all(per <= STEP_MAX for kind, per in plans), plans
         assert {kind for kind, _ in plans} >= {"_AllGatherSteps", "_BroadcastSteps",

@@ -69,6 +69,7 @@ from ._comm.lane import (
     broadcast_steps,
     lane_size,
     one_shot_max,
+    one_shot_step,
     one_shot_steps_max,
     reduce_scatter_steps,
 )
@@ -911,7 +912,7 @@ class Communicator:
                 made = AllReducePlan(self, lane, desc, s.dtype, s.count, rop)
             elif s.nbytes <= one_shot_steps_max(lane):
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_one_shot_steps(
-                    lane, s.count, lane.step // s.itemsize), rop)
+                    lane, s.count, one_shot_step(lane) // s.itemsize), rop)
             else:
                 made = StepPlan(self, lane, desc, s.dtype, all_reduce_steps(
                     lane, s.count, lane.step // s.itemsize), rop)

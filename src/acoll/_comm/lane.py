@@ -86,10 +86,11 @@ from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, Trans
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
-__all__ = ["STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
+__all__ = ["PAIR_STEP", "STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
            "ZERO_COPY_MIN", "ZeroCopyAllGather", "ZeroCopyAllReduce", "ZeroCopyBroadcast",
            "ZeroCopyReduceScatter",
-           "all_reduce_one_shot_steps", "one_shot_steps_max", "all_gather_steps",
+           "all_reduce_one_shot_steps", "one_shot_step", "one_shot_steps_max",
+           "all_gather_steps",
            "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
            "reduce_scatter_steps"]
@@ -850,6 +851,13 @@ def one_shot_max(lane: Lane) -> int:
     return min(lane.limit, _ONE_SHOT_BYTES // (lane.size - 1))
 
 
+def one_shot_step(lane: Lane) -> int:
+    """Bytes per step of a 2-rank one-shot all_reduce in steps
+    (:func:`all_reduce_one_shot_steps`): the lane's step, at most :data:`PAIR_STEP`. A
+    function of the lane alone, so every rank picks alike."""
+    return min(lane.step, PAIR_STEP)
+
+
 def one_shot_steps_max(lane: Lane) -> int:
     """The largest all_reduce (bytes) the lane runs in one-shot steps
     (:func:`all_reduce_one_shot_steps`) when it is too large for one step; larger ones,
@@ -860,6 +868,13 @@ def one_shot_steps_max(lane: Lane) -> int:
     return _PAIR_ONE_SHOT_SLOTS * lane.limit
 
 
+#: bytes a 2-rank one-shot all_reduce step moves at most (:func:`one_shot_step`). Steps
+#: alternate the two slots, so the slots a run of steps touches is four steps' worth (two
+#: ranks, two slots each) beside the arrays: on the 2-core VM (AMD, 8 MiB of L3) 512 KiB
+#: steps were 1.19 to 1.35x as fast as 1 MiB ones at 4 to 16 MiB when its two vCPUs shared
+#: the L3 and 0.95 to 1.00x when they did not (five runs); on the 16-core host 0.99 to
+#: 1.05x (``bench/lane_piece_ab.py``, ``bench/results/session47_lane_cap_ab.txt``)
+PAIR_STEP = 512 << 10
 #: 2 ranks: one-shot steps up to this many slots; paired against two-shot steps on the
 #: 2-core VM they were 1.03 to 1.09x faster at every size from 4 to 128 MiB
 #: (``bench/lane_pair_ab.py``), so every size takes them
