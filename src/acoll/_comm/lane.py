@@ -207,7 +207,8 @@ class Lane:
         #: all_reduce steps of 1 MiB against a whole 2 MiB slot, paired in the same
         #: processes (``bench/lane_piece_ab.py``): 4 to 16 MiB 0.96 to 1.28x as fast in
         #: three runs on the 2-core VM (AMD, 512 KiB of L2 a core; 64 MiB 0.97 to 1.06x),
-        #: 1.00 to 1.05x on the 16-core host)
+        #: 1.00 to 1.05x on the 16-core host; those steps move at most ``PAIR_STEP``
+        #: since session 47: :func:`one_shot_step`)
         self.step = min(limit, STEP_MAX)
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []

@@ -116,7 +116,7 @@ LANE_MAX = Setting("SHM_LANE_MAX", _parse_lane, -1,
                    "size); auto "
                    "(-1): 2 MiB for 2 ranks, else 4 MiB / (ranks - 1), from 64 KiB to 1 MiB; "
                    "else a multiple of 64, at most 2 MiB (steps move at most 1 MiB per "
-                   "peer); 0 turns the lane "
+                   "peer, 2-rank all_reduce steps 512 KiB); 0 turns the lane "
                    "off.", "COLL")
 #: what the automatic lane size shares out between a rank's peers, and its bounds
 LANE_BUDGET = 4 << 20
