@@ -15,19 +15,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
-import time
 
 import cupy as cp
 import numpy as np
+from staging_enqueue_probe import clock, med_us
 
 from acoll._memory.cuda import _D2H, CudaSpace, _stream_mem_ops
-
-clock = time.perf_counter_ns
-
-
-def med_us(samples: list[int]) -> float:
-    return statistics.median(samples) / 1e3
 
 
 def main() -> None:

@@ -12,8 +12,9 @@ in rank order on every rank, so every rank gets the same bits.
 Larger collectives (all but reduce) run as one op in steps of at most ``Lane.step`` per
 peer (the slot, at most ``STEP_MAX``; :class:`StepPlan`, the algorithms are :class:`Steps`
 subclasses): all_reduce two-shot (a reduce-scatter step then an all-gather step per
-chunk), or, with 2 ranks and boards, one-shot steps of ``Lane.step`` (every rank boards its
-piece and combines its peer's: :func:`one_shot_steps_max`); the others one kind of step
+chunk), or, with 2 ranks and boards, one-shot steps of ``Lane.step`` up to ``PAIR_STEP``
+(every rank boards its piece and combines its peer's: :func:`one_shot_steps_max`,
+:func:`one_shot_step`); the others one kind of step
 per piece. Steps that send every peer the same bytes go through each rank's *board*
 (:class:`~acoll._transport.shmlane.Board`, mapped by every peer) when every rank could map
 every board (:meth:`Lane.setup`), else through the mailboxes.
