@@ -114,7 +114,7 @@ async def main() -> None:
                 factor = {"all_reduce": 2 * (n - 1) / n, "broadcast": 1.0}.get(
                     coll, (n - 1) / n)
                 bus = factor * nbytes
-                line = [f"{nbytes >> 20:>4} MiB ({iters:>3} ops)"]
+                line = [f"{nbytes >> 10:>6} KiB ({iters:>3} ops)"]
                 for v in variants:
                     med = _median(times[v])
                     line.append(f"{v} {med * 1e6:8.1f} us {bus / med / 1e9:6.2f} GB/s")
