@@ -213,6 +213,98 @@ async def test_a_call_made_while_another_waits_its_turn_goes_after_it(cupy: Any,
     assert await run_ranks(2, fn, device=0) == [8.0, 8.0]  # 1 -> 2 -> 4 -> 8
 
 
+class _StreamTrace:
+    """What the CuPy stand-in was asked to queue, in program order, as a happens-before
+    graph (the stand-in runs copies at once, so an ordering bug never shows in the data):
+    each copy, event record and event wait is a node after the previous node of its
+    stream; a wait also comes after the record of its event that it captured."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.preds: list[list[int]] = []
+        self.copies: list[tuple[int, int, int, int, int]] = []  # (node, kind, dst, src, size)
+        last: dict[Any, int] = {}
+        recorded: dict[int, int] = {}  # id(event) -> node of its latest record
+
+        def key(ptr: int) -> Any:
+            return ptr if ptr else (0, fake_cupy._current[0])  # (0: the current device's)
+
+        def node(stream_key: Any, after: int | None = None) -> int:
+            i = len(self.preds)
+            self.preds.append([p for p in (last.get(stream_key), after) if p is not None])
+            last[stream_key] = i
+            return i
+
+        real_copy = fake_cupy._Runtime.memcpyAsync
+        real_wait, real_record = fake_cupy.Stream.wait_event, fake_cupy.Event.record
+
+        def memcpy(dst: int, src: int, size: int, kind: int, stream: int) -> None:
+            self.copies.append((node(key(stream)), kind, dst, src, size))
+            real_copy(dst, src, size, kind, stream)
+
+        def wait_event(stream: Any, event: Any) -> None:
+            node(key(stream.ptr), recorded.get(id(event)))
+            real_wait(stream, event)
+
+        def record(event: Any, stream: Any = None) -> None:
+            on = stream if stream is not None else fake_cupy.get_current_stream()
+            recorded[id(event)] = node(key(on.ptr))
+            real_record(event, stream)
+
+        monkeypatch.setattr(fake_cupy._Runtime, "memcpyAsync", staticmethod(memcpy))
+        monkeypatch.setattr(fake_cupy.Stream, "wait_event", wait_event)
+        monkeypatch.setattr(fake_cupy.Event, "record", record)
+
+    def before(self, a: int, b: int) -> bool:
+        """Whether node ``a`` happens before node ``b`` on the device."""
+        seen, todo = set(), [b]
+        while todo:
+            for p in self.preds[todo.pop()]:
+                if p == a:
+                    return True
+                if p not in seen and p > a:  # (predecessors come earlier in program order)
+                    seen.add(p)
+                    todo.append(p)
+        return False
+
+    def unordered(self, ptr: int, nbytes: int) -> list[tuple[int, int]]:
+        """(upload, download) node pairs of device bytes ``ptr`` to ``ptr + nbytes``:
+        uploads into them queued before a download from them that need not have landed
+        when the download reads (a later call on the stream reading an older value)."""
+        def hits(at: int, size: int) -> bool:
+            return at < ptr + nbytes and ptr < at + size
+
+        ups = [(n, d, z) for n, kind, d, _, z in self.copies if kind == 1 and hits(d, z)]
+        downs = [(n, s, z) for n, kind, _, s, z in self.copies if kind == 2 and hits(s, z)]
+        return [(u, d) for u, ua, uz in ups for d, da, dz in downs
+                if u < d and ua < da + dz and da < ua + uz and not self.before(u, d)]
+
+
+@pytest.mark.parametrize("n", [1000, 100_000, 400_000])
+async def test_a_call_queued_behind_a_direct_one_reads_its_result(
+        cupy: Any, monkeypatch: pytest.MonkeyPatch, n: int) -> None:
+    """Found by review: a direct call with ``stream=`` uploads its result on that stream
+    when its ring ends; a call on the same stream made meanwhile is queued and ordered
+    after the stream's work at its call, before that upload: its download must still wait
+    for the upload (on a GPU the two copies are on different streams)."""
+    trace = _StreamTrace(monkeypatch)
+
+    async def fn(comm: acoll.Communicator) -> tuple[bool, float, int, int]:
+        s = cupy.cuda.Stream(non_blocking=True)
+        x = fake_cupy.ndarray(np.ones(n, np.float32), 0)
+        first = asyncio.ensure_future(comm.all_reduce(x, stream=s))  # direct
+        await asyncio.sleep(0)
+        queued = not comm._exec.idle
+        second = asyncio.ensure_future(comm.all_reduce(x, stream=s))  # queued: ordered
+        then = comm.broadcast(x, root=1, stream=s)  # queued too (no direct path)
+        await asyncio.gather(first, second, then)
+        return queued, float(x.get()[0]), x.data.ptr, 4 * n
+
+    got = await run_ranks(2, fn, device=0)
+    assert [(q, v) for q, v, _, _ in got] == [(True, 4.0)] * 2
+    for _, _, ptr, nbytes in got:
+        assert trace.unordered(ptr, nbytes) == []
+
+
 async def test_a_pending_fence_does_not_hold_back_other_pooled_blocks(cupy: Any) -> None:
     """Found by review: blocks come back fenced on different streams (callers'); one
     whose upload is still pending on a busy stream must not make every later call of its

@@ -15,7 +15,10 @@ result once.
   (count, dtype, op) (:class:`DirectPlan`), waits that poll the stream briefly before
   yielding. :class:`DirectLarge` (larger): a pooled block.
 - :class:`ViaHost` (the rest: groups, calls queued behind others, a pool that must grow):
-  ordered after the caller's stream by events, on a pooled block.
+  ordered after the caller's stream by events, on a pooled block. A direct call with
+  ``stream=`` queues its upload on that stream only when its ring ends, after a call made
+  on the same stream meanwhile was ordered (at its call): that call waits for the upload
+  too (:meth:`~acoll._memory.DirectStaging.left_behind`).
 - Where the communicator has the native ring (``ring.c``, :mod:`.native_ring`: every pair
   of ranks over TCP, the same settings everywhere) and the tuner gives the call to the
   ring, the host algorithm is the native ring: the choice is made from the call and the
@@ -382,6 +385,7 @@ class DirectCall:
             plan.last = None  # (on an error the communicator fails: no later call)
         else:
             plan.last = fence.detached()
+            plan.staging.left_behind(plan.last)
 
 
 class DirectLarge:
@@ -486,6 +490,8 @@ class DirectLarge:
             if self.settle:
                 await fence.wait(deadline)
                 waited = True
+            else:
+                self.staging.left_behind(fence)
         finally:
             self.staging.release(self.block, None if waited else self.last)
 

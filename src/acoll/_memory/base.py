@@ -378,6 +378,14 @@ class DirectStaging(Staging):
         """Enqueue ``dst`` (device) ``= src`` (host) on the caller's ``stream``; later work
         on it sees the data. ``own`` as for :meth:`download_on`."""
 
+    def left_behind(self, fence: Fence) -> None:
+        """A direct op ended without waiting for its last copy (``fence``, own, covering
+        every copy it put on the caller's stream): the next op ordered on this staging's
+        own stream must wait for it first. A call made on the same stream while that op
+        ran was ordered after the stream's work *at its call*, before those copies were
+        queued, so nothing else puts it after them. Here nothing: copies are not on
+        streams of their own (override where they are)."""
+
 
 class CopySignals:
     """Two 32-bit counters in page-locked host memory that a pooled block's copies and the

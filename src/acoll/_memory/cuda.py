@@ -352,6 +352,7 @@ class _Order(StreamOrder):
         space = self.space
         with space.cp.cuda.Device(space.device):
             space.stream.wait_event(self.event)
+            space.join_left_behind()
         space.give_event(self.event)
 
     def finish(self) -> None:
@@ -396,6 +397,10 @@ class CudaSpace(MemorySpace):
         self._pool: dict[int, Any] = {}
         self._staging: CudaStaging | None = None
         self._events: list[Any] = []  # idle events (see take_event)
+        #: the last copy of the last direct op, which it did not wait for (on a caller's
+        #: stream, or joined to it): the next op ordered on ``stream`` waits for it first
+        #: (:meth:`CudaStaging.left_behind`, :meth:`join_left_behind`)
+        self.left: _EventFence | None = None
         #: the events of live fences, by id (see :class:`_EventFence`)
         self.fenced: dict[int, Any] = {}
 
@@ -406,6 +411,16 @@ class CudaSpace(MemorySpace):
         (``__del__``) unless the space holds it meanwhile, as :class:`_EventFence` does."""
         return self._events.pop() if self._events else self.cp.cuda.Event(
             block=False, disable_timing=True)
+
+    def join_left_behind(self) -> None:
+        """Order the space's stream after the last direct op's copies it did not wait
+        for, if any are left (call under this device's context, as an op ordered on the
+        stream starts). Ops of one communicator run in the same order on every rank, and
+        that op's ring has ended: its copies end without any peer."""
+        left = self.left
+        if left is not None:
+            self.left = None
+            self.stream.wait_event(left.event)
 
     def idle_event(self) -> Any:
         """An idle event from the pool (see :meth:`take_event`), or ``None`` when it is
@@ -737,6 +752,7 @@ class CudaStaging(SignalledStaging):
         with space.cp.cuda.Device(space.device):
             if first and order is not None:
                 space.stream.wait_event(order.event)  # type: ignore[attr-defined]
+                space.join_left_behind()
             if dst.nbytes:
                 space.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, kind,
                                                   space.stream.ptr)
@@ -750,6 +766,10 @@ class CudaStaging(SignalledStaging):
 
     def caller_stream(self, stream: Any) -> Any:
         return self.space.resolve_stream(stream)
+
+    def left_behind(self, fence: Fence) -> None:
+        assert type(fence) is _EventFence  # (own: an event that outlives the op)
+        self.space.left = fence
 
     def download_on(self, stream: Any, dst: Buffer, src: Buffer,
                     after: Fence | None = None, *, own: bool = False) -> Fence:
