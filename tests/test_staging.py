@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -1042,6 +1043,43 @@ async def test_concurrent_device_all_reduces_take_turns_on_the_native_ring(
 
     assert all(await run_ranks(3, fn, device=0))
     assert len(native_runs) == 3 * 8
+
+
+async def test_an_op_failing_outside_acolls_errors_fails_the_communicator_at_once(
+        fake_devices: list[FakeDeviceSpace], monkeypatch: pytest.MonkeyPatch,
+        native_runs: list[tuple[MemoryKind, int]]) -> None:
+    """Found by review: a queued device all_reduce whose page-locked block could not be
+    had (an error of the device library, not acoll's) left its place in the native
+    ring's line held, so this rank's next native op waited out its deadline, and the
+    peer waited in the failed op. Now the rank raises the library's error, the
+    communicator fails, the peer gets RemoteError at once and later calls raise."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
+    monkeypatch.setattr(FakeStaging, "lease_now", lambda self, nbytes: None)  # (ordered)
+    real = FakeStaging.lease_async
+
+    async def lease_async(self: FakeStaging, nbytes: int) -> Any:
+        if self is fake_devices[0].staging():
+            raise RuntimeError("page-locked allocation failed")
+        return await real(self, nbytes)
+
+    monkeypatch.setattr(FakeStaging, "lease_async", lease_async)
+
+    async def fn(comm: acoll.Communicator) -> tuple[str, str, float]:
+        x = FakeDevArray(np.ones(50_001, np.float32))
+        start = time.monotonic()
+        with pytest.raises(Exception) as first:
+            await comm.all_reduce(x)
+        with pytest.raises(acoll.AcollError) as later:
+            await comm.all_reduce(x)
+        return repr(first.value), str(later.value), time.monotonic() - start
+
+    (mine, mine_later, t0), (peer, peer_later, t1) = await run_ranks(
+        2, fn, device=0, timeout=20)
+    assert mine == "RuntimeError('page-locked allocation failed')"
+    assert "all_reduce #0 failed on rank 0: RuntimeError" in mine_later
+    assert "RemoteError" in peer and "all_reduce #0 failed on rank 0" in peer
+    assert "all_reduce #0 failed on rank 0" in peer_later
+    assert max(t0, t1) < 10  # (not the 20 s deadline)
 
 
 async def _native_pair(size: int) -> list[acoll.Communicator]:

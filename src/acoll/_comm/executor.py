@@ -11,7 +11,9 @@ Each op has a deadline (the communicator's timeout). When it passes, the communi
 fails with :class:`~acoll.TimeoutError` naming the rank(s) the op waited for; a peer that
 sent nothing in the op is asked first whether it made the call (:mod:`.probe`), so that
 a rank waiting behind a stalled rank's other peers does not blame them. A cancelled op
-fails the communicator too: its sequence number was already promised to the peers.
+fails the communicator too: its sequence number was already promised to the peers, and
+so does an op that raises an error outside acoll's tree (a device or library error, a
+bug): its caller gets that error, every peer a :class:`~acoll.RemoteError` at once.
 """
 
 from __future__ import annotations
@@ -209,6 +211,17 @@ class Executor:
             raise
         except AcollError as exc:
             fail_and_raise(self.host, exc)
+        except Exception as exc:
+            self.broke(name, seq, exc)
+            raise
+
+    def broke(self, name: str, seq: int, exc: Exception) -> None:
+        """Op ``seq`` raised an error not of acoll's tree (a device or library error on
+        the way, or a bug): its number is spent and its peers cannot finish it, so the
+        communicator fails (every peer hears at once, later calls here raise an
+        :class:`AcollError` naming it); the caller gets ``exc`` itself."""
+        rank = self.host.rank
+        self.host.fail(AcollError(f"{name} #{seq} failed on rank {rank}: {exc!r}"))
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
@@ -243,6 +256,9 @@ class Executor:
             raise
         except AcollError as exc:
             fail_and_raise(host, exc)
+        except Exception as exc:
+            self.broke(ctx.desc.coll.name.lower(), ctx.seq, exc)
+            raise
         finally:
             self.running.discard(ctx)
             if check is not None and not check.done():

@@ -111,6 +111,7 @@ class PeerLinks:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._stop_error: AcollError | None = None  # (what stop() was given)
         for transport, listener in self._endpoints:
             self._spawn(self._accept_loop(transport, listener))
         counts: dict[str, int] = {}
@@ -238,9 +239,12 @@ class PeerLinks:
         return link
 
     async def raw_from(self, peer: int) -> RawLink:
-        """The raw link ``peer`` dials to this rank (waits for it)."""
+        """The raw link ``peer`` dials to this rank (waits for it; raises the
+        communicator's error at once once it stopped, as a wait begun before does)."""
         fut = self._raw_in.get(peer)
         if fut is None:
+            if self._stopped:  # (a future made now would never be settled)
+                raise self._stop_error or ClosedError("the communicator is closed")
             fut = self._raw_in[peer] = self._loop.create_future()
         return await asyncio.shield(fut)
 
@@ -264,6 +268,7 @@ class PeerLinks:
     def stop(self, error: AcollError | None) -> None:
         """Stop accepting; fail waiters for connections not made yet with ``error``."""
         self._stopped = True
+        self._stop_error = error
         for fut in self._connecting.values():
             if not fut.done():
                 fut.set_exception(error or ClosedError("the communicator is closed"))

@@ -150,7 +150,12 @@ class ViaHost:
         staging = self.mem.staging()
         assert staging is not None  # (a device space always stages)
         order, ctx = self.order, self.ctx
-        view, block = await staging.lease_async(self.send.nbytes)
+        try:
+            view, block = await staging.lease_async(self.send.nbytes)
+        except BaseException:
+            if self.native is not None:
+                self.native.leave()  # (the next op's turn: this one never ran)
+            raise
         data = self.host.wrap(view.array.view(self.send.dtype))
         ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         fence: Fence | None = None
