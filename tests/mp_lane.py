@@ -167,6 +167,47 @@ async def step_group(comm: acoll.Communicator) -> dict[str, Any]:
     return {"ok": True}
 
 
+async def folded_late_in_group(comm: acoll.Communicator) -> dict[str, Any]:
+    """Found by review (session 48): in a group, an in-place reduce_scatter in steps whose
+    last step combines gives the lane's turn up once it published that step, before its
+    peers' pieces are folded in; ranks 0 and 1 publish the last step late, so the next op
+    runs (and combines) on rank 2 meanwhile. Rank 2's saved operand must survive it.
+    (Run with ACOLL_SHM_LANE_MAX=4096: 3 steps of 512 float64 per part.)"""
+    from acoll._transport import shmlane
+
+    n, r = comm.size, comm.rank
+    lane = comm._lane
+    assert lane is not None
+    assert lane.limit == 4096
+    c = 3 * (lane.step // 8)  # a part: three steps, the last one combining
+    await comm.all_reduce(np.ones(4))
+    if r in (0, 1):
+        publish = shmlane._Slots.publish_at
+
+        def late(self: Any, slot: int, value: int, head: Any) -> None:
+            if value >> 44 == 2:  # (the third step of an op)
+                time.sleep(0.05)
+            publish(self, slot, value, head)
+
+        shmlane._Slots.publish_at = late  # type: ignore[method-assign]
+    wrong = []
+    for second in ("reduce_scatter", "all_reduce", "reduce_scatter"):
+        a = np.concatenate([np.full(c, 100 * r + 10 * q + 1, np.float64) for q in range(n)])
+        b = np.concatenate([np.full(c, 1000 * (r + 1) + q, np.float64) for q in range(n)])
+        mine_a, mine_b = a[r * c:(r + 1) * c], b[r * c:(r + 1) * c]
+        async with comm.group():
+            await comm.reduce_scatter(a, mine_a)
+            if second == "all_reduce":
+                await comm.all_reduce(mine_b)
+            else:
+                await comm.reduce_scatter(b, mine_b)
+        want_a = sum(100 * q + 10 * r + 1 for q in range(n))
+        want_b = sum(1000 * (q + 1) + (q if second == "all_reduce" else r) for q in range(n))
+        wrong.append([int(np.count_nonzero(mine_a != want_a)),
+                      int(np.count_nonzero(mine_b != want_b))])
+    return {"wrong": wrong}
+
+
 async def mismatch_root(comm: acoll.Communicator) -> dict[str, Any]:
     x = np.ones(8, np.int32)
     return await _outcome(comm.broadcast(x, root=1 if comm.rank == comm.size - 1 else 0))

@@ -396,6 +396,16 @@ def test_ops_in_steps_mix_with_one_slot_ops_in_groups_and_tasks() -> None:
         assert res["step_runs"] >= 5, res
 
 
+def test_a_step_folded_after_its_turn_keeps_its_operand_from_the_next_op() -> None:
+    """Found by review (session 48): rank 2's in-place reduce_scatter kept its operand for
+    a late last step in the lane's shared scratch, which the group's next op overwrote:
+    512 wrong elements in every iteration."""
+    for res in _run("folded_late_in_group", 3, cpus=4,
+                    env_extra={"ACOLL_SHM_LANE_MAX": "4096"}):
+        assert res is not None
+        assert res["wrong"] == [[0, 0]] * 3, res
+
+
 def test_recv_aliasing_send_in_other_objects_is_in_place() -> None:
     """Found by review: with 3 ranks, all_reduce(x, x) on a first call gave rank 2 a wrong
     sum (its input was overwritten before its turn)."""

@@ -225,6 +225,7 @@ class Lane:
         self.release_pending = False
         self.released = False
         self._scratch = np.empty(0, np.uint8)
+        self._spare: list[Any] = []  # arrays given back (see borrow)
         #: every rank's board by rank (this rank's own included), when every rank mapped
         #: every board (:meth:`setup`); else None and steps go through the mailboxes
         self.boards: list[Board] | None = None
@@ -251,12 +252,29 @@ class Lane:
         return over >= 0 and (not seq & 1 or over >= STEP_NS)
 
     def scratch(self, nbytes: int) -> Any:
-        """A byte array of at least ``nbytes`` for a combining step's copy of this rank's
-        operand; shared by the lane's ops (a combination never yields, so two never use it
-        at once)."""
+        """A byte array of at least ``nbytes`` for a combination's copy of this rank's
+        operand that is done with before the op yields; shared by the lane's ops (two
+        never use it at once). A copy that must outlive a wait takes :meth:`borrow`."""
         if self._scratch.nbytes < nbytes:
             self._scratch = np.empty(nbytes, np.uint8)
         return self._scratch
+
+    def borrow(self, nbytes: int) -> Any:
+        """A byte array of at least ``nbytes`` of the caller's own until it gives it back
+        (:meth:`give_back`): for a copy of this rank's operand that a step folds in after
+        waiting for its peers, while a later op of a group may already run and combine
+        (session 48's review: with the shared scratch, that op overwrote the copy). Kept
+        for reuse, so a run of ops allocates nothing."""
+        spare = self._spare
+        for i, buf in enumerate(spare):
+            if buf.nbytes >= nbytes:
+                return spare.pop(i)
+        return np.empty(nbytes, np.uint8)
+
+    def give_back(self, buf: Any) -> None:
+        """Return an array of :meth:`borrow` (none is given back on an error: dropped)."""
+        if len(self._spare) < 4:
+            self._spare.append(buf)
 
     async def setup(self, comm: Any) -> None:
         """Connect to every peer and take the mailboxes of each connection.
@@ -1234,10 +1252,13 @@ class StepPlan(_LaneCall):
         lane = self.lane
         rank, n = lane.rank, lane.size
         own, out = mine[a:a + m], res[at:at + m]
+        held: Any = None
         if m and rank >= 2 and inplace:  # (the first combinations would overwrite it)
-            saved = lane.scratch(m * self._item)[:m * self._item].view(self._dtype)
-            np.copyto(saved, own)
-            own = saved
+            # (a copy of its own: the fold may wait for peers, and a later op of a group
+            # may run meanwhile)
+            held = lane.borrow(m * self._item)
+            own = held[:m * self._item].view(self._dtype)
+            np.copyto(own, mine[a:a + m])
         ufunc, avg = self._ufunc, self.op == ReduceOp.AVG
         #: the ranks not folded yet, in rank order (this one's own operand included)
         order = list(range(n))
@@ -1279,6 +1300,8 @@ class StepPlan(_LaneCall):
                 done(k)
             if avg and m:
                 finish_avg(out, n)
+            if held is not None:
+                lane.give_back(held)
             return True
 
         take.pending = pending  # type: ignore[attr-defined]
