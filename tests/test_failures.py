@@ -463,3 +463,92 @@ async def test_closed_communicators_are_not_kept_alive_by_the_deadline_timer() -
     armed = [h for h in getattr(loop, "_scheduled", [])
              if not h.cancelled() and h.when() > loop.time() + 100]
     assert armed == []
+
+
+# --------------------------------------------------------------- session 48's review
+async def test_a_lowered_timeout_holds_after_ops_ran_with_a_longer_one() -> None:
+    """Found by review: the deadline timer armed for an op under a 30 s timeout stayed
+    armed after it, so a later op under a 1 s timeout waited until the old deadline."""
+    async def fn(comm: acoll.Communicator) -> tuple[str, float]:
+        await comm.barrier()  # (its op arms the timer 30 s ahead)
+        comm.timeout = 1.0
+        start = time.monotonic()
+        if comm.rank == 1:
+            await asyncio.sleep(4)  # (rank 0 waits for it in all_reduce)
+        try:
+            await comm.all_reduce(np.ones(4))
+        except acoll.AcollError as exc:
+            return type(exc).__name__, time.monotonic() - start
+        return "ok", time.monotonic() - start
+
+    (kind, waited), _ = await run_ranks(2, fn, timeout=30, together=True)
+    assert kind == "TimeoutError"
+    assert waited < 3
+
+
+async def test_a_call_waiting_behind_another_tasks_group_fails_with_the_communicator(
+        ) -> None:
+    """Found by review: a call made by another task while a group is open waits for the
+    group's block to exit; the communicator's failure did not reach it (it waited for the
+    block, forever if the block awaited it)."""
+    async def fn(comm: acoll.Communicator) -> Any:
+        if comm.rank == 1:
+            await asyncio.sleep(0.3)
+            comm.fail(acoll.AcollError("rank 1 gives up"))
+            return None
+        entered = asyncio.Event()
+
+        async def other() -> tuple[str, float]:
+            await entered.wait()
+            start = time.monotonic()
+            try:
+                await comm.all_reduce(np.ones(4))
+            except acoll.AcollError as exc:
+                return type(exc).__name__, time.monotonic() - start
+            return "ok", time.monotonic() - start
+
+        task = asyncio.create_task(other())  # (outside the group's context)
+        with contextlib.suppress(acoll.AcollError):
+            async with comm.group():
+                await comm.all_reduce(np.ones(4))
+                entered.set()
+                await task  # (a block waiting for that call: it must end anyway)
+        return task.result()
+
+    (kind, waited), _ = await run_ranks(2, fn, timeout=20, together=True)
+    assert kind == "RemoteError"
+    assert waited < 5
+
+
+@pytest.mark.parametrize("check", [True, False])
+async def test_calls_that_move_nothing_still_fail_on_a_failed_communicator(
+        check: bool) -> None:
+    """Found by review: a 1-rank broadcast, and 0-element calls without checks, returned
+    on a failed (or closed) communicator."""
+    async def one(comm: acoll.Communicator) -> list[str]:
+        comm.fail(acoll.AcollError("gave up"))
+        got = []
+        for call in (comm.broadcast(np.ones(3)), comm.all_reduce(np.ones(0)),
+                     comm.broadcast(np.ones(0))):
+            with pytest.raises(acoll.AcollError) as err:
+                await call
+            got.append(type(err.value).__name__)
+        return got
+
+    assert await run_ranks(1, one, check=check) == [["AcollError"] * 3]
+
+    async def two(comm: acoll.Communicator) -> str:
+        await comm.barrier()
+        comm.fail(acoll.AcollError("gave up"))
+        with pytest.raises(acoll.AcollError) as err:
+            await comm.all_reduce(np.ones(0))
+        return type(err.value).__name__
+
+    assert len(await run_ranks(2, two, check=check)) == 2
+
+    async def closed(comm: acoll.Communicator) -> None:
+        await comm.close()
+        with pytest.raises(acoll.ClosedError):
+            await comm.broadcast(np.ones(3))
+
+    await run_ranks(1, closed)

@@ -561,6 +561,7 @@ class Communicator:
         if lane is not None:
             lane.abandon()  # (before any caller can touch its buffers again)
         log.info("rank %d: communicator failed: %s", self.rank, error)
+        self._exec.fail_waiting()
         self._p2p_seq.fail(error)
         if self._p2p is not None:
             self._p2p.abort(error)
@@ -600,6 +601,7 @@ class Communicator:
         self._boot.abort()
         self._links.cancel_tasks()
         self._exec.stop_watchdog()
+        self._exec.fail_waiting()
         self._release_lane()
 
     def _drop_via_plans(self) -> None:
@@ -701,7 +703,9 @@ class Communicator:
         if count == 0:
             if self.size > 1 and self.check:
                 await self._exec.execute(desc, _Nothing)
-            elif self.size > 1:
+                return True
+            self.check_usable()  # (a failed or closed communicator fails every call)
+            if self.size > 1:
                 self._exec.skip()
             return True
         return False
@@ -1072,7 +1076,10 @@ class Communicator:
         order = self.mem.order(stream)
         cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
-        if await self._small_or_empty(desc, b.count) or self.size == 1:
+        if await self._small_or_empty(desc, b.count):
+            return buf
+        if self.size == 1:
+            self.check_usable()
             return buf
         lane = self._zero_copy_lane(b.nbytes)
         if lane is not None:

@@ -236,7 +236,11 @@ class Executor:
             self.announce(full, ctx.desc)
         ctx.deadline = self._loop.time() + host.timeout
         self.running.add(ctx)
-        if self._watchdog is None:
+        watchdog = self._watchdog
+        if watchdog is None or ctx.deadline < watchdog.when():
+            # (an earlier deadline than the armed one: the timeout was lowered since)
+            if watchdog is not None:
+                watchdog.cancel()
             self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
@@ -414,6 +418,13 @@ class Executor:
         ``ops`` (they wait for it)."""
         failed = self.host.error or RemoteError("the communicator failed", None)
         _settle_callers(ops, [failed] * len(ops))
+
+    def fail_waiting(self) -> None:
+        """The communicator failed (or was aborted): the calls other contexts made into
+        the open group, which wait for its block to exit, raise its error now (the block
+        may never exit, or only after a long while)."""
+        if self._group:
+            self._fail_callers(self._group)
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops (:meth:`drop_ops`)."""
