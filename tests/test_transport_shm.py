@@ -696,3 +696,26 @@ def test_memory_flat_over_many_ops_between_processes() -> None:
         grown = int(line.split(" rss ")[1].split(" KiB")[0])
         assert grown < 1024, line  # a leak of 100 bytes per op would show
 
+
+
+async def test_a_listener_segment_with_a_bad_header_is_a_protocol_error(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 48): the connector's check of the listener's segment
+    header raised BufferError (closing the mapping while a view of it was still held)
+    over the ProtocolError naming the problem."""
+    made = shm._new_segment
+
+    def garbled(layout: shmring.SegmentLayout) -> tuple[int, object]:
+        fd, mm = made(layout)
+        mm[:8] = b"NOTACOLL"
+        return fd, mm
+
+    monkeypatch.setattr(shm, "_new_segment", garbled)
+    transport = shm.ShmTransport(key=KEY, ring_size=1 << 16, timeout=2.0)
+    listener = await transport.listen()
+    try:
+        with pytest.raises(acoll.ProtocolError, match="not an acoll shared-memory segment"):
+            await transport.connect(listener.handle, b"hi", time.monotonic() + 3)
+        await asyncio.sleep(0.2)
+    finally:
+        listener.close()

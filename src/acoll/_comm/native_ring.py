@@ -338,7 +338,10 @@ class NativeRing:
         # (a hard stop for the C code in case nothing else ends it: the executor fails
         # the op at its own deadline, which aborts the call; 0: none, for a timeout too
         # large to count in nanoseconds)
-        limit = 2 * self.timeout + 30
+        # (from the op's own deadline: the communicator's timeout when the op started,
+        # which may differ from the one it was formed with; found by review)
+        left = ctx.deadline - asyncio.get_running_loop().time()
+        limit = 2 * (left if math.isfinite(left) else self.timeout) + 30
         backstop = (time.monotonic_ns() + int(limit * 1e9)
                     if math.isfinite(limit) and limit < 1e9 else 0)
         ctx.heard = _Heard(ctx.heard, self.prv, state)

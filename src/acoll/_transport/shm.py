@@ -817,13 +817,27 @@ def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
     if seals & _SEALS != _SEALS:
         raise ProtocolError("shared segment is not sealed against resizing")
     mm = _map(fd, size)
+    view = memoryview(mm)
     try:
-        if shmring.SegmentLayout.read_header(memoryview(mm)).lane != lane:
+        if shmring.SegmentLayout.read_header(view).lane != lane:
             raise ProtocolError("shared segment header disagrees with the announced lane")
     except BaseException:
+        # (the view first: with it exported, the close would raise BufferError over the
+        # named error; found by review)
+        view.release()
         mm.close()
         raise
+    view.release()
     return mm
+
+
+def _drop(sock: socket.socket, mm: mmap.mmap) -> None:
+    """Close a handshake's socket and mapping after its connection could not be made
+    (a view the failed constructor made may still hold the mapping: then it is unmapped
+    when collected)."""
+    sock.close()
+    with contextlib.suppress(BufferError):
+        mm.close()
 
 
 class ShmListener(HandshakeListener):
@@ -903,7 +917,13 @@ class ShmListener(HandshakeListener):
             sock.close()
             mm.close()
             return
-        self._offer(hello, ShmConnection(sock, mm, 0, peer))
+        try:
+            conn = ShmConnection(sock, mm, 0, peer)
+        except ProtocolError as exc:  # (the header, which the connector can write, changed)
+            self._refusals.refused("refused shm connection from %s: %s", peer, exc)
+            _drop(sock, mm)
+            return
+        self._offer(hello, conn)
 
 
 
@@ -995,7 +1015,11 @@ class ShmTransport(Transport):
                 if isinstance(exc, OSError) and not isinstance(exc, AcollError):
                     raise TransportError(f"cannot connect to a shm listener: {exc}") from exc
                 raise
-            return ShmConnection(sock, mm, 1, peer)
+            try:
+                return ShmConnection(sock, mm, 1, peer)
+            except ProtocolError:  # (the header, which the listener can write, changed)
+                _drop(sock, mm)
+                raise
         raise TransportError("the shm listener kept dropping the handshake")
 
     async def _authenticate(self, loop: asyncio.AbstractEventLoop, sock: socket.socket,
