@@ -552,3 +552,25 @@ async def test_calls_that_move_nothing_still_fail_on_a_failed_communicator(
             await comm.broadcast(np.ones(3))
 
     await run_ranks(1, closed)
+
+
+async def test_split_waits_for_a_group_another_task_holds_open() -> None:
+    """Found by review: split() (and registration) took the communicator's lock at once,
+    so a rank whose group block was still open ran it before the group's numbered call
+    while its peer ran it after: both waited out their deadline."""
+    async def fn(comm: acoll.Communicator) -> list[str]:
+        async def grouped() -> None:
+            async with comm.group():
+                await comm.all_reduce(np.ones(4))
+                await asyncio.sleep(0.5 if comm.rank == 0 else 0)
+
+        async def splitting() -> None:
+            await asyncio.sleep(0.1)  # (after the group's call, on both ranks)
+            sub = await comm.split(0)
+            assert sub is not None
+            await sub.close()
+
+        res = await asyncio.gather(grouped(), splitting(), return_exceptions=True)
+        return [repr(r) for r in res if r is not None]
+
+    assert await run_ranks(2, fn, timeout=4, together=True) == [[], []]

@@ -1347,14 +1347,14 @@ class Communicator:
         b = self.mem.adopt(buf, "buf")
         if self._lane is not None:
             found = shared.find(b.ptr, b.nbytes)
-            async with self._exec.lock:
+            async with self._exec.exclusive():
                 self.check_usable()
                 index = await self._lane.register(found, self._boot)
             self._lane_plans.clear()  # (plans made before now do not look for it)
             return Registration(self, index, host=True)
         if self._p2p is None or self._p2p.direct:
             return Registration(self, -1)
-        async with self._exec.lock:
+        async with self._exec.exclusive():
             self.check_usable()
             index = await self._p2p.register(b.ptr, self._boot)
         return Registration(self, index)
@@ -1369,14 +1369,14 @@ class Communicator:
             return
         if reg.host:
             if self._lane is not None:
-                async with self._exec.lock:
+                async with self._exec.exclusive():
                     self._lane.deregister(reg.index)
                 self._lane_plans.clear()
             reg.index = -1
             return
         if self._p2p is None:
             return
-        async with self._exec.lock:
+        async with self._exec.exclusive():
             await self._p2p.deregister(reg.index, self._boot)
         reg.index = -1
 
@@ -1405,7 +1405,7 @@ class Communicator:
             name = sock.getsockname()
             addr = [name[0], name[1], self._boot.addr[2]]
         try:
-            async with self._exec.lock:
+            async with self._exec.exclusive():
                 items = await self._boot.allgather(msgpack.packb([color, key, addr]))
         except BaseException:
             if sock is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
@@ -98,6 +98,9 @@ class Executor:
         self.lock = asyncio.Lock()
         self._group: list[GroupOp] | None = None
         self._owner: Group | None = None  # the group whose block queues calls
+        #: set while no group holds the communicator (see :meth:`exclusive`)
+        self._no_group = asyncio.Event()
+        self._no_group.set()
         self.running: set[OpContext] = set()
         self._probes: set[asyncio.Task[None]] = set()  # peers being asked (see _timed_out)
         self.queued = 0  # calls waiting for the lock (woken ones included)
@@ -398,10 +401,12 @@ class Executor:
         calls return at once; other contexts' calls wait for theirs to run."""
         self._group = []
         self._owner = owner
+        self._no_group.clear()
 
     def end_group(self) -> None:
         """No group holds this communicator any more (its ops hold the lock, or failed)."""
         self._group, self._owner = None, None
+        self._no_group.set()
 
     def drop_ops(self, ops: list[GroupOp]) -> None:
         """Drop a group's ops (its block raised, or its exit was cancelled before they
@@ -419,12 +424,27 @@ class Executor:
         failed = self.host.error or RemoteError("the communicator failed", None)
         _settle_callers(ops, [failed] * len(ops))
 
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """Hold the communicator alone for work that takes no sequence number (split,
+        registration), after every call made before it: a group another context holds
+        open (its calls are numbered, not yet run) runs first (session 48's review: taking
+        the lock at once ran such work before the group's calls on one rank and after
+        them on another). The communicator's failure ends the wait."""
+        self.host.check_usable()
+        await self._no_group.wait()  # (set by the failure too: :meth:`fail_waiting`)
+        async with self.lock:
+            self.host.check_usable()
+            yield
+
     def fail_waiting(self) -> None:
         """The communicator failed (or was aborted): the calls other contexts made into
         the open group, which wait for its block to exit, raise its error now (the block
-        may never exit, or only after a long while)."""
+        may never exit, or only after a long while), and so does work waiting for the
+        group to end (:meth:`exclusive`)."""
         if self._group:
             self._fail_callers(self._group)
+        self._no_group.set()
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops (:meth:`drop_ops`)."""
