@@ -918,3 +918,29 @@ async def test_no_thread_outlives_its_communicators() -> None:
     while threads() > before:
         assert time.monotonic() < end, f"{threads()} threads, {before} before"
         await asyncio.sleep(0.05)
+
+
+@needs_lib
+async def test_the_c_calls_hard_stop_follows_the_timeout_the_op_runs_under(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 48): the C call's own deadline (twice the timeout plus
+    30 s) used the timeout the communicator was formed with, so a longer one set later
+    failed a slow peer's call early on the native ring only."""
+    seen: list[float] = []
+    real = native.NativeLib.run
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((args[12] - time.monotonic_ns()) / 1e9)  # (the hard stop, ns)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(native.NativeLib, "run", spy)
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")  # (over TCP: the native ring)
+
+    async def job(comm: acoll.Communicator) -> bool:
+        comm.timeout = 100.0
+        await comm.all_reduce(np.ones(300_001, np.float32))
+        return comm._native is not None
+
+    assert all(await run_ranks(2, job, timeout=1, together=True))
+    assert seen
+    assert all(200 < left <= 230 for left in seen), seen
