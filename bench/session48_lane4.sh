@@ -10,7 +10,7 @@ if [ -f "$OUT/machine.txt" ]; then device_site; else device_start "$OUT"; fi
 P=$OUT/lane4.txt
 for pass in $(seq "${PASSES:-2}"); do
   for lim in ${LIMITS:-auto 128K 64K}; do
-    echo "## 4 ranks, ACOLL_SHM_LANE_MAX=$lim, pass $pass" >>"$P"
+    echo "## ${NP:-4} ranks, ACOLL_SHM_LANE_MAX=$lim, pass $pass" >>"$P"
     CUDA_VISIBLE_DEVICES= ACOLL_SHM_LANE_MAX=$lim timeout 100 mpirun --allow-run-as-root \
       --oversubscribe -x ACOLL_SHM_LANE_MAX -np ${NP:-4} python3 bench/lane_vs_mpi_pair.py \
       ${SIZES:-512K 1M 2M} --rounds ${ROUNDS:-6} --variants mpi,acoll 2>&1 \
