@@ -1348,14 +1348,12 @@ class Communicator:
         if self._lane is not None:
             found = shared.find(b.ptr, b.nbytes)
             async with self._exec.exclusive():
-                self.check_usable()
                 index = await self._lane.register(found, self._boot)
             self._lane_plans.clear()  # (plans made before now do not look for it)
             return Registration(self, index, host=True)
         if self._p2p is None or self._p2p.direct:
             return Registration(self, -1)
         async with self._exec.exclusive():
-            self.check_usable()
             index = await self._p2p.register(b.ptr, self._boot)
         return Registration(self, index)
 

@@ -111,7 +111,7 @@ class PeerLinks:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
-        self._stop_error: AcollError | None = None  # (what stop() was given)
+        self._stop_error: AcollError | None = None  # (what stop() fails waits with)
         for transport, listener in self._endpoints:
             self._spawn(self._accept_loop(transport, listener))
         counts: dict[str, int] = {}
@@ -243,8 +243,8 @@ class PeerLinks:
         communicator's error at once once it stopped, as a wait begun before does)."""
         fut = self._raw_in.get(peer)
         if fut is None:
-            if self._stopped:  # (a future made now would never be settled)
-                raise self._stop_error or ClosedError("the communicator is closed")
+            if self._stop_error is not None:  # (a future made now would never be settled)
+                raise self._stop_error
             fut = self._raw_in[peer] = self._loop.create_future()
         return await asyncio.shield(fut)
 
@@ -268,15 +268,15 @@ class PeerLinks:
     def stop(self, error: AcollError | None) -> None:
         """Stop accepting; fail waiters for connections not made yet with ``error``."""
         self._stopped = True
-        self._stop_error = error
+        err = self._stop_error = error or ClosedError("the communicator is closed")
         for fut in self._connecting.values():
             if not fut.done():
-                fut.set_exception(error or ClosedError("the communicator is closed"))
+                fut.set_exception(err)
                 fut.exception()
         self._connecting.clear()
         for raw in self._raw_in.values():
             if not raw.done():
-                raw.set_exception(error or ClosedError("the communicator is closed"))
+                raw.set_exception(err)
                 raw.exception()
         for _, listener in self._endpoints:
             listener.close()

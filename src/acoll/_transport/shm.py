@@ -817,17 +817,16 @@ def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
     if seals & _SEALS != _SEALS:
         raise ProtocolError("shared segment is not sealed against resizing")
     mm = _map(fd, size)
-    view = memoryview(mm)
     try:
-        if shmring.SegmentLayout.read_header(view).lane != lane:
+        # (the view released before any close: with it exported, the close would raise
+        # BufferError over the named error; found by review)
+        with memoryview(mm) as view:
+            announced = shmring.SegmentLayout.read_header(view).lane == lane
+        if not announced:
             raise ProtocolError("shared segment header disagrees with the announced lane")
     except BaseException:
-        # (the view first: with it exported, the close would raise BufferError over the
-        # named error; found by review)
-        view.release()
         mm.close()
         raise
-    view.release()
     return mm
 
 
