@@ -1,8 +1,10 @@
-"""A rank that dies (``os._exit``), stops itself with SIGSTOP, or stops calling (its
-event loop still running) while the others run all_reduces; the others report how their
-collectives failed, naming the blamed rank.
+"""A rank that dies (``os._exit``), dies by SIGKILL after forking a child that outlives
+it (``forkkill``: the child holds copies of every descriptor for MP_CHILD_LIFE seconds),
+stops itself with SIGSTOP, or stops calling (its event loop still running) while the
+others run all_reduces; the others report how their collectives failed, naming the
+blamed rank.
 
-Usage: mp_kill.py RANK NRANKS [VICTIM] [kill|stop|skip]
+Usage: mp_kill.py RANK NRANKS [VICTIM] [kill|forkkill|stop|skip]
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import stat
 import sys
+import time
 
 import numpy as np
 
@@ -32,6 +36,10 @@ async def main(rank: int, n: int, victim: int, how: str) -> int:
         if rank == victim and i == 3:
             if how == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
+            elif how == "forkkill":
+                _print_unheld_sockets()
+                _fork_a_lingering_child()
+                os.kill(os.getpid(), signal.SIGKILL)
             elif how == "skip":
                 await asyncio.sleep(60)  # (the test kills it once the others reported)
             else:
@@ -45,6 +53,38 @@ async def main(rank: int, n: int, victim: int, how: str) -> int:
             return 0
     print("never failed")
     return 1
+
+
+def _print_unheld_sockets() -> None:
+    """Print the sockets of this process (but the loop's wake-up pair) that a forked
+    child would keep: none, if every socket acoll opens is held."""
+    from acoll import _forkguard
+
+    loop = asyncio.get_running_loop()
+    wakeup = {s.fileno() for s in (getattr(loop, "_ssock", None),
+                                   getattr(loop, "_csock", None)) if s is not None}
+    fds = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            if stat.S_ISSOCK(os.fstat(int(name)).st_mode):
+                fds.append(int(name))
+        except OSError:
+            continue
+    held = set(_forkguard.held_in_child())
+    print(f"unheld sockets: {sorted(set(fds) - held - wakeup)}", flush=True)
+
+
+def _fork_a_lingering_child() -> None:
+    """Fork a child that sleeps, holding what it inherited, and print its pid (the test
+    kills it once the survivors reported)."""
+    pid = os.fork()
+    if pid == 0:
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 1)  # (not the test's pipe: its reader waits for every writer)
+        os.dup2(null, 2)
+        time.sleep(float(os.environ.get("MP_CHILD_LIFE", "30")))
+        os._exit(0)
+    print(f"child pid {pid}", flush=True)
 
 
 if __name__ == "__main__":

@@ -117,6 +117,53 @@ def test_killed_process_is_remote_error_on_survivors(shm: bool) -> None:
     assert elapsed < 30
 
 
+@pytest.mark.parametrize("victim", [0, 2])
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "tcp"])
+def test_a_killed_rank_whose_forked_child_lives_on_fails_survivors_at_once(
+        shm: bool, victim: int) -> None:
+    """A rank that forked a child (a data-loader worker, multiprocessing's fork) and is
+    then SIGKILLed: the child inherited copies of the rank's sockets, so without care no
+    survivor sees end of file while the child lives, and each waits out its deadline.
+    acoll's sockets are let go in forked children: the survivors fail at once with
+    RemoteError naming the dead rank, though the child is still alive. (Rank 0 opens
+    connections that rank 2 accepts: both sides' sockets are covered.)"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env["ACOLL_COMM_ID"] = f"127.0.0.1:{free_port()}"
+    env["MP_KILL_TIMEOUT"] = "40"
+    env["MP_CHILD_LIFE"] = "60"
+    if not shm:
+        env["ACOLL_SHM_DISABLE"] = "1"
+    procs = [subprocess.Popen([sys.executable, str(HERE / "mp_kill.py"), str(r), "3",
+                               str(victim), "forkkill"], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(3)]
+    child = 0
+    try:
+        t = time.monotonic()
+        outs = [p.communicate(timeout=60)[0] for p in procs]
+        elapsed = time.monotonic() - t
+        survivors = [r for r in range(3) if r != victim]
+        for line in outs[victim].splitlines():
+            if line.startswith("child pid "):
+                child = int(line.split()[2])
+        assert child, outs[victim]
+        assert "unheld sockets: []" in outs[victim], outs[victim]
+        os.kill(child, 0)  # the child still holds its copies: it must be alive here
+        assert procs[victim].returncode == -9, outs[victim]
+        for r in survivors:
+            assert procs[r].returncode == 0, outs[r]
+            assert "RemoteError" in outs[r], outs[r]
+            assert f"(rank={victim})" in outs[r], outs[r]
+        assert elapsed < 20, outs
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate(timeout=10)
+        if child:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, 9)
+
+
 def _run_victim_job(n: int, victim: int, how: str, timeout: str, **extra: str) -> list[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
     env.update(extra)

@@ -29,7 +29,7 @@ from collections.abc import Coroutine
 from concurrent.futures import Future
 from typing import Any
 
-from .. import _auth
+from .. import _auth, _forkguard
 from .. import _topology as topo
 from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_until
@@ -70,6 +70,7 @@ def listen_socket(sockaddr: tuple[Any, ...], family: socket.AddressFamily,
     except OSError:
         sock.close()
         raise
+    _forkguard.hold(sock)
     return sock
 
 

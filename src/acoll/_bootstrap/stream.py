@@ -8,7 +8,7 @@ import dataclasses
 import socket
 from collections.abc import Callable
 
-from .. import _auth
+from .. import _auth, _forkguard
 from .._deadline import deadline_after, wait_until
 from ..errors import AcollError, ProtocolError, TransportError
 from .wire import (
@@ -105,6 +105,7 @@ class FramedConnection:
         self.decoder = FrameDecoder(max_frame)
         peer = writer.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if peer else "?"
+        _forkguard.hold(writer.get_extra_info("socket"))
         set_nodelay(writer)
 
     @classmethod

@@ -23,7 +23,7 @@ import socket
 from abc import abstractmethod
 from typing import Any, ClassVar
 
-from .. import _auth
+from .. import _auth, _forkguard
 from .._config import get_logger
 from .base import QueuedListener
 
@@ -59,6 +59,7 @@ class HandshakeListener(QueuedListener):
         super().__init__()
         self._tasks: set[asyncio.Task[None]] = set()
         self._loop = asyncio.get_running_loop()
+        _forkguard.hold(sock)
         self._loop.add_reader(sock.fileno(), self._on_acceptable)
 
     def _on_acceptable(self) -> None:
@@ -70,6 +71,7 @@ class HandshakeListener(QueuedListener):
             except OSError as exc:  # EMFILE and friends: say so, try again on next wake-up
                 log.warning("%s listener accept failed: %s", self.kind, exc)
                 return
+            _forkguard.hold(conn)
             conn.setblocking(False)
             self._start_handshake(conn, addr)
 

@@ -72,7 +72,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from .. import _auth
+from .. import _auth, _forkguard
 from .._config import Setting, get_logger, parse_bool, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
@@ -996,6 +996,7 @@ class ShmTransport(Transport):
         loop = asyncio.get_running_loop()
         for attempt in range(_EVICTED_RETRIES):
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            _forkguard.hold(sock)
             sock.setblocking(False)
             try:
                 await wait_until(loop.sock_connect(sock, name), deadline,

@@ -92,7 +92,7 @@ from typing import Any
 
 import msgpack
 
-from .. import _auth
+from .. import _auth, _forkguard
 from .._config import Setting, get_logger, parse_size
 from .._deadline import wait_until
 from .._dtypes import empty_bytes
@@ -1364,6 +1364,7 @@ class TcpTransport(Transport):
                 for attempt in range(_EVICTED_RETRIES):
                     sock = socket.socket(family, socket.SOCK_STREAM)
                     socks.append(sock)
+                    _forkguard.hold(sock)
                     _tune(sock, self.bufsize, self.congestion)
                     await wait_until(loop.sock_connect(sock, addr), deadline,
                                      f"connecting to {host}:{port}")
