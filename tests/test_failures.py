@@ -414,6 +414,52 @@ async def test_closed_communicator_raises_closed_error() -> None:
     await asyncio.gather(*(c.close() for c in comms))  # idempotent
 
 
+async def test_a_second_close_waits_for_the_first() -> None:
+    """Two tasks closing one communicator (a shutdown handler and the program's own
+    close): the second waits for the first and returns; neither raises."""
+    comms = await _ranks(3)
+    first = [asyncio.ensure_future(c.close()) for c in comms]
+    await asyncio.sleep(0)
+    second = [asyncio.ensure_future(c.close()) for c in comms]
+    assert await asyncio.gather(*first, *second) == [None] * 6
+    assert all(repr(c).endswith("closed>") for c in comms)
+    await asyncio.gather(*(c.close() for c in comms))  # and later ones return at once
+
+
+def _socket_count() -> int:
+    import stat
+    n = 0
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += stat.S_ISSOCK(os.fstat(int(name)).st_mode)
+    return n
+
+
+@pytest.mark.parametrize("delay_ms", [0, 1, 3, 10, 30, 100])
+async def test_a_cancelled_close_releases_everything(
+        delay_ms: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() cancelled at any point (in its barrier, while its connections linger, while
+    the tasks stop) aborts the communicator there and then: its sockets are closed when
+    the cancellation lands, not left to a second close() that may never come. Rank 0's
+    close is cancelled after ``delay_ms``; the others close as usual (they may fail, naming
+    rank 0, if the cancel landed in the barrier)."""
+    monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")  # (real sockets between the ranks)
+    before = _socket_count()
+    comms = await _ranks(3)
+    assert _socket_count() > before
+    closing = [asyncio.ensure_future(c.close()) for c in comms]
+    await asyncio.sleep(delay_ms / 1000)
+    closing[0].cancel()
+    outs = await asyncio.gather(*closing, return_exceptions=True)
+    assert outs[0] is None or isinstance(outs[0], asyncio.CancelledError), outs
+    for out in outs[1:]:
+        assert out is None or isinstance(out, acoll.RemoteError), outs
+    assert all(repr(c).endswith("closed>") for c in comms), comms
+    await asyncio.sleep(0)
+    assert _socket_count() == before
+    await asyncio.gather(*(c.close() for c in comms))  # a later close() returns at once
+
+
 async def test_async_with_aborts_on_user_error_so_peers_do_not_wait() -> None:
     comms = await _ranks(2)
 

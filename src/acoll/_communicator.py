@@ -374,6 +374,7 @@ class Communicator:
                         for info in infos]
         self._error: AcollError | None = None
         self._closed = False
+        self._closing: asyncio.Future[None] | None = None  # set while close() runs
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._prepared: PreparedCalls | None = None  # its prepared calls (_p2p/fast.py)
@@ -583,6 +584,11 @@ class Communicator:
         """Drop every connection now. Local and immediate; peers see :class:`RemoteError`."""
         if self._closed:
             return
+        self._drop_everything()
+
+    def _drop_everything(self) -> None:
+        """What abort() does; also finishes a close() interrupted half way (each step
+        may run again)."""
         self._closed = True
         lane = getattr(self, "_lane", None)
         if lane is not None:
@@ -626,10 +632,29 @@ class Communicator:
         close). Resources are always released; if the closing barrier failed (a peer
         died, or did not close within the deadline), the error is raised afterwards. A
         communicator that had already failed is released without waiting for anyone.
+
+        A second close() made while one runs waits for it to finish and returns (the
+        first one's error, if any, is :attr:`error`); later ones return at once. If
+        close() is cancelled (or fails outside acoll's errors) the communicator is
+        aborted there and then: everything is released before the cancellation goes on.
         """
+        if self._closing is not None:
+            await asyncio.shield(self._closing)
+            return
         if self._closed:
             return
         self._not_in_group("close()")
+        self._closing = asyncio.get_running_loop().create_future()
+        try:
+            await self._close()
+        except BaseException as exc:
+            if not isinstance(exc, AcollError):  # cancelled, or a bug: release it all now
+                self._drop_everything()
+            raise
+        finally:
+            self._closing.set_result(None)
+
+    async def _close(self) -> None:
         failure: AcollError | None = None
         was_failed = self._error is not None
         if not was_failed:
