@@ -341,6 +341,52 @@ async def test_another_tasks_call_waits_for_the_group_then_runs(
     assert all(float(o[0]) == 2.0 * n for o in outside)
 
 
+async def test_a_group_block_awaiting_an_outside_call_ends_at_the_deadline(
+        comms: list[acoll.Communicator]) -> None:
+    """A group block that awaits a call another task made on a communicator the group
+    holds can never exit (that call waits for the block). The outside call's deadline
+    (the communicator's timeout) turns the deadlock into a TimeoutError naming the
+    group's block, for that call and the group's calls; peers learn it at once."""
+    n = len(comms)
+    for c in comms:
+        c.timeout = 1.0
+    t = time.monotonic()
+    with pytest.raises(acoll.AcollError) as caught:
+        async with comms[0].group():
+            for c in comms:
+                await c.all_reduce(np.ones(8))
+            task = asyncio.get_running_loop().create_task(
+                comms[0].all_reduce(np.ones(8)), context=contextvars.Context())
+            await task  # the user's mistake: the block waits for a call that waits for it
+    assert time.monotonic() - t < QUICK
+    assert isinstance(caught.value, acoll.TimeoutError), caught.value
+    assert "group block of another task" in str(caught.value)
+    for c in comms[1:]:  # (told by rank 0's failure notice)
+        for _ in range(200):
+            if c.error is not None:
+                break
+            await asyncio.sleep(0.025)
+        assert isinstance(c.error, acoll.TimeoutError) and c.error.rank == 0, c.error
+        assert "group block of another task" in str(c.error)
+    with pytest.raises(acoll.TimeoutError, match="group block of another task"):
+        await comms[0].barrier()
+
+
+async def test_split_waiting_for_another_tasks_group_has_a_deadline(
+        comms: list[acoll.Communicator]) -> None:
+    """split() from another task waits for an open group to exit, but not forever."""
+    comms[0].timeout = 0.5
+    async with comms[0].group():
+        for c in comms:
+            await c.all_reduce(np.ones(8))
+        task = asyncio.get_running_loop().create_task(
+            comms[0].split(0), context=contextvars.Context())
+        with pytest.raises(acoll.TimeoutError, match="group block of another task"):
+            await asyncio.wait_for(task, QUICK)
+    assert comms[0].error is None  # (split took no number: the communicator still works)
+    comms[0].timeout = DEADLINE
+
+
 async def test_a_group_of_a_task_started_in_another_block_is_its_own(
         comms: list[acoll.Communicator]) -> None:
     """A child task started inside the parent's block opens its own group and uses it

@@ -182,11 +182,15 @@ class Executor:
         if self._group is not None:
             self._group.append((tag_base >> 32, desc, tag_base, make, self_checked, full, done))
             if done is not None:
+                overdue = self._loop.call_later(self.host.timeout, self._group_overdue,
+                                                desc.coll.name.lower(), tag_base >> 32, done)
                 try:
                     await done
                 except asyncio.CancelledError:
                     self.cancelled(desc.coll.name.lower(), tag_base >> 32)
                     raise
+                finally:
+                    overdue.cancel()
             return
         self.queued += 1
         try:
@@ -424,6 +428,18 @@ class Executor:
         failed = self.host.error or RemoteError("the communicator failed", None)
         _settle_callers(ops, [failed] * len(ops))
 
+    def _group_overdue(self, name: str, seq: int, done: asyncio.Future[None]) -> None:
+        """A call made from outside an open group waited the communicator's timeout for
+        the group's block to exit: fail the communicator (the call has its number; peers
+        wait for it), which fails that call and the group's. Such a block most likely
+        awaits this very call, and would never exit."""
+        if done.done() or self.host.error is not None:
+            return
+        self.host.fail(AcollTimeoutError(
+            f"{name} #{seq} on rank {self.host.rank} waited {self.host.timeout:g} s for "
+            "the group block of another task, which holds this communicator, to exit (a "
+            "group block that awaits a call made outside it never exits)", self.host.rank))
+
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
         """Hold the communicator alone for work that takes no sequence number (split,
@@ -432,7 +448,14 @@ class Executor:
         the lock at once ran such work before the group's calls on one rank and after
         them on another). The communicator's failure ends the wait."""
         self.host.check_usable()
-        await self._no_group.wait()  # (set by the failure too: :meth:`fail_waiting`)
+        if not self._no_group.is_set():
+            try:  # (set by the failure too: :meth:`fail_waiting`)
+                await asyncio.wait_for(self._no_group.wait(), self.host.timeout)
+            except asyncio.TimeoutError:
+                raise AcollTimeoutError(
+                    f"rank {self.host.rank} waited {self.host.timeout:g} s for the group "
+                    "block of another task, which holds this communicator, to exit",
+                    self.host.rank) from None
         async with self.lock:
             self.host.check_usable()
             yield
