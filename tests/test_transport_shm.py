@@ -218,6 +218,32 @@ async def test_messages_much_bigger_than_the_ring(post_first: bool) -> None:
         await p.aclose()
 
 
+async def test_a_large_ring_still_writes_parts_of_at_most_1_mib() -> None:
+    """Each part is one copy on the loop: a 64 MiB ring's quarter would be a 16 MiB copy
+    (and a 1 GiB ring's 256 MiB); parts stay at 1 MiB and messages arrive whole."""
+    p = await _pair(64 * MiB)
+    try:
+        a, b = _conns(p)
+        assert a._part == b._part == MiB
+        data = payload(5 * MiB + 13, 9)
+        out = bytearray(len(data))
+        rfut = b.irecv(host_buffer(out), 4)
+        writes: list[int] = []
+        write = a._tx.write
+
+        def spy(tag: int, total: int, pos: int, view: memoryview, *args: object) -> bool:
+            writes.append(len(view))
+            return write(tag, total, pos, view, *args)  # type: ignore[arg-type]
+
+        a._tx.write = spy  # type: ignore[method-assign]
+        await within(a.isend(host_buffer(data), 4, meta_for(4)))
+        assert await within(rfut) == meta_for(4)
+        assert out == data
+        assert max(writes) == MiB and len(writes) == 6, writes
+    finally:
+        await p.aclose()
+
+
 async def test_wrap_around_with_mixed_sizes_and_tags() -> None:
     """Many messages of uneven sizes in flight at once through a small ring, received in
     a shuffled order: every record boundary lands somewhere else in the ring."""

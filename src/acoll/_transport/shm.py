@@ -103,7 +103,7 @@ DISABLE = Setting("SHM_DISABLE", parse_bool, False,
 RING_SIZE = Setting("SHM_RING_SIZE", parse_size, 2 << 20,
                     "Bytes of messages each direction of a shared-memory connection holds "
                     "(a multiple of 4 KiB, at least 16 KiB); messages larger than a quarter "
-                    "of it travel in parts.", "NET")
+                    "of it (or than 1 MiB) travel in parts.", "NET")
 def _parse_lane(text: str) -> int:
     return -1 if text.strip().lower() == "auto" else parse_size(text)
 
@@ -156,6 +156,7 @@ _EVICTED_RETRIES = 20
 _LINGER = 5.0  # how long a closing connection waits for the peer's close or end of file
 _IO_NS = 200_000  # a callback or poll starts no new copy after this (ns)
 _COPY_SLICE = 128 << 10  # bytes copied out of the ring between two looks at the clock
+_PART_MAX = 1 << 20  # most bytes of one message part, written into the ring in one copy
 _ALIGNED_MIN = 4096  # payloads from this size on are placed at their source's alignment
 _POOL_BYTES = 32 << 20  # storage kept for reuse, per connection
 _POOL_PER_SIZE = 8
@@ -267,8 +268,10 @@ class ShmConnection(FutureConnection):
         self._tx = shmring.Producer(self._tx_ring)
         self._layout = layout
         self._rx_index = rx_index
-        # parts are a multiple of 64 bytes, so every part of a message keeps its alignment
-        self._part = layout.capacity // 4
+        # parts are a multiple of 64 bytes, so every part of a message keeps its alignment;
+        # at most _PART_MAX: a part is written in one copy on the loop (a 1 GiB ring's
+        # quarter was a 256 MiB copy in one go)
+        self._part = min(layout.capacity // 4, _PART_MAX)
         self.peer = peer
         self._pool = _Pool()
         self._match: Matcher[asyncio.Future[bytes], None] = Matcher(
