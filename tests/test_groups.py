@@ -347,7 +347,6 @@ async def test_a_group_block_awaiting_an_outside_call_ends_at_the_deadline(
     holds can never exit (that call waits for the block). The outside call's deadline
     (the communicator's timeout) turns the deadlock into a TimeoutError naming the
     group's block, for that call and the group's calls; peers learn it at once."""
-    n = len(comms)
     for c in comms:
         c.timeout = 1.0
     t = time.monotonic()

@@ -737,7 +737,7 @@ async def test_a_rank_that_never_calls_is_named_by_every_timeout() -> None:
 
 
 @pytest.mark.usefixtures("over_tcp")
-@pytest.mark.parametrize("how", ["abort", "cancel"])
+@pytest.mark.parametrize("how", ["abort", "cancel", "cancel twice"])
 async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(
         how: str, monkeypatch: pytest.MonkeyPatch) -> None:
     from acoll._comm import native_ring
@@ -754,10 +754,15 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(
                                                                          strict=True)]
         await asyncio.sleep(0.005)
         t0 = time.monotonic()
+        at_end: list[bytes] = []  # the victim's buffer when its call returned
+        tasks[victim].add_done_callback(lambda _: at_end.append(bufs[victim].tobytes()))
         if how == "abort":
             comms[victim].abort()
         else:
             tasks[victim].cancel()
+            if how == "cancel twice":  # (a second cancel while the first waits for C)
+                await asyncio.sleep(0)
+                tasks[victim].cancel()
         results = await asyncio.gather(*tasks, return_exceptions=True)
         assert time.monotonic() - t0 < 5
         for r, res in enumerate(results):
@@ -765,10 +770,10 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(
                 continue
             assert isinstance(res, acoll.RemoteError), res
             assert f"rank {victim}" in str(res), res
-        # the victim's C call has stopped: its buffer no longer changes
-        snapshot = bufs[victim].copy()
+        # the victim's C call had stopped when its call returned: its buffer no longer
+        # changes
         await asyncio.sleep(0.2)
-        assert bufs[victim].tobytes() == snapshot.tobytes()
+        assert bufs[victim].tobytes() == at_end[0]
         for c in comms:
             c.abort()
         # every communicator's worker thread ends once its call is back
@@ -776,6 +781,55 @@ async def test_a_rank_that_aborts_or_is_cancelled_mid_op_fails_every_peer(
         while any(t.name == "acoll-native" for t in threading.enumerate()):
             assert time.monotonic() < end, "a native ring thread outlived its communicator"
             await asyncio.sleep(0.02)
+    finally:
+        for c in comms:
+            c.abort()
+
+
+@pytest.mark.usefixtures("over_tcp")
+async def test_a_call_cancelled_twice_still_waits_for_the_c_code_to_stop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The C code sees an abort only at its next check (a piece, or a 50 ms poll slice)
+    and may write the buffer until then. A cancelled call waits for that before its
+    cancellation reaches the caller, and a second cancel must not cut the wait short: the
+    caller may reuse the buffer the moment its await ends. (A stand-in for the C call
+    writes the buffer 0.1 s after it sees the abort.)"""
+    import ctypes
+
+    real_run = native.NativeLib.run
+    big = 1 << 20
+
+    def slow_to_stop(self: native.NativeLib, *args: Any, **kw: Any) -> tuple[int, int, bytes]:
+        if args[6] < big:  # (the calls that make the links run for real)
+            return real_run(self, *args, **kw)
+        state = args[13]
+        while not state.abort:
+            time.sleep(0.001)
+        time.sleep(0.1)
+        ctypes.memset(args[4], 0x7F, 64)  # a late write into the destination
+        return 1, 0, b""
+
+    monkeypatch.setattr(native.NativeLib, "run", slow_to_stop)
+    monkeypatch.setattr(native_ring, "_CANCEL_WAIT", 10.0)
+    uid = acoll.get_unique_id()
+    comms = list(await asyncio.gather(*(acoll.init_rank(2, uid, r) for r in range(2))))
+    try:
+        assert all(c._native is not None for c in comms)
+        await asyncio.gather(*(c.all_reduce(np.ones(1 << 18, np.float32)) for c in comms))
+        bufs = [np.ones(big, np.float32) for _ in comms]
+        tasks = [asyncio.ensure_future(c.all_reduce(b)) for c, b in zip(comms, bufs,
+                                                                         strict=True)]
+        await asyncio.sleep(0.05)
+        at_end: list[bytes] = []
+        tasks[0].add_done_callback(lambda _: at_end.append(bufs[0][:16].tobytes()))
+        tasks[0].cancel()
+        await asyncio.sleep(0.01)
+        tasks[0].cancel()  # while the first cancel waits for the C code
+        await asyncio.gather(*tasks, return_exceptions=True)
+        assert tasks[0].cancelled()
+        await asyncio.sleep(0.2)
+        assert at_end == [bufs[0][:16].tobytes()], "the buffer was written after the call ended"
+        assert bufs[0][:16].tobytes() == b"\x7f" * 64
     finally:
         for c in comms:
             c.abort()

@@ -367,14 +367,24 @@ class NativeRing:
             result: tuple[int, int, bytes] = await asyncio.shield(fut)
         except BaseException:
             # Cancelled (or ``started`` failed): the C code stops at its next check (a
-            # piece, or a poll slice of 50 ms); wait that long, so that the buffers are not
-            # written after the cancellation reached the caller (unless cancelled again
-            # meanwhile).
+            # piece, or a poll slice of 50 ms); wait for that (at most _CANCEL_WAIT), so
+            # that the buffers are not written after the cancellation reached the caller.
+            # Further cancels do not shorten the wait (the first one is re-raised).
             state.abort = 1
-            with contextlib.suppress(asyncio.CancelledError, asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(fut), _CANCEL_WAIT)
+            await _outwait(fut, _CANCEL_WAIT)
             raise
         return result
+
+
+async def _outwait(fut: asyncio.Future[Any], limit: float) -> None:
+    """Wait up to ``limit`` seconds for ``fut``, whatever it ends with, through any number
+    of cancels of the waiting task (the caller re-raises the one it is handling)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit
+    while not fut.done() and (left := end - loop.time()) > 0:
+        # (asyncio.wait never cancels what it waits for)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait({fut}, timeout=left)
 
 
 class _NativeOp:
