@@ -239,7 +239,8 @@ async def test_a_large_ring_still_writes_parts_of_at_most_1_mib() -> None:
         await within(a.isend(host_buffer(data), 4, meta_for(4)))
         assert await within(rfut) == meta_for(4)
         assert out == data
-        assert max(writes) == MiB and len(writes) == 6, writes
+        assert max(writes) == MiB, writes
+        assert len(writes) == 6, writes
     finally:
         await p.aclose()
 
