@@ -388,6 +388,69 @@ async def test_split_waiting_for_another_tasks_group_has_a_deadline(
     comms[0].timeout = DEADLINE
 
 
+async def _pair(timeout: float) -> list[acoll.Communicator]:
+    uid = acoll.get_unique_id()
+    comms = list(await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=DEADLINE)
+                                        for r in range(2))))
+    for c in comms:
+        c.timeout = timeout
+    return comms
+
+
+@pytest.mark.parametrize("waiter", ["barrier", "split"])
+async def test_the_wait_for_a_block_ends_when_it_exits_not_when_its_ops_run(
+        waiter: str) -> None:
+    """Review of the deadline above: the outside call's (or split's) deadline covers the
+    wait for the block to exit only. Here the block exits after 1.5 s (under the 4 s
+    timeout) and its op then waits until 4.5 s for the peer, inside its own deadline
+    (5.5 s): everything completes, nobody blames the block."""
+    comms = await _pair(4.0)
+
+    async def rank0() -> object:
+        async with comms[0].group():
+            await comms[0].all_reduce(np.ones(8))
+            call = comms[0].barrier() if waiter == "barrier" else comms[0].split(0)
+            outside = asyncio.get_running_loop().create_task(
+                call, context=contextvars.Context())  # type: ignore[arg-type]
+            await asyncio.sleep(1.5)  # legitimate work inside the block
+        return await outside
+
+    async def rank1() -> object:
+        await asyncio.sleep(4.5)
+        await comms[1].all_reduce(np.ones(8))
+        return await (comms[1].barrier() if waiter == "barrier" else comms[1].split(0))
+
+    try:
+        out = await asyncio.gather(rank0(), rank1(), return_exceptions=True)
+        assert not any(isinstance(r, BaseException) for r in out), out
+        for r in out:
+            if isinstance(r, acoll.Communicator):
+                r.abort()
+        assert all(c.error is None for c in comms), [c.error for c in comms]
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_close_inside_a_block_while_another_task_closes_is_refused_at_once() -> None:
+    """close() in a group block while another task's close() waits for that block: the
+    block's close must be refused (InvalidUsage) at once, not wait for the other close."""
+    comms = await _pair(DEADLINE)
+    try:
+        t = time.monotonic()
+        with pytest.raises(acoll.InvalidUsage, match="inside a group"):  # noqa: PT012
+            async with comms[0].group():
+                await comms[0].all_reduce(np.ones(4))
+                asyncio.get_running_loop().create_task(
+                    comms[0].close(), context=contextvars.Context())
+                await asyncio.sleep(0.05)
+                await comms[0].close()
+        assert time.monotonic() - t < QUICK
+    finally:
+        for c in comms:
+            c.abort()
+
+
 async def test_a_group_of_a_task_started_in_another_block_is_its_own(
         comms: list[acoll.Communicator]) -> None:
     """A child task started inside the parent's block opens its own group and uses it

@@ -638,12 +638,12 @@ class Communicator:
         close() is cancelled (or fails outside acoll's errors) the communicator is
         aborted there and then: everything is released before the cancellation goes on.
         """
+        if self._closed and (self._closing is None or self._closing.done()):
+            return
+        self._not_in_group("close()")  # (before waiting: the first close waits for the block)
         if self._closing is not None:
             await asyncio.shield(self._closing)
             return
-        if self._closed:
-            return
-        self._not_in_group("close()")
         self._closing = asyncio.get_running_loop().create_future()
         try:
             await self._close()

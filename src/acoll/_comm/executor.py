@@ -101,6 +101,11 @@ class Executor:
         #: set while no group holds the communicator (see :meth:`exclusive`)
         self._no_group = asyncio.Event()
         self._no_group.set()
+        #: set while no group block is open (its block exited, or failed); the deadline
+        #: timers of other contexts' calls waiting for an open block (:meth:`execute`)
+        self._block_exited = asyncio.Event()
+        self._block_exited.set()
+        self._overdue: set[asyncio.TimerHandle] = set()
         self.running: set[OpContext] = set()
         self._probes: set[asyncio.Task[None]] = set()  # peers being asked (see _timed_out)
         self.queued = 0  # calls waiting for the lock (woken ones included)
@@ -182,15 +187,24 @@ class Executor:
         if self._group is not None:
             self._group.append((tag_base >> 32, desc, tag_base, make, self_checked, full, done))
             if done is not None:
-                overdue = self._loop.call_later(self.host.timeout, self._group_overdue,
-                                                desc.coll.name.lower(), tag_base >> 32, done)
+                # (a deadline only while the block is open: once it exited, the group's
+                # ops wait for the lock and run under their own deadlines)
+                overdue = None
+                if not self._block_exited.is_set():
+                    wait = self.host.timeout
+                    overdue = self._loop.call_later(wait, self._group_overdue,
+                                                    desc.coll.name.lower(), tag_base >> 32,
+                                                    wait, done)
+                    self._overdue.add(overdue)
                 try:
                     await done
                 except asyncio.CancelledError:
                     self.cancelled(desc.coll.name.lower(), tag_base >> 32)
                     raise
                 finally:
-                    overdue.cancel()
+                    if overdue is not None:
+                        overdue.cancel()
+                        self._overdue.discard(overdue)
             return
         self.queued += 1
         try:
@@ -406,11 +420,21 @@ class Executor:
         self._group = []
         self._owner = owner
         self._no_group.clear()
+        self._block_exited.clear()
+
+    def _block_ended(self) -> None:
+        """The group's block exited (or the group ended): no more deadlines for waiting
+        for it."""
+        self._block_exited.set()
+        for handle in self._overdue:
+            handle.cancel()
+        self._overdue.clear()
 
     def end_group(self) -> None:
         """No group holds this communicator any more (its ops hold the lock, or failed)."""
         self._group, self._owner = None, None
         self._no_group.set()
+        self._block_ended()
 
     def drop_ops(self, ops: list[GroupOp]) -> None:
         """Drop a group's ops (its block raised, or its exit was cancelled before they
@@ -428,7 +452,8 @@ class Executor:
         failed = self.host.error or RemoteError("the communicator failed", None)
         _settle_callers(ops, [failed] * len(ops))
 
-    def _group_overdue(self, name: str, seq: int, done: asyncio.Future[None]) -> None:
+    def _group_overdue(self, name: str, seq: int, waited: float,
+                       done: asyncio.Future[None]) -> None:
         """A call made from outside an open group waited the communicator's timeout for
         the group's block to exit: fail the communicator (the call has its number; peers
         wait for it), which fails that call and the group's. Such a block most likely
@@ -436,7 +461,7 @@ class Executor:
         if done.done() or self.host.error is not None:
             return
         self.host.fail(AcollTimeoutError(
-            f"{name} #{seq} on rank {self.host.rank} waited {self.host.timeout:g} s for "
+            f"{name} #{seq} on rank {self.host.rank} waited {waited:g} s for "
             "the group block of another task, which holds this communicator, to exit (a "
             "group block that awaits a call made outside it never exits)", self.host.rank))
 
@@ -446,16 +471,19 @@ class Executor:
         registration), after every call made before it: a group another context holds
         open (its calls are numbered, not yet run) runs first (session 48's review: taking
         the lock at once ran such work before the group's calls on one rank and after
-        them on another). The communicator's failure ends the wait."""
+        them on another). The communicator's failure ends the wait. Waiting for the block
+        to exit has the communicator's timeout; its ops then run under their own."""
         self.host.check_usable()
-        if not self._no_group.is_set():
+        if not self._block_exited.is_set():
+            wait = self.host.timeout
             try:  # (set by the failure too: :meth:`fail_waiting`)
-                await asyncio.wait_for(self._no_group.wait(), self.host.timeout)
+                await asyncio.wait_for(self._block_exited.wait(), wait)
             except asyncio.TimeoutError:
                 raise AcollTimeoutError(
-                    f"rank {self.host.rank} waited {self.host.timeout:g} s for the group "
-                    "block of another task, which holds this communicator, to exit",
+                    f"rank {self.host.rank} waited {wait:g} s for the group block of "
+                    "another task, which holds this communicator, to exit",
                     self.host.rank) from None
+        await self._no_group.wait()
         async with self.lock:
             self.host.check_usable()
             yield
@@ -468,6 +496,7 @@ class Executor:
         if self._group:
             self._fail_callers(self._group)
         self._no_group.set()
+        self._block_ended()
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops (:meth:`drop_ops`)."""
@@ -478,6 +507,7 @@ class Executor:
         that calls other contexts make until they run join it, in order. An empty
         group ends here."""
         ops = self._group or []
+        self._block_ended()
         if not ops:
             self.end_group()
         return ops
