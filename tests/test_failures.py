@@ -476,6 +476,65 @@ async def test_async_with_aborts_on_user_error_so_peers_do_not_wait() -> None:
     assert time.monotonic() - t < 3
 
 
+@pytest.mark.parametrize(("color", "key", "says"), [
+    (-1, None, "color must be an int >= 0"), ("x", None, "color must be an int >= 0"),
+    (2**70, None, "color must be an int >= 0"), (0, 2**70, "key must be an int of 64 bits"),
+    (0, "a", "key must be an int of 64 bits"), (True, None, "color must be"),
+])
+async def test_a_bad_split_on_one_rank_fails_every_rank_at_once(
+        color: object, key: object, says: str) -> None:
+    """Found by review: a split() misused on one rank raised there, while its peers
+    waited in the exchange until the deadline (or, for a key msgpack cannot pack, every
+    rank got a raw TypeError/OverflowError). The misuse is now an InvalidUsage on every
+    rank at once, naming the rank and the argument."""
+    comms = await _ranks(3)
+    t = time.monotonic()
+    out = await asyncio.gather(
+        comms[0].split(color, key), *(c.split(0) for c in comms[1:]),  # type: ignore[arg-type]
+        return_exceptions=True)
+    assert time.monotonic() - t < 5
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert says in str(out[0])
+    for e in out[1:]:
+        assert f"rank 0 made an invalid split call: {says}" in str(e), out
+    await _settle(comms)
+
+
+async def test_a_bad_register_on_one_rank_fails_every_rank_at_once() -> None:
+    """Like split: a register() given something that is not a buffer on one rank fails
+    every rank's communicator at once, naming it (its peers waited until the deadline
+    where registering exchanges anything)."""
+    comms = await _ranks(2)
+    out = await asyncio.gather(comms[0].register([1, 2]), comms[1].register(np.ones(4)),
+                               return_exceptions=True)
+    assert isinstance(out[0], acoll.InvalidUsage), out
+    for c in comms:
+        with pytest.raises(acoll.InvalidUsage, match="rank 0 made an invalid register call"):
+            await c.barrier()
+    await _settle(comms)
+
+
+async def test_numpy_integers_are_ranks_roots_colors_and_keys() -> None:
+    """root=np.argmax(...) and friends: NumPy integers are accepted wherever an int rank,
+    root, color or key is (they were refused as "out of range")."""
+    async def fn(comm: acoll.Communicator) -> tuple[float, float, int]:
+        x = np.full(4, float(comm.rank))
+        await comm.broadcast(x, root=np.int64(comm.size - 1))
+        y = np.full(3, float(comm.rank))
+        if comm.rank == 0:
+            await comm.send(y, np.int32(1))
+        elif comm.rank == 1:
+            await comm.recv(y, np.uint8(0))
+        sub = await comm.split(np.int64(0), key=np.int16(-comm.rank))
+        assert sub is not None
+        rank = sub.rank
+        await sub.close()
+        return float(x[0]), float(y[0]), rank
+
+    res = await run_ranks(3, fn)
+    assert res == [(2.0, 0.0, 2), (2.0, 0.0, 1), (2.0, 2.0, 0)]
+
+
 async def test_split() -> None:
     async def fn(comm: acoll.Communicator) -> tuple[int, int, float] | None:
         color = None if comm.rank == 4 else comm.rank % 2

@@ -47,7 +47,7 @@ from ._bootstrap.root import RootServer, listen_socket, start_root
 from ._bootstrap.wire import Address
 from ._coll import algorithms as algos
 from ._coll.base import Coll, Descriptor, OpContext
-from ._comm.args import buffer_pair, check_peer, check_root, descriptor
+from ._comm.args import as_int, buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.groups import Group
 from ._comm.groups import current as current_group
@@ -1342,6 +1342,7 @@ class Communicator:
         return buf
 
     # ------------------------------------------------------------------ registration
+    @_announced
     async def register(self, buf: Any) -> Registration:
         """Prepare ``buf`` for repeated collectives (``ncclCommRegister``). Collective:
         every rank calls it, in the same order, each with its own buffer.
@@ -1382,6 +1383,7 @@ class Communicator:
             index = await self._p2p.register(b.ptr, self._boot)
         return Registration(self, index)
 
+    @_announced
     async def deregister(self, reg: Registration) -> None:
         """Undo :meth:`register` (collective, like it)."""
         if not isinstance(reg, Registration) or reg.comm is not self:
@@ -1404,6 +1406,7 @@ class Communicator:
         reg.index = -1
 
     # ------------------------------------------------------------------ split
+    @_announced
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
 
@@ -1412,10 +1415,9 @@ class Communicator:
         """
         self._not_in_group("split()")
         self.check_usable()
-        if color is not None and (isinstance(color, bool) or not isinstance(color, int)
-                                  or color < 0):
-            raise InvalidUsage(f"color must be a non-negative int or None, got {color!r}")
-        key = self.rank if key is None else key
+        if color is not None:
+            color = as_int(color, "color", 0, expect="an int >= 0 (below 2**63) or None")
+        key = self.rank if key is None else as_int(key, "key", expect="an int of 64 bits")
         self._split_seq += 1
         addr: list[Any] = []
         sock = None

@@ -3,6 +3,7 @@ descriptors, with errors that name the argument (all :class:`~acoll.InvalidUsage
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 from .._coll.algorithms import ALGO_CODES
@@ -11,18 +12,32 @@ from .._dtypes import dtype_code
 from .._memory import Buffer, MemorySpace
 from ..errors import InvalidUsage
 
-__all__ = ["buffer_pair", "check_peer", "check_root", "descriptor"]
+__all__ = ["as_int", "buffer_pair", "check_peer", "check_root", "descriptor"]
+
+
+def as_int(value: Any, name: str, lo: int = -(1 << 63), hi: int = (1 << 63) - 1,
+           expect: str = "") -> int:
+    """``value`` as a Python int in ``[lo, hi]``: ints and NumPy integers (anything with
+    ``__index__``), never bool; else :class:`InvalidUsage` naming ``name`` and what it
+    must be (``expect``, or the range)."""
+    expect = expect or f"an int in [{lo}, {hi}]"
+    if isinstance(value, bool):
+        raise InvalidUsage(f"{name} must be {expect}, got {value!r}")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        raise InvalidUsage(f"{name} must be {expect}, got {value!r}") from None
+    if not lo <= number <= hi:
+        raise InvalidUsage(f"{name} must be {expect}, got {number}")
+    return number
 
 
 def check_root(root: int, size: int) -> int:
-    if isinstance(root, bool) or not isinstance(root, int) or not 0 <= root < size:
-        raise InvalidUsage(f"root must be in [0, {size}), got {root!r}")
-    return root
+    return as_int(root, "root", 0, size - 1)
 
 
 def check_peer(peer: int, rank: int, size: int) -> int:
-    if isinstance(peer, bool) or not isinstance(peer, int) or not 0 <= peer < size:
-        raise InvalidUsage(f"peer must be in [0, {size}), got {peer!r}")
+    peer = as_int(peer, "peer", 0, size - 1)
     if peer == rank:
         raise InvalidUsage("send/recv to self: use a local copy")
     return peer
