@@ -33,3 +33,10 @@ async def test_reduce_scatter_size_message_names_the_send() -> None:
     msgs = await run_ranks(2, fn)
     assert "send must hold 16 (2 x recv)" in msgs[0], msgs
     assert "recv must hold" not in msgs[0]
+
+
+@pytest.mark.parametrize("op", [True, False])
+def test_a_bool_is_not_a_reduction_op(op: bool) -> None:
+    """Found by review: op=True was taken as PROD (bool is an int)."""
+    with pytest.raises(acoll.InvalidUsage, match="unknown reduction op"):
+        acoll.ReduceOp.coerce(op)

@@ -323,3 +323,10 @@ def test_secret_never_logged(monkeypatch: pytest.MonkeyPatch,
     with caplog.at_level(logging.DEBUG, logger="acoll"):
         UniqueId.from_address("10.1.2.3:29500")
     assert "topsecret" not in caplog.text
+
+
+@pytest.mark.parametrize("raw", ["abc", None, 7, [0] * 128])
+def test_from_bytes_of_something_else_is_invalid_usage(raw: object) -> None:
+    """Found by review: a str or None raised a bare TypeError."""
+    with pytest.raises(InvalidUsage, match="parsed from 128 bytes"):
+        UniqueId.from_bytes(raw)  # type: ignore[arg-type]

@@ -44,7 +44,7 @@ class ReduceOp(enum.IntEnum):
                 return cls[op.strip().upper()]
             except KeyError:
                 pass
-        elif isinstance(op, int):
+        elif isinstance(op, int) and not isinstance(op, bool):
             try:
                 return cls(op)
             except ValueError:

@@ -247,6 +247,9 @@ class UniqueId:
         Raises:
             InvalidUsage: wrong length, magic, version, checksum or address fields.
         """
+        if not isinstance(raw, (bytes, bytearray, memoryview)):
+            raise InvalidUsage(f"a UniqueId is parsed from {UID_SIZE} bytes, not from "
+                               f"{type(raw).__name__}")
         data = bytes(raw)
         if len(data) != UID_SIZE:
             raise InvalidUsage(f"a UniqueId is {UID_SIZE} bytes, got {len(data)}")
