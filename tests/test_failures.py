@@ -514,6 +514,42 @@ async def test_a_bad_register_on_one_rank_fails_every_rank_at_once() -> None:
     await _settle(comms)
 
 
+async def test_a_register_every_rank_refuses_together_keeps_the_communicator() -> None:
+    """Second review: an InvalidUsage every rank raises together after exchanging (the GPU
+    path refuses a buffer one rank could not export, e.g. from a pool allocator: a
+    stand-in domain does the same here) is no one rank's misuse: nobody waits, so the
+    communicator stays usable (announcing it failed every rank, each blaming itself)."""
+    from acoll.errors import InvalidUsage
+
+    class RefusingDomain:
+        direct = False
+
+        def __init__(self, rank: int) -> None:
+            self.rank = rank
+
+        async def register(self, ptr: int, boot: Any) -> int:
+            oks = await boot.allgather(b"y" if self.rank != 1 else b"n")
+            if b"n" in oks:
+                raise InvalidUsage("cannot register the buffer for peer access: rank 1: no")
+            return 0
+
+    comms = await _ranks(2)
+    try:
+        for c in comms:
+            c._p2p = RefusingDomain(c.rank)  # type: ignore[assignment]
+        out = await asyncio.gather(*(c.register(np.ones(4)) for c in comms),
+                                   return_exceptions=True)
+        for c in comms:
+            c._p2p = None
+        assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+        assert all(c.error is None for c in comms)
+        bufs = [np.ones(4) for _ in comms]
+        await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, bufs, strict=True)))
+        assert float(bufs[0][0]) == 2.0
+    finally:
+        await _settle(comms)
+
+
 async def test_numpy_integers_are_ranks_roots_colors_and_keys() -> None:
     """root=np.argmax(...) and friends: NumPy integers are accepted wherever an int rank,
     root, color or key is (they were refused as "out of range")."""

@@ -432,6 +432,43 @@ async def test_the_wait_for_a_block_ends_when_it_exits_not_when_its_ops_run(
             c.abort()
 
 
+async def test_split_waits_for_the_group_open_at_its_call_not_for_a_later_one() -> None:
+    """Second review: split() made while another task's (empty) block is open waited,
+    once that block ended, for the group the same task opened right after it, so on
+    that rank it ran after the next group's all_reduce and on the peer before it: both
+    timed out. It waits only for the group open when it was called."""
+    comms = await _pair(3.0)
+    loop = asyncio.get_running_loop()
+    bufs = [np.ones(4), np.ones(4)]
+
+    async def rank0() -> None:
+        async with comms[0].group():  # open, empty, while split is called
+            split = loop.create_task(comms[0].split(0), context=contextvars.Context())
+            await asyncio.sleep(0.2)
+        async with comms[0].group():  # opened as the first one ends
+            await comms[0].all_reduce(bufs[0])
+            await asyncio.sleep(0.05)
+        sub = await split
+        assert sub is not None
+        sub.abort()
+
+    async def rank1() -> None:
+        split = loop.create_task(comms[1].split(0))
+        await asyncio.sleep(0.2)
+        await comms[1].all_reduce(bufs[1])
+        sub = await split
+        assert sub is not None
+        sub.abort()
+
+    try:
+        await asyncio.wait_for(asyncio.gather(rank0(), rank1()), QUICK)
+        assert all(float(b[0]) == 2.0 for b in bufs)
+        assert all(c.error is None for c in comms)
+    finally:
+        for c in comms:
+            c.abort()
+
+
 async def test_close_inside_a_block_while_another_task_closes_is_refused_at_once() -> None:
     """close() in a group block while another task's close() waits for that block: the
     block's close must be refused (InvalidUsage) at once, not wait for the other close."""

@@ -37,7 +37,7 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, TypeVar
 
 import msgpack
 import numpy as np
@@ -711,6 +711,16 @@ class Communicator:
         """
         return Group(self._exec)
 
+    def _misused(self, call: str, exc: InvalidUsage) -> NoReturn:
+        """Raise ``exc``, a bad argument of collective ``call`` (split, register,
+        deregister) found before any exchange, after failing the communicator everywhere
+        with it, naming this rank: the peers are in the call and would wait for this rank
+        until their deadline. (Errors the ranks raise together after exchanging are not
+        announced: nobody waits.)"""
+        if self.error is None and not self._closed:
+            self.fail(InvalidUsage(f"rank {self.rank} made an invalid {call} call: {exc}"))
+        raise exc
+
     def _not_in_group(self, what: str) -> None:
         """Refuse a call that cannot be queued in a group (it runs at once, or waits for
         the group's calls), made inside one."""
@@ -1342,7 +1352,6 @@ class Communicator:
         return buf
 
     # ------------------------------------------------------------------ registration
-    @_announced
     async def register(self, buf: Any) -> Registration:
         """Prepare ``buf`` for repeated collectives (``ncclCommRegister``). Collective:
         every rank calls it, in the same order, each with its own buffer.
@@ -1370,7 +1379,10 @@ class Communicator:
         """
         self._not_in_group("register()")
         self.check_usable()
-        b = self.mem.adopt(buf, "buf")
+        try:
+            b = self.mem.adopt(buf, "buf")
+        except InvalidUsage as exc:
+            self._misused("register", exc)
         if self._lane is not None:
             found = shared.find(b.ptr, b.nbytes)
             async with self._exec.exclusive():
@@ -1383,13 +1395,13 @@ class Communicator:
             index = await self._p2p.register(b.ptr, self._boot)
         return Registration(self, index)
 
-    @_announced
     async def deregister(self, reg: Registration) -> None:
         """Undo :meth:`register` (collective, like it)."""
-        if not isinstance(reg, Registration) or reg.comm is not self:
-            raise InvalidUsage("deregister takes a Registration of this communicator")
         self._not_in_group("deregister()")
         self.check_usable()
+        if not isinstance(reg, Registration) or reg.comm is not self:
+            self._misused("deregister", InvalidUsage(
+                "deregister takes a Registration of this communicator"))
         if reg.index < 0:
             return
         if reg.host:
@@ -1406,7 +1418,6 @@ class Communicator:
         reg.index = -1
 
     # ------------------------------------------------------------------ split
-    @_announced
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
         """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
 
@@ -1415,9 +1426,12 @@ class Communicator:
         """
         self._not_in_group("split()")
         self.check_usable()
-        if color is not None:
-            color = as_int(color, "color", 0, expect="an int >= 0 (below 2**63) or None")
-        key = self.rank if key is None else as_int(key, "key", expect="an int of 64 bits")
+        try:
+            if color is not None:
+                color = as_int(color, "color", 0, expect="an int >= 0 (below 2**63) or None")
+            key = self.rank if key is None else as_int(key, "key", expect="an int of 64 bits")
+        except InvalidUsage as exc:
+            self._misused("split", exc)
         self._split_seq += 1
         addr: list[Any] = []
         sock = None

@@ -106,6 +106,11 @@ class Executor:
         self._block_exited = asyncio.Event()
         self._block_exited.set()
         self._overdue: set[asyncio.TimerHandle] = set()
+        #: groups opened so far, and the number of the last one whose ops took the lock
+        #: (or that failed); work waiting for group ``k`` to end (:meth:`exclusive`)
+        self._opened = 0
+        self._ended = 0
+        self._end_waiters: list[tuple[int, asyncio.Future[None]]] = []
         self.running: set[OpContext] = set()
         self._probes: set[asyncio.Task[None]] = set()  # peers being asked (see _timed_out)
         self.queued = 0  # calls waiting for the lock (woken ones included)
@@ -421,6 +426,7 @@ class Executor:
         self._owner = owner
         self._no_group.clear()
         self._block_exited.clear()
+        self._opened += 1
 
     def _block_ended(self) -> None:
         """The group's block exited (or the group ended): no more deadlines for waiting
@@ -435,6 +441,15 @@ class Executor:
         self._group, self._owner = None, None
         self._no_group.set()
         self._block_ended()
+        self._groups_ended()
+
+    def _groups_ended(self) -> None:
+        """Every group opened so far has ended: wake the work waiting for one."""
+        self._ended = self._opened
+        waiters, self._end_waiters = self._end_waiters, []
+        for _, fut in waiters:
+            if not fut.done():
+                fut.set_result(None)
 
     def drop_ops(self, ops: list[GroupOp]) -> None:
         """Drop a group's ops (its block raised, or its exit was cancelled before they
@@ -474,16 +489,23 @@ class Executor:
         them on another). The communicator's failure ends the wait. Waiting for the block
         to exit has the communicator's timeout; its ops then run under their own."""
         self.host.check_usable()
-        if not self._block_exited.is_set():
-            wait = self.host.timeout
-            try:  # (set by the failure too: :meth:`fail_waiting`)
-                await asyncio.wait_for(self._block_exited.wait(), wait)
-            except asyncio.TimeoutError:
-                raise AcollTimeoutError(
-                    f"rank {self.host.rank} waited {wait:g} s for the group block of "
-                    "another task, which holds this communicator, to exit",
-                    self.host.rank) from None
-        await self._no_group.wait()
+        if not self._no_group.is_set():
+            # (the group open now, not one opened after this call: it comes after)
+            group = self._opened
+            if not self._block_exited.is_set():
+                wait = self.host.timeout
+                try:  # (set by the failure too: :meth:`fail_waiting`)
+                    await asyncio.wait_for(self._block_exited.wait(), wait)
+                except asyncio.TimeoutError:
+                    raise AcollTimeoutError(
+                        f"rank {self.host.rank} waited {wait:g} s for the group block of "
+                        "another task, which holds this communicator, to exit",
+                        self.host.rank) from None
+            if self._ended < group:  # its ops are not on the lock yet
+                ended = self._loop.create_future()
+                self._end_waiters.append((group, ended))
+                await ended
+            self.host.check_usable()
         async with self.lock:
             self.host.check_usable()
             yield
@@ -497,6 +519,7 @@ class Executor:
             self._fail_callers(self._group)
         self._no_group.set()
         self._block_ended()
+        self._groups_ended()
 
     def abandon_group(self) -> None:
         """The group's block raised: drop its ops (:meth:`drop_ops`)."""
