@@ -163,6 +163,80 @@ async def test_root_survives_a_flood_of_silent_connections(
             writer.close()
 
 
+@pytest.mark.parametrize("kind", ["socket", "shm"])
+async def test_a_data_listener_holds_at_most_the_pre_auth_limit(
+        kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Session 49's review: a TCP (or shared-memory) data listener flooded with silent
+    connections kept every one it evicted open, with its handshake task, until the
+    handshake deadline (10 s): the cap was whatever a stranger opened in 10 s. Python
+    3.11's wait_for can swallow the eviction's cancel (the challenge's send had just
+    completed); the eviction now also shuts the socket down. At most the limit stays."""
+    from acoll._transport import shm
+    from acoll._transport.tcp import TcpTransport
+
+    monkeypatch.setenv("ACOLL_PREAUTH_LIMIT", "8")
+    key = os.urandom(32)
+    if kind == "socket":
+        listener = await TcpTransport(("127.0.0.1", 0), socket.AF_INET, key=key).listen()
+        family, address = socket.AF_INET, listener._sock.getsockname()
+    else:
+        made = shm.make_shm(timeout=10.0, key=key)
+        if made is None:
+            pytest.skip("no shared-memory transport here")
+        listener = await made.listen()
+        parsed = shm._parse_handle(listener.handle)
+        assert parsed is not None
+        family, address = socket.AF_UNIX, parsed[1]
+    flood: list[socket.socket] = []
+
+    def connect_many() -> None:  # (another thread: arrivals spread over loop iterations)
+        for _ in range(200):
+            c = socket.socket(family, socket.SOCK_STREAM)
+            c.connect(address)
+            flood.append(c)
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, connect_many)
+        for _ in range(100):
+            await asyncio.sleep(0.02)
+            if len(listener._tasks) <= 8:
+                break
+        assert len(listener._tasks) <= 8, len(listener._tasks)
+        assert len(listener._gate) <= 8
+    finally:
+        for c in flood:
+            c.close()
+        listener.close()
+
+
+async def test_a_handshake_has_one_deadline_not_one_per_step(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stranger sending a valid header just before the pre-auth timeout and the rest
+    just before the next one held a data listener's handshake for two timeouts (each
+    step had its own); the whole handshake now has one."""
+    from acoll._transport import tcp
+
+    monkeypatch.setenv("ACOLL_PREAUTH_TIMEOUT", "2")
+    listener = await tcp.TcpTransport(("127.0.0.1", 0), socket.AF_INET,
+                                      key=os.urandom(32)).listen()
+    loop = asyncio.get_running_loop()
+    c = socket.socket()
+    c.setblocking(False)
+    try:
+        await loop.sock_connect(c, listener._sock.getsockname())
+        t = loop.time()
+        await asyncio.wait_for(loop.sock_recv(c, tcp._CHAL.size), 5)
+        await asyncio.sleep(1.4)
+        head = tcp._HS.pack(tcp._HS_MAGIC, tcp._HS_VERSION, 0, 1, 7, bytes(32), 0)
+        await loop.sock_sendall(c, head)  # valid: the listener now waits for the proof
+        got = await asyncio.wait_for(loop.sock_recv(c, 64), 5)  # (which never comes)
+        assert got == b""  # dropped ...
+        assert loop.time() - t < 2.8, loop.time() - t  # ... at 2 s (per step: at 3.4 s)
+    finally:
+        c.close()
+        listener.close()
+
+
 _STRANGER = """
 import asyncio, os, sys
 import numpy as np

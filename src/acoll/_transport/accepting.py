@@ -18,6 +18,7 @@ TCP):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import socket
 from abc import abstractmethod
@@ -41,6 +42,17 @@ def close_if_cancelled(sock: socket.socket, task: asyncio.Task[None]) -> None:
     ran, when its own cleanup never started)."""
     if task.cancelled():
         sock.close()
+
+
+def _evict(task: asyncio.Task[None], conn: socket.socket) -> None:
+    """Drop a handshake to make room: cancel it, and shut its socket down, which ends
+    whatever wait it is in at once (a cancel alone can be lost: Python 3.11's
+    ``asyncio.wait_for`` returns the result, not the cancellation, of a step that
+    completed in the same loop iteration, and the handshake then waits in its next step
+    for its whole deadline). The task closes the socket."""
+    task.cancel("pre-auth limit")
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_RDWR)
 
 
 class HandshakeListener(QueuedListener):
@@ -81,11 +93,20 @@ class HandshakeListener(QueuedListener):
         task.add_done_callback(self._tasks.discard)
         # cancelled before it ran, the handshake never reached its own cleanup
         task.add_done_callback(functools.partial(close_if_cancelled, conn))
-        token = self._gate.admit(functools.partial(task.cancel, "pre-auth limit"))
+        token = self._gate.admit(functools.partial(_evict, task, conn))
         task.add_done_callback(functools.partial(self._left_gate, token))
+
+    def _left(self, deadline: float) -> float:
+        """Seconds left of a handshake that must end by ``deadline`` (loop time): one
+        deadline for the whole handshake, not one per step (a peer trickling bytes
+        would otherwise stretch it step by step)."""
+        return max(0.0, deadline - self._loop.time())
 
     def _left_gate(self, token: int, _task: asyncio.Task[None]) -> None:
         self._gate.leave(token)
+
+    def _handshake_deadline(self) -> float:
+        return self._loop.time() + self._timeout
 
     @abstractmethod
     async def _handshake(self, sock: socket.socket, addr: Any) -> None:

@@ -867,18 +867,20 @@ class ShmListener(HandshakeListener):
         peer = _peer_name(sock)
         fd = -1
         mm: mmap.mmap | None = None
+        deadline = self._handshake_deadline()
         try:
             nonce_a = _auth.new_nonce()
             await asyncio.wait_for(_send_all(loop, sock, _CHAL.pack(_MAGIC, _VERSION, nonce_a)),
-                                   self._timeout)
-            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size), self._timeout)
+                                   self._left(deadline))
+            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size),
+                                          self._left(deadline))
             magic, version, nonce_c, hello_len = _HS.unpack(head)
             if magic != _MAGIC or version != _VERSION:
                 raise ProtocolError("not an acoll shared-memory connection")
             if hello_len > _MAX_HELLO:
                 raise ProtocolError(f"hello of {hello_len} bytes")
             rest = await asyncio.wait_for(
-                _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
+                _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._left(deadline))
             hello, proof = rest[:hello_len], rest[hello_len:]
             if not _auth.verify(proof, self._key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c,
                                 _claims(hello)):
@@ -896,7 +898,7 @@ class ShmListener(HandshakeListener):
             ack = _ACK.pack(_auth.prove(self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
                                         _ack_claims(hello, capacity, lane)), capacity, lane)
             await asyncio.wait_for(_send_all(loop, sock, ack, fd if fd >= 0 else None),
-                                   self._timeout)
+                                   self._left(deadline))
             if mm is None:
                 sock.close()
                 return

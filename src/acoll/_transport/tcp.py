@@ -1116,12 +1116,14 @@ class TcpListener(HandshakeListener):
 
     async def _handshake(self, sock: socket.socket, addr: Any) -> None:
         loop = asyncio.get_running_loop()
+        deadline = self._handshake_deadline()
         try:
             _tune(sock, self._bufsize, self._congestion)
             nonce_a = _auth.new_nonce()
             await asyncio.wait_for(loop.sock_sendall(
-                sock, _CHAL.pack(_HS_MAGIC, _HS_VERSION, nonce_a)), self._timeout)
-            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size), self._timeout)
+                sock, _CHAL.pack(_HS_MAGIC, _HS_VERSION, nonce_a)), self._left(deadline))
+            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size),
+                                          self._left(deadline))
             magic, version, index, nsocks, conn_id, nonce_c, hello_len = _HS.unpack(head)
             if magic != _HS_MAGIC or version != _HS_VERSION:
                 raise ProtocolError("not an acoll data connection")
@@ -1133,7 +1135,7 @@ class TcpListener(HandshakeListener):
                     or (raw and (split or count != 1))):
                 raise ProtocolError("bad handshake fields")
             rest = await asyncio.wait_for(
-                _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._timeout)
+                _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._left(deadline))
             hello, proof = rest[:hello_len], rest[hello_len:]
             claims = _claims(index, nsocks, conn_id, hello)
             if not _auth.verify(proof, self._key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c,
@@ -1143,7 +1145,8 @@ class TcpListener(HandshakeListener):
                     sock.send(_REFUSED)
                 raise ProtocolError("the connector does not hold this job's key")
             await asyncio.wait_for(loop.sock_sendall(sock, _auth.prove(
-                self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c, claims)), self._timeout)
+                self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c, claims)),
+                self._left(deadline))
         except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
             self._refusals.refused("refused data connection from %s: %s", addr, exc)
             sock.close()
