@@ -30,6 +30,7 @@ __all__ = ["P2P_TAG", "SEQ_MASK", "OrderChecker", "p2p_tag"]
 P2P_TAG = 1 << 63
 SEQ_MASK = 0x7FFFFFFF
 _ISSUED_WINDOW = 1024  # sequence numbers whose descriptors are kept for late messages
+_DONE_WINDOW = 1024  # completed receives remembered for late arrival notices
 _BLOCKED_GRACE = 0.2  # s: messages on other connections may still be on their way
 
 
@@ -62,6 +63,10 @@ class OrderChecker:
         self.recv_futs: dict[tuple[int, int], asyncio.Future[bytes]] = {}
         self._p2p_seen: set[tuple[int, int]] = set()  # p2p messages that arrived early
         self._p2p_unclaimed: dict[tuple[int, int], int] = {}  # early sends, recv not issued
+        #: the latest receives that completed (a bounded window, oldest first): an early
+        #: arrival's notice can come after its receive took the message (the transport
+        #: reports arrivals from a later callback), and must then be ignored
+        self._p2p_done: dict[tuple[int, int], None] = {}
 
     def issued(self, seq: int) -> Descriptor | None:
         return self._issued.get(seq)
@@ -117,6 +122,10 @@ class OrderChecker:
         self.recv_stamps.pop(key, None)
         self.recv_futs.pop(key, None)
         self._p2p_seen.discard(key)
+        self._p2p_unclaimed.pop(key, None)
+        self._p2p_done[key] = None
+        if len(self._p2p_done) > _DONE_WINDOW:
+            del self._p2p_done[next(iter(self._p2p_done))]
 
     def on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         """A message came from ``peer`` before any receive was posted for it."""
@@ -138,6 +147,8 @@ class OrderChecker:
     def _p2p_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         other = Descriptor.unpack(meta)
         key = (peer, (tag >> 32) & SEQ_MASK)
+        if key in self._p2p_done:  # (its receive already took it: a late notice)
+            return
         self._p2p_seen.add(key)  # forgotten when its recv completes
         stamp = self.recv_stamps.get(key)
         if other.root == ANY_SEQ or stamp == ANY_SEQ:
