@@ -7,90 +7,106 @@ import json
 import os
 import socket
 import stat
-import warnings
+import subprocess
+import sys
 
 import pytest
 
 import acoll
 from acoll import _forkguard
 
+# The fork itself runs in a fresh interpreter: forking the test process, which has other
+# threads (socket and native-ring helpers, uvloop's), can leave the child stuck on a lock
+# one of them held (seen once: a child blocked on a futex forever, and its parent with it).
+_SCENARIOS = r"""
+import json, os, socket, stat, sys
+from acoll import _forkguard
 
-def _in_child(report: object) -> dict[str, object]:
-    """Fork; the child runs ``report()`` (a dict) and writes it back; return it."""
-    r, w = os.pipe()
-    with warnings.catch_warnings():  # (3.12 warns when other threads exist: they are
-        warnings.simplefilter("ignore", DeprecationWarning)  # idle pools; the child
-        pid = os.fork()  # only reads descriptors and writes to its pipe)
-    if pid == 0:  # the child: never return into pytest
-        try:
-            os.close(r)
-            os.write(w, json.dumps(report()).encode())  # type: ignore[operator]
-        finally:
-            os._exit(0)
-    os.close(w)
-    try:
-        data = b""
-        while chunk := os.read(r, 65536):
-            data += chunk
-    finally:
-        os.close(r)
-        os.waitpid(pid, 0)
-    result: dict[str, object] = json.loads(data)
-    return result
-
-
-def _kind(fd: int) -> str:
+def kind(fd):
     st = os.fstat(fd)
     if stat.S_ISSOCK(st.st_mode):
         return "socket"
-    null = os.stat(os.devnull)
-    return "devnull" if st.st_rdev == null.st_rdev else "other"
+    return "devnull" if st.st_rdev == os.stat(os.devnull).st_rdev else "other"
 
+def in_child(report):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            os.close(r)
+            os.write(w, json.dumps(report()).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    data = b""
+    while chunk := os.read(r, 65536):
+        data += chunk
+    os.close(r)
+    os.waitpid(pid, 0)
+    return json.loads(data)
 
-def test_a_forked_child_points_held_sockets_at_dev_null_and_the_parent_keeps_them() -> None:
+out = {}
+name = sys.argv[1]
+if name == "held":
     a, b = socket.socketpair()
     other, other_peer = socket.socketpair()  # not acoll's
-    with a, b, other, other_peer:
-        _forkguard.hold(a)
-        seen = _in_child(lambda: {"held": _kind(a.fileno()), "other": _kind(other.fileno())})
-        assert seen == {"held": "devnull", "other": "socket"}
-        # the parent's connection is whole: the child neither shut it down nor closed it
-        a.sendall(b"ping")
-        assert b.recv(4) == b"ping"
-        b.sendall(b"pong")
-        assert a.recv(4) == b"pong"
-
-
-def test_the_child_closing_its_copy_leaves_the_peer_without_end_of_file() -> None:
+    _forkguard.hold(a)
+    out["child"] = in_child(lambda: {"held": kind(a.fileno()), "other": kind(other.fileno())})
+    a.sendall(b"ping")  # the parent's connection is whole
+    out["b_got"] = b.recv(4).decode()
+    b.sendall(b"pong")
+    out["a_got"] = a.recv(4).decode()
+elif name == "child_closes":
     a, b = socket.socketpair()
-    with a, b:
-        _forkguard.hold(a)
-        # the child closes the Python object as a finalizer would: /dev/null goes, not a
-        a_fd = a.fileno()
-        _in_child(lambda: {"closed": os.close(a_fd) is None})
-        b.setblocking(False)
-        try:
-            got = b.recv(1)
-        except BlockingIOError:
-            got = None
-        assert got is None  # no end of file: the parent still holds the connection
-
-
-def test_a_reused_descriptor_number_is_left_alone() -> None:
+    _forkguard.hold(a)
+    a_fd = a.fileno()
+    in_child(lambda: {"closed": os.close(a_fd) is None})  # as a finalizer would
+    b.setblocking(False)
+    try:
+        out["b_got"] = b.recv(1).decode()  # "" would be an end of file
+    except BlockingIOError:
+        out["b_got"] = None
+elif name == "reused":
     a, b = socket.socketpair()
     fd = a.fileno()
     _forkguard.hold(a)
     a.close()
     b.close()
-    # the number comes back for a socket acoll never held (and for a plain file)
-    c, d = socket.socketpair()
-    with c, d:
-        if c.fileno() == fd:
-            assert _in_child(lambda: {"kind": _kind(fd)}) == {"kind": "socket"}
-        assert fd not in _forkguard.held_in_child() or c.fileno() != fd
+    c, d = socket.socketpair()  # the number comes back for a socket acoll never held
+    out["same_number"] = c.fileno() == fd
+    out["child"] = in_child(lambda: {"kind": kind(fd)})
     with open(os.devnull, "rb") as f:
         _forkguard.hold(f.fileno())  # (not a socket: never touched either)
-        assert f.fileno() not in _forkguard.held_in_child()
+        out["file_held"] = f.fileno() in _forkguard.held_in_child()
+print(json.dumps(out))
+"""
+
+
+def _scenario(name: str) -> dict[str, object]:
+    proc = subprocess.run([sys.executable, "-c", _SCENARIOS, name], capture_output=True,
+                          text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    result: dict[str, object] = json.loads(proc.stdout)
+    return result
+
+
+def test_a_forked_child_points_held_sockets_at_dev_null_and_the_parent_keeps_them() -> None:
+    out = _scenario("held")
+    assert out["child"] == {"held": "devnull", "other": "socket"}
+    assert out["b_got"] == "ping"  # the child neither shut it down nor closed it
+    assert out["a_got"] == "pong"
+
+
+def test_the_child_closing_its_copy_leaves_the_peer_without_end_of_file() -> None:
+    out = _scenario("child_closes")
+    assert out["b_got"] is None  # no end of file: the parent still holds the connection
+
+
+def test_a_reused_descriptor_number_is_left_alone() -> None:
+    out = _scenario("reused")
+    assert out["same_number"] is True  # (the case this test is about)
+    assert out["child"] == {"kind": "socket"}
+    assert out["file_held"] is False
 
 
 def test_hold_ignores_what_is_not_open() -> None:
