@@ -98,19 +98,17 @@ class Executor:
         self.lock = asyncio.Lock()
         self._group: list[GroupOp] | None = None
         self._owner: Group | None = None  # the group whose block queues calls
-        #: set while no group holds the communicator (see :meth:`exclusive`)
-        self._no_group = asyncio.Event()
-        self._no_group.set()
         #: set while no group block is open (its block exited, or failed); the deadline
         #: timers of other contexts' calls waiting for an open block (:meth:`execute`)
         self._block_exited = asyncio.Event()
         self._block_exited.set()
         self._overdue: set[asyncio.TimerHandle] = set()
-        #: groups opened so far, and the number of the last one whose ops took the lock
-        #: (or that failed); work waiting for group ``k`` to end (:meth:`exclusive`)
+        #: groups opened so far, and how many of them ended (their ops took the lock, or
+        #: they failed): a group holds the communicator while they differ; work waiting
+        #: for the group to end (:meth:`exclusive`)
         self._opened = 0
         self._ended = 0
-        self._end_waiters: list[tuple[int, asyncio.Future[None]]] = []
+        self._end_waiters: list[asyncio.Future[None]] = []
         self.running: set[OpContext] = set()
         self._probes: set[asyncio.Task[None]] = set()  # peers being asked (see _timed_out)
         self.queued = 0  # calls waiting for the lock (woken ones included)
@@ -424,7 +422,6 @@ class Executor:
         calls return at once; other contexts' calls wait for theirs to run."""
         self._group = []
         self._owner = owner
-        self._no_group.clear()
         self._block_exited.clear()
         self._opened += 1
 
@@ -439,7 +436,6 @@ class Executor:
     def end_group(self) -> None:
         """No group holds this communicator any more (its ops hold the lock, or failed)."""
         self._group, self._owner = None, None
-        self._no_group.set()
         self._block_ended()
         self._groups_ended()
 
@@ -447,7 +443,7 @@ class Executor:
         """Every group opened so far has ended: wake the work waiting for one."""
         self._ended = self._opened
         waiters, self._end_waiters = self._end_waiters, []
-        for _, fut in waiters:
+        for fut in waiters:
             if not fut.done():
                 fut.set_result(None)
 
@@ -489,7 +485,7 @@ class Executor:
         them on another). The communicator's failure ends the wait. Waiting for the block
         to exit has the communicator's timeout; its ops then run under their own."""
         self.host.check_usable()
-        if not self._no_group.is_set():
+        if self._ended < self._opened:
             # (the group open now, not one opened after this call: it comes after)
             group = self._opened
             if not self._block_exited.is_set():
@@ -503,7 +499,7 @@ class Executor:
                         self.host.rank) from None
             if self._ended < group:  # its ops are not on the lock yet
                 ended = self._loop.create_future()
-                self._end_waiters.append((group, ended))
+                self._end_waiters.append(ended)
                 await ended
             self.host.check_usable()
         async with self.lock:
@@ -517,7 +513,6 @@ class Executor:
         group to end (:meth:`exclusive`)."""
         if self._group:
             self._fail_callers(self._group)
-        self._no_group.set()
         self._block_ended()
         self._groups_ended()
 
