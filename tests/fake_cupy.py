@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from acoll._dtypes import finish_avg, reduce_into
+from acoll._dtypes import avg_factor, finish_avg, reduce_into, scale_into
 
 NDEV = 2
 _current = [0]
@@ -222,6 +222,12 @@ def launch_finish_avg(ptr: int, count: int, n: int, dtype: Any, stream: Any = No
     enqueued.append(("finish_avg", _current[0]))
     if n > 1:
         finish_avg(_array(ptr, count, dtype), n)
+
+
+def launch_scale(out: int, a: int, count: int, n: int, dtype: Any, stream: Any = None
+                 ) -> None:
+    enqueued.append(("scale", _current[0]))
+    scale_into(_array(out, count, dtype), _array(a, count, dtype), avg_factor(dtype, n))
 
 
 def module() -> types.ModuleType:

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from acoll._dtypes import ReduceOp, as_host_array
+from acoll._dtypes import ReduceOp, as_host_array, avg_factor, scale_into
 from acoll._memory import (
     Buffer,
     CopySignals,
@@ -328,6 +328,18 @@ class FakeDeviceSpace(MemorySpace):
 
     async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
         await self._host.copy(dst, src, pace)
+
+    async def scale(self, dst: Buffer, src: Buffer, n: int, pace: Pace) -> None:
+        await self._host.scale(dst, src, n, pace)
+
+    def scale_at_call(self, stream: Any, dst: Buffer | None, src: Buffer, n: int) -> Buffer:
+        """At once (the fake stream runs work as it is enqueued), recorded in ``events``."""
+        self.order(stream)  # (refuses a bad stream as order() does)
+        if dst is None:
+            dst = self.empty(src.count, src.dtype)
+        scale_into(dst.array, src.array, avg_factor(src.dtype, n))
+        self.events.append(("scale", stream))
+        return dst
 
     async def settle(self, deadline: float | None = None) -> None:
         self.settles += 1

@@ -28,7 +28,7 @@ import numpy as np
 
 import acoll
 from acoll._comm import lane as lane_mod
-from collective_cases import ALL_DTYPES, ALL_OPS, check_all
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all, reference
 
 RUNS = {"lane": 0, "steps": 0, "zc_calls": 0, "zero_copy": 0}  # lane ops run, by kind
 
@@ -543,6 +543,64 @@ class _LoopLag:
         self._stop = True
         assert self._task is not None
         await self._task
+
+
+async def avg_no_overflow(comm: acoll.Communicator) -> dict[str, Any]:
+    """float16 AVG of 60000 on every rank (the sum overflows float16): each input is
+    scaled by 1/n first, as NCCL does, so every result is finite and equal to the scaled
+    inputs' sum; all_reduce (in place and not), reduce (root and not) and reduce_scatter
+    (in place and not), from one lane slot to steps and the native ring, plain arrays and
+    registered ones (zero-copy from 512 KiB); groups too. ``send`` buffers stay as they
+    were."""
+    n, r = comm.size, comm.rank
+    places: list[Any] = [np.array]
+    if comm._lane is not None:  # (registering needs the lane)
+        places.append((await _registered(comm, 24 << 20)).take)
+    bad: list[str] = []
+    runs = 0
+
+    def check(got: Any, count: int, what: str) -> None:
+        want = reference([np.full(count, 60000, np.float16)] * n, acoll.AVG)
+        if not (np.isfinite(got).all() and np.array_equal(got, want)):
+            bad.append(f"{what} count={count}: got {got[:3]} want {want[:3]}")
+
+    for count in (7, 5000, 300_001, 600_001):
+        for place in places:
+            kind = "plain" if place is np.array else "registered"
+            src = place(np.full(count, 60000, np.float16))
+            out = place(np.zeros(count, np.float16))
+            await comm.all_reduce(src, out, op="avg")
+            check(out, count, f"all_reduce {kind}")
+            if not (src == 60000).all():
+                bad.append(f"all_reduce {kind} count={count}: send changed")
+            await comm.all_reduce(src, op=acoll.AVG)
+            check(src, count, f"all_reduce in place {kind}")
+            mine = place(np.full(count, 60000, np.float16))
+            res = place(np.zeros(count, np.float16))
+            await comm.reduce(mine, res, op=acoll.AVG, root=n - 1)
+            if r == n - 1:
+                check(res, count, f"reduce {kind}")
+            if not (mine == 60000).all():
+                bad.append(f"reduce {kind} count={count}: send changed on rank {r}")
+            whole = place(np.full(n * count, 60000, np.float16))
+            block = place(np.zeros(count, np.float16))
+            await comm.reduce_scatter(whole, block, op=acoll.AVG)
+            check(block, count, f"reduce_scatter {kind}")
+            if not (whole == 60000).all():
+                bad.append(f"reduce_scatter {kind} count={count}: send changed")
+            await comm.reduce_scatter(whole, whole[r * count:(r + 1) * count], op=acoll.AVG)
+            check(whole[r * count:(r + 1) * count], count, f"reduce_scatter in place {kind}")
+            rest = np.delete(np.asarray(whole), np.s_[r * count:(r + 1) * count])
+            if not (rest == 60000).all():
+                bad.append(f"reduce_scatter in place {kind} count={count}: others changed")
+            runs += 6
+        group = [np.full(count, 60000, np.float16) for _ in range(3)]
+        async with comm.group():
+            for g in group:
+                await comm.all_reduce(g, op=acoll.AVG)
+        for g in group:
+            check(g, count, "all_reduce in a group")
+    return {"bad": bad[:10], "runs": runs}
 
 
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:

@@ -30,7 +30,16 @@ import pytest
 
 from acoll._cuda import CudaUnavailable
 from acoll._cuda import kernels as K
-from acoll._dtypes import BFLOAT16, DTYPE_NAMES, DTYPES, ReduceOp, finish_avg, reduce_into
+from acoll._dtypes import (
+    BFLOAT16,
+    DTYPE_NAMES,
+    DTYPES,
+    ReduceOp,
+    avg_factor,
+    finish_avg,
+    reduce_into,
+    scale_into,
+)
 from acoll.errors import InvalidUsage
 from acoll.errors import TimeoutError as AcollTimeoutError
 
@@ -130,7 +139,8 @@ def assert_same(got: np.ndarray[Any, Any], want: np.ndarray[Any, Any], what: str
 
 def test_every_source_is_generated_and_named_uniquely() -> None:
     srcs = list(K.all_sources())
-    assert len(srcs) == len(DTYPES) * 2 * 5
+    floats = sum(1 for d in DTYPES if d.kind == "f" or d == BFLOAT16)
+    assert len(srcs) == len(DTYPES) * 2 * 5 + floats  # (+ one scale kernel per float)
     assert len({s.name for s in srcs}) == len(srcs)
     for s in srcs:
         assert f'extern "C" __global__ void __launch_bounds__({K.THREADS}) {s.name}(' in s.code
@@ -241,6 +251,12 @@ def _emulation_unit(srcs: list[K.KernelSource]) -> str:
                 f"  for (unsigned long long t = 0; t < nt; ++t)\n"
                 f"    {ns}::acoll_body(({ns}::T*)o, (const {ns}::T*)a, (const {ns}::T*)b, "
                 f"n, head, t, nt);\n}}\n")
+        elif s.kind == "scale":
+            parts.append(
+                f'extern "C" void emu_{s.name}(void* o, const void* a, unsigned long long n, '
+                f"{ns}::D f, unsigned long long nt) {{\n"
+                f"  for (unsigned long long t = 0; t < nt; ++t)\n"
+                f"    {ns}::acoll_body(({ns}::T*)o, (const {ns}::T*)a, n, f, t, nt);\n}}\n")
         else:
             parts.append(
                 f'extern "C" void emu_{s.name}(void* x, unsigned long long n, '
@@ -305,6 +321,11 @@ def test_sources_compile_for_sm90(emulators: Callable[[np.dtype[Any]], Any],
         for op in OPS[:4]:
             assert hasattr(lib, "emu_" + K.reduce_source(op, dtype, vec).name)
         assert hasattr(lib, "emu_" + K.finish_avg_source(dtype, vec).name)
+    if dtype.kind == "f" or dtype == BFLOAT16:
+        assert hasattr(lib, "emu_" + K.scale_source(dtype).name)
+    else:
+        with pytest.raises(InvalidUsage, match="floating-point"):
+            K.scale_source(dtype)
 
 
 @needs_nvcc
@@ -430,6 +451,52 @@ def test_kernel_bodies_on_cpu_match_host(emulators: Callable[[np.dtype[Any]], An
                 _emu_case(lib, dtype, op, n, layout, nthreads)
 
 
+FLOATS = [d for d in DTYPES if d.kind == "f" or d == BFLOAT16]
+
+
+def host_scaled(a: np.ndarray[Any, Any], n: int) -> np.ndarray[Any, Any]:
+    out = np.empty_like(a)
+    with np.errstate(all="ignore"):
+        scale_into(out, a, avg_factor(a.dtype, n))
+    return out
+
+
+@needs_nvcc
+@pytest.mark.parametrize("dtype", FLOATS, ids=[DTYPE_NAMES[d] for d in FLOATS])
+def test_scale_bodies_on_cpu_match_host(emulators: Callable[[np.dtype[Any]], Any],
+                                        dtype: np.dtype[Any]) -> None:
+    """AVG's input scaling, every rank count's factor, on the awkward values."""
+    lib = emulators(dtype)
+    src = K.scale_source(dtype)
+    fn = getattr(lib, "emu_" + src.name)
+    fn.restype = None
+    for n in SIZES:
+        a, _ = make_pair(dtype, n, seed=n + 5)
+        for ranks in (1, 2, 3, 5, 7, 12):
+            for inplace in (False, True):
+                x = a.copy()
+                out = x if inplace else np.zeros_like(a)
+                f = _CTYPES_OF[src.divisor_type](float(np.float64(avg_factor(dtype, ranks))))
+                fn(_ptr(out), _ptr(x), ctypes.c_ulonglong(n), f, ctypes.c_ulonglong(64))
+                assert_same(out, host_scaled(a, ranks),
+                            f"scale {DTYPE_NAMES[dtype]} n={n} ranks={ranks} "
+                            f"{'in place' if inplace else ''}")
+
+
+def test_avg_factor_is_rounded_as_nccl_rounds_it() -> None:
+    """1/n in double, then float32, then the 16-bit type; float64 keeps the double."""
+    for n in (1, 2, 3, 5, 6, 7, 12, 100, 1000):
+        assert avg_factor(np.dtype(np.float64), n) == 1.0 / n
+        assert avg_factor(np.dtype(np.float32), n) == np.float32(1.0 / n)
+        assert avg_factor(np.dtype(np.float16), n) == np.float16(np.float32(1.0 / n))
+        assert (np.float32(avg_factor(BFLOAT16, n))
+                == np.float32(BFLOAT16.type(np.float32(1.0 / n))))
+    # float16 40000 and 60000 over 2 ranks: scaled first, the average is finite
+    x = np.array([40000, 60000], np.float16)
+    scale_into(x, x, avg_factor(x.dtype, 2))
+    assert x.sum(dtype=np.float16) == 50000
+
+
 # ------------------------------------------------------------------------ GPU: kernels
 
 def _dev_buffer(host: np.ndarray[Any, Any], off_elems: int) -> tuple[Any, int]:
@@ -485,6 +552,27 @@ def test_gpu_array_api(dtype: str) -> None:
     K.reduce_into(da, da, db, ReduceOp.MAX, **kw)  # in place
     assert_same(cp.asnumpy(out).view(dt), host_result(a, b, ReduceOp.AVG, 2), "avg")
     assert_same(cp.asnumpy(da).view(dt), host_result(a, b, ReduceOp.MAX, 1), "max")
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("dtype", FLOATS, ids=[DTYPE_NAMES[d] for d in FLOATS])
+def test_gpu_scale_matches_host(dtype: np.dtype[Any]) -> None:
+    """AVG's input scaling on the device (launch_scale, and scale_into on CuPy arrays)."""
+    store = np.uint16 if dtype == BFLOAT16 else dtype
+    kw = {"dtype": "bfloat16"} if dtype == BFLOAT16 else {}
+    for n in SIZES:
+        a, _ = make_pair(dtype, n, seed=n + 9)
+        for ranks in (1, 3, 8):
+            da = cp.asarray(a.view(store))
+            out = cp.zeros_like(da)
+            K.scale_into(out, da, ranks, **kw)
+            K.scale_into(da, da, ranks, **kw)  # in place
+            want = host_scaled(a, ranks)
+            assert_same(cp.asnumpy(out).view(dtype), want, f"scale n={n} ranks={ranks}")
+            assert_same(cp.asnumpy(da).view(dtype), want, f"in place n={n} ranks={ranks}")
+    with pytest.raises(InvalidUsage, match="floating-point"):
+        K.scale_into(cp.zeros(4, cp.int32), cp.zeros(4, cp.int32), 2)
 
 
 @pytest.mark.gpu

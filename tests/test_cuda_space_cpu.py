@@ -21,7 +21,8 @@ from acoll._dtypes import BFLOAT16
 from acoll.testing import run_ranks
 from collective_cases import ALL_OPS, check_all
 
-DTYPES = [np.dtype(np.int8), BFLOAT16, np.dtype(np.float32)]
+# (int32: an integer AVG divides the sum; the floats scale their inputs)
+DTYPES = [np.dtype(np.int8), BFLOAT16, np.dtype(np.float32), np.dtype(np.int32)]
 
 
 @pytest.fixture
@@ -32,6 +33,7 @@ def cupy(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.setitem(sys.modules, "cupy", mod)
     monkeypatch.setattr(cuda_mod, "launch_reduce", fake_cupy.launch_reduce)
     monkeypatch.setattr(cuda_mod, "launch_finish_avg", fake_cupy.launch_finish_avg)
+    monkeypatch.setattr(cuda_mod, "launch_scale", fake_cupy.launch_scale)
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
     fake_cupy.enqueued.clear()
     return mod
@@ -66,7 +68,7 @@ async def test_matrix_over_tcp_with_the_cuda_space(cupy: Any,
     results = await run_ranks(2, fn, device=0)
     assert results[0] == results[1] > 0
     kinds = {what for what, _ in fake_cupy.enqueued}
-    assert {"memcpy", "reduce", "finish_avg", "record", "wait_event"} <= kinds
+    assert {"memcpy", "reduce", "finish_avg", "scale", "record", "wait_event"} <= kinds
 
 
 async def test_two_devices_in_one_process(cupy: Any) -> None:

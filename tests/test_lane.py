@@ -356,6 +356,25 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("n", "net"), [(2, "lane"), (3, "lane"), (3, "tcp")])
+def test_float16_average_never_overflows_where_its_sum_would(n: int, net: str) -> None:
+    """AVG scales each input by 1/n first (NCCL): float16 60000 on every rank averages to
+    a finite value on every path (lane slots, steps, zero-copy, groups; over TCP the
+    native ring and the Python ring), send buffers untouched."""
+    env = ({"ACOLL_SHM_DISABLE": "1", "ACOLL_NET": "socket", "ACOLL_SHM_LANE_MAX": "0"}
+           if net == "tcp" else {})
+    results = _run("avg_no_overflow", n, cpus=max(n, os.cpu_count() or 1), wait=250,
+                   env_extra=env)
+    for res in results:
+        assert res is not None
+        assert res["bad"] == [], res["bad"]
+        assert res["runs"] == (24 if net == "tcp" else 48)
+        assert res["lane"] == (0 if net == "tcp" else shm.auto_lane(n))
+        assert sorted(map(str, res["transports"])) == ["None"] + (
+            ["socket" if net == "tcp" else "shm"] * (n - 1))
+
+
 @pytest.mark.timeout(450)
 def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
     """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in

@@ -100,7 +100,7 @@ from ._comm.via_host import (
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, check_op_dtype, dtype_code
+from ._dtypes import ReduceOp, check_op_dtype, dtype_code, prescales
 from ._memory import (
     Buffer,
     DirectStaging,
@@ -839,11 +839,13 @@ class Communicator:
         return lane is not None and nbytes <= lane.limit
 
     async def _lane_call(self, desc: Descriptor, send: Buffer | None, recv: Buffer | None,
-                         op: ReduceOp = ReduceOp.SUM, root: int = 0) -> None:
-        """Run a call through the lane (:mod:`acoll._comm.lane`)."""
+                         op: ReduceOp = ReduceOp.SUM, root: int = 0,
+                         scaling: _Scaling | None = None) -> None:
+        """Run a call through the lane (:mod:`acoll._comm.lane`), ``scaling`` first."""
         self.check_usable()
         assert self._lane is not None
-        await self._lane_run(LanePlan(self, self._lane, desc, send, recv, op, root))
+        await self._lane_run(_scaled_lane(
+            LanePlan(self, self._lane, desc, send, recv, op, root), scaling))
 
     async def _lane_bytes(self, desc: Descriptor, send: Buffer, recv: Buffer,
                           steps: Steps) -> None:
@@ -856,7 +858,7 @@ class Communicator:
         await self._lane_run(StepPlan(self, self._lane, desc, np.dtype(np.uint8), steps),
                              mine, res)
 
-    async def _lane_run(self, call: _LaneCalls, mine: Any = None,
+    async def _lane_run(self, call: _LaneCalls | _ScaledLaneCall, mine: Any = None,
                         res: Any = None) -> None:
         """Run a lane call as the next op (``mine``/``res``: a reused plan's arrays).
 
@@ -882,6 +884,21 @@ class Communicator:
             await ex.run_now(desc.coll.name.lower(), seq, call.run(full, None, mine, res))
         finally:
             ex.lock.release()
+
+    def _scale_avg(self, src: Buffer, dst: Buffer | None, stream: Any
+                   ) -> tuple[Buffer, _Scaling | None]:
+        """A floating-point AVG as NCCL runs it: this rank's input ``src`` multiplied by
+        ``1/n`` (rounded to the dtype) into ``dst`` (``None``: memory of the call's own),
+        then summed. Returns the buffer the op then reads, and the scaling the op runs as
+        it starts (host memory: paced on the loop, in the op's turn); on a GPU the scaling
+        is enqueued now on the caller's stream, ahead of the op (None)."""
+        self.check_usable()  # (a failed or closed communicator leaves the buffers alone)
+        scaled = self.mem.scale_at_call(stream, dst, src, self.size)
+        if scaled is not None:
+            return scaled, None
+        if dst is None:
+            dst = self.mem.empty(src.count, src.dtype)
+        return dst, _Scaling(self.mem, dst, src, self.size)
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
@@ -921,23 +938,28 @@ class Communicator:
                     await self._lane_run(plan, send if send.ndim == 1 else send.reshape(-1),
                                          recv if recv.ndim == 1 else recv.reshape(-1))
                     return recv
-        rop = ReduceOp.coerce(op)
+        asked = rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
+        scaling: _Scaling | None = None
+        if prescales(rop, s.dtype) and s.count and self.size > 1:
+            # (every input scaled by 1/n into the result, then summed there in place)
+            s, scaling = self._scale_avg(s, r, stream)
+            rop = ReduceOp.SUM
         if (self._via_direct and s.count and self.size > 1 and self._p2p is None
                 and s.nbytes <= self._via_limit()):
             ex = self._exec
             if ex.idle:
                 if s.nbytes <= _VIA_DIRECT_MAX:
-                    await self._via_host_direct(s, r, rop, stream)
+                    await self._via_host_direct(s, r, rop, stream, asked)
                     return out
-                large = self._via_host_direct_large(s, r, rop, stream)
+                large = self._via_host_direct_large(s, r, rop, stream, asked)
                 if large is not None:
                     await large
                     return out
         order = self.mem.order(stream)
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
-        desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
+        desc = descriptor(Coll.ALL_REDUCE, s, asked, algo=cls)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
@@ -957,6 +979,9 @@ class Communicator:
                     lane, s.count, lane.step // s.itemsize), rop)
             if lane.registered and s.nbytes >= ZERO_COPY_MIN:
                 made = ZeroCopyAllReduce(self, lane, desc, s.dtype, s.count, rop, made)
+            if scaling is not None:
+                await self._lane_run(_ScaledLaneCall(made, scaling), r.array, r.array)
+                return out
             key = _plan_key(send, op)
             if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
@@ -968,7 +993,8 @@ class Communicator:
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
                               "all_reduce", s, r, s.count, order, op=rop)
-        self._learn("all_reduce", send, recv, op, 0, make)
+        if rop is asked:  # (a scaled AVG is not kept: its calls scale first)
+            self._learn("all_reduce", send, recv, op, 0, make)
         if make is None and order is not None and s.nbytes <= self._via_limit():
             native = self._via_native(s, rop, cls)
             await self._execute(desc, None, self._via_host(
@@ -978,11 +1004,11 @@ class Communicator:
         elif (self._native is not None and make is None and order is None
               and cls is algos.RingAllReduce and self._native.takes(s, rop)):
             native = self._native
-            await self._execute(desc, None,
-                                lambda ctx: NativeRingAllReduce(ctx, s, r, rop, native))
+            await self._execute(desc, None, _scaled_first(
+                lambda ctx: NativeRingAllReduce(ctx, s, r, rop, native), scaling))
         else:
-            await self._execute(desc, make,
-                                self._ordered(lambda ctx: cls(ctx, s, r, rop), order))
+            await self._execute(desc, make, self._ordered(
+                _scaled_first(lambda ctx: cls(ctx, s, r, rop), scaling), order))
         return out
 
     def _via_host(self, make: Callable[[OpContext, Buffer, Buffer], Algorithm], send: Buffer,
@@ -1025,13 +1051,13 @@ class Communicator:
                      if staged_only else "a peer's transport moves device memory")
         return self._via_host_max
 
-    async def _via_host_direct(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
-                               ) -> None:
+    async def _via_host_direct(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any,
+                               asked: ReduceOp) -> None:
         """A small device all_reduce made while the executor is idle: it starts at once
         (nothing runs before its download), so its two copies go on the caller's stream
         itself, in order after the caller's queued work with no event between streams,
         through a page-locked copy kept for calls like it (:mod:`acoll._comm.via_host`)."""
-        key = (s.count, s.dtype, rop)
+        key = (s.count, s.dtype, asked)  # (a scaled AVG runs SUM, its descriptor says AVG)
         plans = self._via_plans
         plan = plans.pop(key, None)
         if plan is not None:
@@ -1044,7 +1070,7 @@ class Communicator:
             assert isinstance(staging, DirectStaging)  # (_via_direct)
             plan = plans[key] = DirectPlan(
                 staging, self._host_mem, s, rop, cls,
-                descriptor(Coll.ALL_REDUCE, s, rop, algo=cls))
+                descriptor(Coll.ALL_REDUCE, s, asked, algo=cls))
         caller = plan.staging.caller_stream(stream)
         settle, host, timeout = stream is None, self._host_mem, self.timeout
         native = self._via_native(s, rop, plan.cls)
@@ -1054,8 +1080,8 @@ class Communicator:
         await self._exec.execute(plan.desc, lambda ctx: DirectCall(
             ctx, plan, fence, r, caller, settle, host, timeout, native))
 
-    def _via_host_direct_large(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any
-                               ) -> Awaitable[None] | None:
+    def _via_host_direct_large(self, s: Buffer, r: Buffer, rop: ReduceOp, stream: Any,
+                               asked: ReduceOp) -> Awaitable[None] | None:
         """A larger device all_reduce made while the executor is idle: a pooled block and
         the copies on the caller's stream (:class:`~acoll._comm.via_host.DirectLarge`).
         ``None`` (nothing done) when the pool would need a new large block: the ordered
@@ -1068,7 +1094,7 @@ class Communicator:
             return None
         host = self._host_mem
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
-        desc = descriptor(Coll.ALL_REDUCE, s, rop, algo=cls)
+        desc = descriptor(Coll.ALL_REDUCE, s, asked, algo=cls)
         data = host.wrap(lease[0].array.view(s.dtype))
         # (the copies' pieces: element ranges, independent of the ring's own chunks)
         chunk = max(1, self.chunk_bytes // s.itemsize)
@@ -1156,9 +1182,16 @@ class Communicator:
             s = self.mem.adopt(send, "send")
             r, out = None, recv if recv is not None else send
         check_op_dtype(rop, s.dtype, "reduce")
+        asked, scaling = rop, None
+        if prescales(rop, s.dtype) and s.count and self.size > 1:
+            # (scaled into the result on the root, elsewhere into memory of its own)
+            s, scaling = self._scale_avg(s, r, stream)
+            rop = ReduceOp.SUM
+            if r is not None:
+                r = s
         order = self.mem.order(stream)
         cls = algos.choose("reduce", s.nbytes, self.size, self._algo, self.small)
-        desc = descriptor(Coll.REDUCE, s, rop, root, algo=cls)
+        desc = descriptor(Coll.REDUCE, s, asked, root, algo=cls)
         if await self._small_or_empty(desc, s.count):
             return out
         if self.size == 1:
@@ -1166,13 +1199,14 @@ class Communicator:
             await self._local_copy(r, s, order)
             return out
         if self._lane_fits(s.nbytes):
-            await self._lane_call(desc, s, r, rop, root)
+            await self._lane_call(desc, s, r, rop, root, scaling)
             return out
         make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
                               op=rop, root=root)
-        self._learn("reduce", send, recv, op, root, make)
-        await self._execute(desc, make, self._ordered(lambda ctx: cls(ctx, s, r, root, rop),
-                                                      order))
+        if rop is asked:
+            self._learn("reduce", send, recv, op, root, make)
+        await self._execute(desc, make, self._ordered(
+            _scaled_first(lambda ctx: cls(ctx, s, r, root, rop), scaling), order))
         return out
 
     @_announced
@@ -1229,8 +1263,13 @@ class Communicator:
         rop = ReduceOp.coerce(op)
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
         check_op_dtype(rop, s.dtype, "reduce_scatter")
+        asked, scaling = rop, None
+        if prescales(rop, s.dtype) and r.count and self.size > 1:
+            # (scaled into memory of its own: the other blocks of ``send`` stay as they are)
+            s, scaling = self._scale_avg(s, None, stream)
+            rop = ReduceOp.SUM
         order = self.mem.order(stream)
-        desc = descriptor(Coll.REDUCE_SCATTER, r, rop)
+        desc = descriptor(Coll.REDUCE_SCATTER, r, asked)
         if await self._small_or_empty(desc, r.count):
             return out
         if self.size == 1:
@@ -1239,31 +1278,35 @@ class Communicator:
         zc = self._zero_copy_lane(s.nbytes)
         if zc is not None:
             fits = self._lane_fits(r.nbytes)
-            await self._lane_run(ZeroCopyReduceScatter(self, zc, desc, r.dtype, r.count, rop,
+            await self._lane_run(_scaled_lane(ZeroCopyReduceScatter(
+                self, zc, desc, r.dtype, r.count, rop,
                 lambda: LanePlan(self, zc, desc, s, r, rop) if fits else StepPlan(
                     self, zc, desc, r.dtype, reduce_scatter_steps(
-                        zc, r.count, zc.step // r.itemsize), rop)), s.array, r.array)
+                        zc, r.count, zc.step // r.itemsize), rop)), scaling),
+                s.array, r.array)
             return out
         if self._lane_fits(r.nbytes):
-            await self._lane_call(desc, s, r, rop)
+            await self._lane_call(desc, s, r, rop, 0, scaling)
             return out
         lane = self._lane
         if lane is not None:
             self.check_usable()
-            await self._lane_run(StepPlan(self, lane, desc, r.dtype, reduce_scatter_steps(
-                lane, r.count, lane.step // r.itemsize), rop), s.array, r.array)
+            await self._lane_run(_scaled_lane(StepPlan(
+                self, lane, desc, r.dtype, reduce_scatter_steps(
+                    lane, r.count, lane.step // r.itemsize), rop), scaling), s.array, r.array)
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
                               op=rop)
-        self._learn("reduce_scatter", send, recv, op, 0, make)
+        if rop is asked:
+            self._learn("reduce_scatter", send, recv, op, 0, make)
         native = self._native
         if (native is not None and make is None and order is None
                 and native.takes(r, rop, moved=s.nbytes)):
-            await self._execute(desc, None,
-                                lambda ctx: NativeRingReduceScatter(ctx, s, r, rop, native))
+            await self._execute(desc, None, _scaled_first(
+                lambda ctx: NativeRingReduceScatter(ctx, s, r, rop, native), scaling))
             return out
-        await self._execute(desc, make, self._ordered(
-            lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), order))
+        await self._execute(desc, make, self._ordered(_scaled_first(
+            lambda ctx: algos.RingReduceScatter(ctx, s, r, rop), scaling), order))
         return out
 
     @_announced
@@ -1596,10 +1639,64 @@ def _plan_key(send: Any, op: Any) -> tuple[Any, int, Any] | None:
     return None
 
 
+class _Scaling:
+    """AVG's scaling of this rank's input (``dst = src * 1/n``, see
+    :meth:`Communicator._scale_avg`), run on host memory as its op starts."""
+
+    __slots__ = ("dst", "mem", "n", "src")
+
+    def __init__(self, mem: MemorySpace, dst: Buffer, src: Buffer, n: int) -> None:
+        self.mem, self.dst, self.src, self.n = mem, dst, src, n
+
+    async def run(self) -> None:
+        await self.mem.scale(self.dst, self.src, self.n, _yield)
+
+
+class _ScaledFirst:
+    """An algorithm whose run starts with its input's scaling."""
+
+    def __init__(self, algo: Algorithm, scaling: _Scaling) -> None:
+        self.algo, self.scaling = algo, scaling
+
+    async def run(self) -> None:
+        await self.scaling.run()
+        await self.algo.run()
+
+
+def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorithm:
+    """``make``, its algorithm preceded by ``scaling`` (if any)."""
+    if scaling is None:
+        return make
+    return lambda ctx: _ScaledFirst(make(ctx), scaling)
+
+
+class _ScaledLaneCall:
+    """A lane call preceded by its input's scaling, done in the op's turn (the lane's
+    ops publish in the order of their numbers; see ``Lane.turns``)."""
+
+    def __init__(self, call: _LaneCalls, scaling: _Scaling) -> None:
+        self.call, self.scaling, self.desc = call, scaling, call.desc
+
+    async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None
+                  ) -> None:
+        call = self.call
+        await call.take_turn(seq)
+        try:
+            await self.scaling.run()
+        except BaseException:
+            call.lane.turns.remove(seq)
+            raise
+        await call.run(seq, ctx, mine, res, turned=True)
+
+
+def _scaled_lane(call: _LaneCalls, scaling: _Scaling | None) -> _LaneCalls | _ScaledLaneCall:
+    return call if scaling is None else _ScaledLaneCall(call, scaling)
+
+
 class _PlanAt:
     """A lane call run by the executor as op ``seq`` (not wrapped)."""
 
-    def __init__(self, call: _LaneCalls, seq: int,
+    def __init__(self, call: _LaneCalls | _ScaledLaneCall, seq: int,
                  ctx: OpContext, mine: Any, res: Any) -> None:
         self.call, self.seq, self.ctx, self.mine, self.res = call, seq, ctx, mine, res
 

@@ -3,7 +3,12 @@
 :class:`ReduceOp` numbers match NCCL's ``ncclRedOp_t``. Host reductions use NumPy ufuncs
 with ``out=`` into preallocated memory (no temporaries per chunk). Float16 and bfloat16
 are reduced by converting each pair to float32, combining, and rounding back (NumPy's and
-ml_dtypes' own loops), as NCCL does; AVG divides the sum in float32 for them.
+ml_dtypes' own loops), as NCCL does.
+
+AVG follows NCCL: on floating-point dtypes every rank's input is first multiplied by
+``1/n`` rounded to the dtype (:func:`avg_factor`, :func:`scale_into`) and the scaled inputs
+are summed, so an average never overflows where the sum would; on integers the sum is
+divided at the end, truncating toward zero (:func:`finish_avg`).
 """
 
 from __future__ import annotations
@@ -109,8 +114,31 @@ def reduce_into(out: npt.NDArray[Any], a: npt.NDArray[Any], b: npt.NDArray[Any],
     _UFUNCS[op](a, b, out=out)
 
 
+def prescales(op: ReduceOp, dt: np.dtype[Any]) -> bool:
+    """Whether ``op`` on ``dt`` scales each input by ``1/n`` before summing (NCCL's AVG on
+    floating-point dtypes, its ``ncclDevPreMulSum``); integer AVG divides the sum."""
+    return op == ReduceOp.AVG and (dt.kind == "f" or dt == BFLOAT16)
+
+
+def avg_factor(dt: np.dtype[Any], n: int) -> Any:
+    """``1/n`` as the scalar of ``dt`` that AVG multiplies each input by: ``1.0/n`` in
+    double, rounded to float32, then to the 16-bit float (as NCCL rounds it)."""
+    if dt == np.float64:
+        return np.float64(1.0 / n)
+    return dt.type(np.float32(1.0 / n))
+
+
+def scale_into(dst: npt.NDArray[Any], src: npt.NDArray[Any], factor: Any) -> None:
+    """``dst[:] = src * factor`` in ``dst``'s dtype (16-bit floats: the product of two
+    16-bit values, exact in float32, rounded once). ``dst`` may be ``src``."""
+    np.multiply(src, factor, out=dst)
+
+
 def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
-    """Divide a sum by ``n`` in place (float32 for 16-bit floats, truncating for ints)."""
+    """Divide a sum by ``n`` in place (float32 for 16-bit floats, truncating for ints).
+
+    Collectives use it for integer AVG only; floating-point AVG scales its inputs first
+    (:func:`prescales`)."""
     if n == 1 or arr.size == 0:
         return
     if arr.dtype in _LOW_PRECISION:

@@ -639,6 +639,22 @@ class _LaneCall:
                          lambda: self._timed_out(seq, [peer], step, reading=True),
                          lambda: None)
 
+    async def take_turn(self, seq: int) -> None:
+        """Take op ``seq``'s turn and wait until the lane ops started before it published,
+        for a caller with work of the op's own to do first (AVG's scaling of this rank's
+        input); it then runs the call with ``turned=True``, or gives the turn back
+        (``lane.turns.remove(seq)``) if that work fails. On error here the turn is given
+        back already."""
+        turns = self.lane.turns
+        turns.append(seq)
+        try:
+            self.comm.check_usable()
+            if turns[0] != seq:
+                await self._turn(seq)
+        except BaseException:
+            turns.remove(seq)
+            raise
+
     async def _turn(self, seq: int) -> None:
         """Yield to the loop, then until the lane ops started before this one published."""
         lane = self.lane

@@ -11,7 +11,10 @@ Contract (the same as the host path in :mod:`acoll._dtypes`, bit for bit):
   NaN in ``b``; on ties (``-0.0`` vs ``+0.0``) float16 keeps ``a`` (NumPy's half loop) and the
   other floats keep ``b`` (NumPy's SIMD loops and ml_dtypes).
 - ``finish_avg``: floats divide with IEEE division (16-bit floats in float32), integers
-  truncate toward zero.
+  truncate toward zero. Collectives use it for integer AVG only.
+- ``scale_into(out, a, n)``: ``out[i] = a[i] * f`` with ``f`` = ``1/n`` rounded as
+  :func:`acoll._dtypes.avg_factor` rounds it (floating-point dtypes): floating-point AVG
+  scales each rank's input so, then sums (NCCL's ``PreMulSum``).
 
 No compiler flag can change these results: float32 arithmetic and comparisons are explicit
 non-flushing PTX (CuPy forces ``-ftz=true`` on NVRTC), float64 uses ``__d*_rn`` intrinsics,
@@ -35,14 +38,14 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import DTYPE_NAMES, DTYPES, ReduceOp, parse_dtype
+from .._dtypes import DTYPE_NAMES, DTYPES, ReduceOp, avg_factor, parse_dtype
 from ..errors import InvalidUsage
 from . import import_cupy
 
 __all__ = [
     "NVRTC_OPTIONS", "THREADS", "KernelSource", "all_sources", "finish_avg",
-    "finish_avg_source", "get_kernel", "launch_finish_avg", "launch_reduce", "reduce_into",
-    "reduce_source",
+    "finish_avg_source", "get_kernel", "launch_finish_avg", "launch_reduce", "launch_scale",
+    "reduce_into", "reduce_source", "scale_into", "scale_source",
 ]
 
 #: Threads per block, blocks per multiprocessor (at most), 16-byte vectors per thread and
@@ -93,11 +96,12 @@ class KernelSource:
     translation unit inside separate namespaces). The kernel is ``extern "C"`` ``name``;
     its ``__host__ __device__`` body is ``acoll_body`` with the kernel's parameters plus
     ``(tid, nthreads)``. Parameters: reduce ``(T* out, const T* a, const T* b, u64 n,
-    u64 head)``; finish_avg ``(T* x, u64 n, u64 head, D divisor)``, ``D`` = ``divisor_type``.
+    u64 head)``; finish_avg ``(T* x, u64 n, u64 head, D divisor)``; scale ``(T* out,
+    const T* a, u64 n, D factor)``; ``D`` = ``divisor_type``.
     """
 
     name: str
-    kind: str  # "reduce" or "finish_avg"
+    kind: str  # "reduce", "finish_avg" or "scale"
     op: ReduceOp | None
     dtype: np.dtype[Any]
     vectorised: bool
@@ -225,6 +229,18 @@ def _finish_code(ct: _CType) -> tuple[str, str, str]:
             f"{sig} {{ return {ct.from_f}(acoll_div({ct.to_f}(x), d)); }}\n", "float")
 
 
+def _scale_code(ct: _CType) -> tuple[str, str, str]:
+    """(helpers, ``T acoll_scale(T x, D f)``, D) for a floating-point ``ct``."""
+    sig = f"{_HD} T acoll_scale(T x, D f)"
+    if ct.family == "float":
+        return (_float_helper("mul", ct.ctype), f"{sig} {{ return acoll_mul(x, f); }}\n",
+                ct.ctype)
+    # (both factors have 8 or 11 significant bits: their float32 product is exact, so the
+    # one rounding back gives the 16-bit product correctly rounded)
+    return (_float_helper("mul", "float"),
+            f"{sig} {{ return {ct.from_f}(acoll_mul({ct.to_f}(x), f)); }}\n", "float")
+
+
 _PRELUDE = """\
 typedef {ctype} T;
 typedef unsigned long long u64;
@@ -322,6 +338,21 @@ static __host__ __device__ __forceinline__ void acoll_body(
 }}
 """
 
+_SCALE_BODY = """\
+static __host__ __device__ __forceinline__ void acoll_body(
+    T* out, const T* a, u64 n, D f, u64 tid, u64 nthreads) {
+  for (u64 i = tid; i < n; i += nthreads) out[i] = acoll_scale(a[i], f);
+}
+"""
+
+_GLOBAL_SCALE = """\
+extern "C" __global__ void __launch_bounds__({threads}) {name}(
+    T* out, const T* a, u64 n, D f) {{
+  acoll_body(out, a, n, f, (u64)blockIdx.x * blockDim.x + threadIdx.x,
+             (u64)gridDim.x * blockDim.x);
+}}
+"""
+
 _GLOBAL_BINARY = """\
 extern "C" __global__ void __launch_bounds__({threads}) {name}(
     T* out, const T* a, const T* b, u64 n, u64 head) {{
@@ -396,13 +427,41 @@ def _finish_avg_source(dt: np.dtype[Any], vec: bool) -> KernelSource:
                         (ct.include,) if ct.include else (), body, dtype_c)
 
 
+def scale_source(dtype: Any) -> KernelSource:
+    """The kernel source of ``out = a * factor`` (AVG's scaling of one rank's input) on a
+    floating-point ``dtype`` (one element per thread step; no vectorised form).
+
+    Raises:
+        InvalidUsage: an unsupported or integer dtype.
+    """
+    dt, dname = _dtype_name(dtype)
+    if _CTYPES[dname].family not in ("float", "half"):
+        raise InvalidUsage(f"AVG scales floating-point inputs only, not {dname}")
+    return _scale_source(dt)
+
+
+@functools.cache
+def _scale_source(dt: np.dtype[Any]) -> KernelSource:
+    dname = DTYPE_NAMES[dt]
+    ct = _CTYPES[dname]
+    helpers, fn, factor_c = _scale_code(ct)
+    name = f"acoll_avgscale_{dname}"
+    body = (_PRELUDE.format(ctype=ct.ctype) + f"typedef {factor_c} D;\n" + helpers + fn
+            + _SCALE_BODY + _GLOBAL_SCALE.format(threads=THREADS, name=name))
+    return KernelSource(name, "scale", None, dt, False,
+                        (ct.include,) if ct.include else (), body, factor_c)
+
+
 def all_sources() -> Iterator[KernelSource]:
-    """Every kernel this module can launch (reduce ops x dtypes x vec, finish_avg)."""
+    """Every kernel this module can launch (reduce ops x dtypes x vec, finish_avg, and
+    scale on the floating-point dtypes)."""
     for dt in DTYPES:
         for vec in (True, False):
             for op in _REDUCE_OPS:
                 yield reduce_source(op, dt, vec)
             yield finish_avg_source(dt, vec)
+        if _CTYPES[DTYPE_NAMES[dt]].family in ("float", "half"):
+            yield scale_source(dt)
 
 
 # ---------------------------------------------------------------------------- launching
@@ -447,7 +506,7 @@ def _prepared(kind: str, rop: ReduceOp | None, dt: np.dtype[Any], vec: bool
     hit = _launch.get(key)
     if hit is None:
         src = (_reduce_source(rop, dt, vec) if rop is not None
-               else _finish_avg_source(dt, vec))
+               else _scale_source(dt) if kind == "scale" else _finish_avg_source(dt, vec))
         kern = get_kernel(src)
         hit = _launch[key] = (kern, src, _sm_count[dev] * BLOCKS_PER_SM)
     return hit
@@ -514,6 +573,25 @@ def launch_finish_avg(ptr: int, count: int, n: int, dtype: Any, stream: Any = No
          stream=stream)
 
 
+def launch_scale(out_ptr: int, a_ptr: int, count: int, n: int, dtype: Any,
+                 stream: Any = None) -> None:
+    """Enqueue ``out = a * (1/n)`` (the factor rounded as AVG rounds it) over ``count``
+    elements of a floating-point ``dtype``; ``out`` may be ``a``."""
+    dt = _dt(dtype)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise InvalidUsage(f"scale needs a positive rank count, not {n!r}")
+    if count < 0:
+        raise InvalidUsage(f"count must be >= 0, not {count}")
+    if count == 0 or (n == 1 and out_ptr == a_ptr):
+        return
+    scale_source(dt)  # (refuses integer dtypes)
+    kern, src, most = _prepared("scale", None, dt, False)
+    factor = (np.float64(1.0 / n) if src.divisor_type == "double"
+              else np.float32(avg_factor(dt, n)))
+    kern((_blocks(count, most),), (THREADS,),
+         (np.uint64(out_ptr), np.uint64(a_ptr), np.uint64(count), factor), stream=stream)
+
+
 def _view(arr: Any, what: str, dtype: np.dtype[Any] | None, writable: bool
           ) -> tuple[int, int, np.dtype[Any]]:
     """(pointer, element count, dtype) of a contiguous device array."""
@@ -565,6 +643,20 @@ def reduce_into(out: Any, a: Any, b: Any, op: ReduceOp | str | int, stream: Any 
     if not (no == na == nb):
         raise InvalidUsage(f"sizes differ: out {no}, a {na}, b {nb} elements")
     launch_reduce(po, pa, pb, no, rop, dto, stream)
+
+
+def scale_into(out: Any, a: Any, n: int, stream: Any = None, *, dtype: Any = None) -> None:
+    """``out[:] = a * (1/n)`` on the GPU as AVG scales an input (see the module doc).
+
+    Raises:
+        InvalidUsage: an integer dtype, size or dtype mismatch, a read-only ``out``.
+    """
+    fixed = None if dtype is None else parse_dtype(dtype)
+    po, no, dto = _view(out, "out", fixed, True)
+    pa, na, dta = _view(a, "a", fixed, False)
+    if dto != dta or no != na:
+        raise InvalidUsage(f"out ({no} x {dto}) and a ({na} x {dta}) differ")
+    launch_scale(po, pa, no, n, dto, stream)
 
 
 def finish_avg(arr: Any, n: int, stream: Any = None, *, dtype: Any = None) -> None:

@@ -157,6 +157,23 @@ class MemorySpace(ABC):
     async def copy(self, dst: Buffer, src: Buffer, pace: Pace) -> None:
         """``dst = src`` (same count and dtype)."""
 
+    @abstractmethod
+    async def scale(self, dst: Buffer, src: Buffer, n: int, pace: Pace) -> None:
+        """``dst = src * (1/n)`` on a floating-point dtype, the factor rounded as
+        :func:`acoll._dtypes.avg_factor` rounds it (AVG's scaling of one rank's input);
+        ``dst`` may be ``src``."""
+
+    def scale_at_call(self, stream: Any, dst: Buffer | None, src: Buffer, n: int
+                      ) -> Buffer | None:
+        """Where the space has streams: enqueue :meth:`scale` on the caller's ``stream``
+        now, at the call (``dst=None``: into new memory), and return the buffer scaled.
+        ``None`` (the default, host memory): nothing done; the op scales when it starts.
+
+        Raises:
+            InvalidUsage: ``stream`` is not one this space understands.
+        """
+        return None
+
     async def settle(self, deadline: float | None = None) -> None:  # noqa: B027
         """Return once every operation started on this space so far has finished (never
         blocking the loop). ``deadline``: loop time; past it, :class:`acoll.TimeoutError`.

@@ -5,7 +5,9 @@ CuPy is imported when a space is made, never when acoll is imported. Buffers are
 pointers anyway). Everything is *enqueued* on the space's own stream, a non-blocking stream
 created on the space's device, so the methods return at once:
 
-- ``reduce`` / ``finish_avg``: the generated kernels of :mod:`acoll._cuda.kernels`;
+- ``reduce`` / ``finish_avg`` / ``scale``: the generated kernels of
+  :mod:`acoll._cuda.kernels` (``scale_at_call`` enqueues AVG's scaling on a caller's
+  stream);
 - ``copy``: ``cudaMemcpyAsync``;
 - ``settle``: waits for the stream without blocking the loop (a short yielding spin on an
   event, then the pipe signal of :mod:`acoll._cuda.completion`);
@@ -32,7 +34,7 @@ import numpy as np
 from .._config import get_logger
 from .._cuda import CudaUnavailable, import_cupy
 from .._cuda.completion import arm_stream
-from .._cuda.kernels import launch_finish_avg, launch_reduce
+from .._cuda.kernels import launch_finish_avg, launch_reduce, launch_scale
 from .._dtypes import (
     _CAPSULES,
     _DTYPE_IN_TENSOR,
@@ -474,6 +476,27 @@ class CudaSpace(MemorySpace):
             with self.cp.cuda.Device(self.device):
                 self.cp.cuda.runtime.memcpyAsync(dst.ptr, src.ptr, dst.nbytes, _DEFAULT,
                                                  self.stream.ptr)
+
+    async def scale(self, dst: Buffer, src: Buffer, n: int, pace: Pace) -> None:
+        with self.cp.cuda.Device(self.device):
+            launch_scale(dst.ptr, src.ptr, dst.count, n, dst.dtype, self.stream)
+
+    def scale_at_call(self, stream: Any, dst: Buffer | None, src: Buffer, n: int) -> Buffer:
+        """Enqueue AVG's scaling of ``src`` (``dst = src * 1/n``) on the caller's
+        ``stream`` (as :meth:`resolve_stream` takes it) at the call, so that an op ordered
+        on that stream later reads the scaled values; ``dst=None``: into new memory,
+        allocated in that stream's order (CuPy's pool hands it to later work only after
+        the caller's stream has passed it, and every op that reads it makes the caller's
+        stream wait for the op's end). Returns ``dst`` (or the new buffer)."""
+        caller = self.resolve_stream(stream)
+        with self.cp.cuda.Device(self.device):
+            if dst is None:
+                with caller:
+                    mem = self.cp.cuda.alloc(max(src.nbytes, 256))
+                dst = Buffer(DeviceView(int(mem.ptr), src.count, src.dtype, self.ordinal,
+                                        mem), self)
+            launch_scale(dst.ptr, src.ptr, src.count, n, src.dtype, caller)
+        return dst
 
     def pointer(self, buf: Buffer) -> int:
         return int(buf.array.ptr)

@@ -16,7 +16,16 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import ReduceOp, as_host_array, byte_view, empty_bytes, finish_avg, reduce_into
+from .._dtypes import (
+    ReduceOp,
+    as_host_array,
+    avg_factor,
+    byte_view,
+    empty_bytes,
+    finish_avg,
+    reduce_into,
+    scale_into,
+)
 from .base import Buffer, MemoryKind, MemorySpace, Pace
 
 __all__ = ["HostSpace", "data_address", "paced"]
@@ -151,6 +160,18 @@ class HostSpace(MemorySpace):
             d[i:j] = s[i:j]
 
         await paced(pace, ("copy", d.itemsize), d.size, d.itemsize, work)
+
+    async def scale(self, dst: Buffer, src: Buffer, n: int, pace: Pace) -> None:
+        d, s = dst.array, src.array
+        factor = avg_factor(d.dtype, n)
+        if d.nbytes <= _SMALL_WORK:
+            scale_into(d, s, factor)
+            return
+
+        def work(i: int, j: int) -> None:
+            scale_into(d[i:j], s[i:j], factor)
+
+        await paced(pace, ("scale", d.dtype), d.size, d.itemsize, work)
 
     def pointer(self, buf: Buffer) -> int:
         return int(buf.array.ctypes.data)
