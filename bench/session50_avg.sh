@@ -2,12 +2,12 @@
 # Session 50: what floating-point AVG costs now that it scales each input by 1/n first
 # (NCCL's PreMulSum) and sums: acoll-perf all_reduce, AVG against SUM in the same call,
 # float16 on one GPU shared by 2 ranks (TCP between them, P2P on and off) and float32 on
-# host buffers (4 ranks). Run after bench/device_steps.sh's device_site (the carried
-# wheels); results under OUT.
+# host buffers (4 ranks). Carry .whl/ (bench/prepare_device.sh); results under OUT.
 set -u
 OUT=${OUT:-$PWD/avg}
 mkdir -p "$OUT"
-export NCCL_NVLS_ENABLE=0
+. bench/device_steps.sh
+device_site
 perf() { python3 -m acoll.perf all_reduce -b 8 -e "${MAX:-64M}" -f 8 -n 20 -w 5 "$@"; }
 for op in sum avg; do
   timeout 150 perf -N 2 --device cuda -d float16 -o $op >"$OUT/gpu_p2p_$op.txt" 2>&1
