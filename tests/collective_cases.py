@@ -41,7 +41,7 @@ def _make_input(rank: int, count: int, dtype: np.dtype[Any], op: acoll.ReduceOp,
     elif dtype.kind == "u":
         vals = (idx * 7 + rank * 3 + salt) % 4
     else:
-        vals = (idx * 7 + rank * 3 + salt) % 7 - 3
+        vals = (idx * 5 + rank * 3 + salt) % 7 - 3  # (varies along idx, unlike idx * 7)
     out = vals.astype(dtype)
     out.setflags(write=False)
     return out
@@ -76,8 +76,9 @@ def assert_result(got: npt.NDArray[Any], want: npt.NDArray[Any], op: acoll.Reduc
                   n: int, what: str) -> None:
     """:func:`assert_same`, but for a floating-point AVG over ``n`` ranks, ``n`` not a
     power of two: within ``n`` units in the last place at 4 (every term is at most 3 / n
-    in magnitude and each of the ``n - 1`` additions rounds once; a missing or doubled
-    scaling is off by far more)."""
+    in magnitude and each of the ``n - 1`` additions rounds once). A missing or doubled
+    scaling is off by more wherever the inputs' sum is 2 or more in magnitude, as it is
+    at most indices (the inputs vary along the array)."""
     if op != acoll.AVG or not _floating(want.dtype) or not n & (n - 1):
         assert_same(got, want, what)
         return

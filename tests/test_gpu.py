@@ -27,7 +27,15 @@ import pytest
 import acoll
 from acoll._dtypes import BFLOAT16, DTYPES, ReduceOp, finish_avg, reduce_into
 from acoll.testing import run_ranks
-from collective_cases import ALL_DTYPES, ALL_OPS, COUNTS, assert_same, check_all
+from collective_cases import (
+    ALL_DTYPES,
+    ALL_OPS,
+    COUNTS,
+    assert_result,
+    assert_same,
+    check_all,
+    reference,
+)
 from gpu_cases import NGPUS, NO_GPU_REASON, cp, to_device, to_host
 
 HERE = Path(__file__).parent
@@ -90,16 +98,16 @@ async def test_native_ring_pipelines_copies_through_counters_on_the_gpu(
         for n in ((1 << 18) + 7, 3_000_001, (1 << 18) + 7, 3_000_001):  # (blocks reused)
             for dtype, op in ((np.float32, "sum"), (np.int32, "max"), (np.float64, "avg")):
                 ins = [((np.arange(n) * 3 + r) % 7 + 1).astype(dtype) for r in range(nranks)]
-                want = {"sum": sum(ins), "max": np.maximum.reduce(ins),
-                        "avg": sum(ins) / nranks}[op].astype(dtype)
+                rop = ReduceOp.coerce(op)
+                want = reference(ins, rop)
                 with cp.cuda.Device(0):
                     x = cp.asarray(ins[comm.rank])
                     out = cp.zeros(n, dtype)
                 await comm.all_reduce(x, out, op)
-                np.testing.assert_array_equal(cp.asnumpy(out), want)
+                assert_result(cp.asnumpy(out), want, rop, nranks, f"{op} {n}")
                 await comm.all_reduce(x, op=op, stream=stream)
                 stream.synchronize()
-                np.testing.assert_array_equal(cp.asnumpy(x), want)
+                assert_result(cp.asnumpy(x), want, rop, nranks, f"{op} {n} in place")
                 gc.collect()  # (a call's garbage once destroyed pooled events: session 46)
         assert staging._signals_work is True  # type: ignore[attr-defined]
         return len(staging._signals)  # type: ignore[attr-defined]

@@ -100,7 +100,7 @@ from ._comm.via_host import (
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, check_op_dtype, dtype_code, prescales
+from ._dtypes import ReduceOp, check_op_dtype, dtype_code, empty_bytes, prescales
 from ._memory import (
     Buffer,
     DirectStaging,
@@ -401,7 +401,9 @@ class Communicator:
         self._lane = Lane(self.rank, self.size, limit) if limit else None
         # all_reduce plans through the lane, reused by calls on NumPy arrays of the same
         # (dtype, count, op); they hold views of the mailboxes, never a user's array
-        self._lane_plans: dict[tuple[Any, int, Any], _LanePlans] = {}
+        self._lane_plans: dict[tuple[Any, int, Any], _LanePlans | _ScaledLaneCall] = {}
+        #: idle host memory for AVG's scaled inputs of its own (see _scale_avg)
+        self._avg_spares: list[np.ndarray[Any, Any]] = []
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
@@ -765,18 +767,20 @@ class Communicator:
         return lambda ctx: _OnStream(make(ctx), order, mem, timeout)
 
     def _p2p_make(self, mode: int, name: str, s: Buffer, r: Buffer, count: int,
-                  order: StreamOrder | None, *, op: ReduceOp | None = None, root: int = 0
-                  ) -> P2POp | None:
+                  order: StreamOrder | None, *, op: ReduceOp | None = None, root: int = 0,
+                  asked: ReduceOp | None = None) -> P2POp | None:
         """The call on the intra-host GPU path, or ``None`` when the communicator has none.
 
         Made at the call (not when the executor runs it): its launch ticket fixes the
-        order in which its kernels reach the stream."""
+        order in which its kernels reach the stream. ``op`` is what the kernels compute,
+        ``asked`` (default ``op``) what the ranks compare: AVG for a scaled AVG's SUM."""
         dom = self._p2p
         if dom is None or order is None:
             return None
         return P2POp(dom, self._p2p_seq, order, self.timeout, dom.source(op, s.dtype),
                      dom.plan(mode, count, s.dtype.itemsize, root), s, r, root=root,
-                     op=0 if op is None else int(op), dtype_code=dtype_code(s.dtype),
+                     op=0 if op is None else int(op if asked is None else asked),
+                     dtype_code=dtype_code(s.dtype),
                      total=count, name=name)
 
     async def _ran_prepared(self, name: str, send: Any, recv: Any, op: Any, root: Any,
@@ -896,9 +900,23 @@ class Communicator:
         scaled = self.mem.scale_at_call(stream, dst, src, self.size)
         if scaled is not None:
             return scaled, None
-        if dst is None:
-            dst = self.mem.empty(src.count, src.dtype)
-        return dst, _Scaling(self.mem, dst, src, self.size)
+        if dst is not None:
+            return dst, _Scaling(self.mem, dst, src, self.size)
+        # Host memory of the call's own, reused by later calls (a fresh array of a few MiB
+        # costs its page faults at every call): an idle spare large enough, else a new
+        # one; given back once its op has succeeded (after a failure a send may still be
+        # reading it), at most 4 kept.
+        need = src.nbytes
+        spares = self._avg_spares
+        fit = next((i for i, a in enumerate(spares) if a.nbytes >= need), None)
+        raw = spares.pop(fit) if fit is not None else empty_bytes(max(need, 64))
+
+        def back() -> None:
+            if len(spares) < 4:
+                spares.append(raw)
+
+        dst = Buffer(raw[:need].view(src.dtype), self.mem)
+        return dst, _Scaling(self.mem, dst, src, self.size, back)
 
     def _pair(self, send: Any, recv: Any, what: str, ratio_send: int = 1,
               ratio_recv: int = 1) -> tuple[Buffer, Buffer, Any]:
@@ -942,6 +960,7 @@ class Communicator:
         s, r, out = self._pair(send, recv, "all_reduce")
         check_op_dtype(rop, s.dtype, "all_reduce")
         scaling: _Scaling | None = None
+        sent = s
         if prescales(rop, s.dtype) and s.count and self.size > 1:
             # (every input scaled by 1/n into the result, then summed there in place)
             s, scaling = self._scale_avg(s, r, stream)
@@ -979,20 +998,20 @@ class Communicator:
                     lane, s.count, lane.step // s.itemsize), rop)
             if lane.registered and s.nbytes >= ZERO_COPY_MIN:
                 made = ZeroCopyAllReduce(self, lane, desc, s.dtype, s.count, rop, made)
-            if scaling is not None:
-                await self._lane_run(_ScaledLaneCall(made, scaling), r.array, r.array)
-                return out
+            kept: _LanePlans | _ScaledLaneCall = made
+            if scaling is not None:  # (a reused plan scales the arrays of its call)
+                kept = _ScaledLaneCall(made, None, self.mem, self.size)
             key = _plan_key(send, op)
             if key is not None:
                 if len(self._lane_plans) >= _LANE_PLANS:  # the oldest goes
                     del self._lane_plans[next(iter(self._lane_plans))]
-                self._lane_plans[key] = made
-            await self._lane_run(made, s.array,
-                                 s.array if r is s or self.mem.same(r, s) else r.array)
+                self._lane_plans[key] = kept
+            await self._lane_run(kept, sent.array,
+                                 sent.array if r is sent or self.mem.same(r, sent) else r.array)
             return out
         one = self._p2p is not None and s.nbytes <= self._p2p.one_shot_max
         make = self._p2p_make(Mode.ALL_REDUCE_ONE_SHOT if one else Mode.ALL_REDUCE_TWO_SHOT,
-                              "all_reduce", s, r, s.count, order, op=rop)
+                              "all_reduce", s, r, s.count, order, op=rop, asked=asked)
         if rop is asked:  # (a scaled AVG is not kept: its calls scale first)
             self._learn("all_reduce", send, recv, op, 0, make)
         if make is None and order is not None and s.nbytes <= self._via_limit():
@@ -1202,7 +1221,7 @@ class Communicator:
             await self._lane_call(desc, s, r, rop, root, scaling)
             return out
         make = self._p2p_make(Mode.REDUCE, "reduce", s, s if r is None else r, s.count, order,
-                              op=rop, root=root)
+                              op=rop, root=root, asked=asked)
         if rop is asked:
             self._learn("reduce", send, recv, op, root, make)
         await self._execute(desc, make, self._ordered(
@@ -1296,7 +1315,7 @@ class Communicator:
                     lane, r.count, lane.step // r.itemsize), rop), scaling), s.array, r.array)
             return out
         make = self._p2p_make(Mode.REDUCE_SCATTER, "reduce_scatter", s, r, r.count, order,
-                              op=rop)
+                              op=rop, asked=asked)
         if rop is asked:
             self._learn("reduce_scatter", send, recv, op, 0, make)
         native = self._native
@@ -1643,13 +1662,20 @@ class _Scaling:
     """AVG's scaling of this rank's input (``dst = src * 1/n``, see
     :meth:`Communicator._scale_avg`), run on host memory as its op starts."""
 
-    __slots__ = ("dst", "mem", "n", "src")
+    __slots__ = ("done", "dst", "mem", "n", "src")
 
-    def __init__(self, mem: MemorySpace, dst: Buffer, src: Buffer, n: int) -> None:
-        self.mem, self.dst, self.src, self.n = mem, dst, src, n
+    def __init__(self, mem: MemorySpace, dst: Buffer, src: Buffer, n: int,
+                 done: Callable[[], None] | None = None) -> None:
+        self.mem, self.dst, self.src, self.n, self.done = mem, dst, src, n, done
 
     async def run(self) -> None:
         await self.mem.scale(self.dst, self.src, self.n, _yield)
+
+    def succeeded(self) -> None:
+        """The op that read ``dst`` succeeded: ``dst``'s memory may be reused."""
+        if self.done is not None:
+            self.done()
+            self.done = None
 
 
 class _ScaledFirst:
@@ -1661,6 +1687,7 @@ class _ScaledFirst:
     async def run(self) -> None:
         await self.scaling.run()
         await self.algo.run()
+        self.scaling.succeeded()
 
 
 def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorithm:
@@ -1672,21 +1699,33 @@ def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorith
 
 class _ScaledLaneCall:
     """A lane call preceded by its input's scaling, done in the op's turn (the lane's
-    ops publish in the order of their numbers; see ``Lane.turns``)."""
+    ops publish in the order of their numbers; see ``Lane.turns``): ``scaling``, or
+    (``None``: an all_reduce plan, reused with each call's arrays) ``mine`` scaled into
+    ``res`` by 1/``n``, and the call run in place on ``res``."""
 
-    def __init__(self, call: _LaneCalls, scaling: _Scaling) -> None:
+    def __init__(self, call: _LaneCalls, scaling: _Scaling | None,
+                 mem: MemorySpace | None = None, n: int = 0) -> None:
         self.call, self.scaling, self.desc = call, scaling, call.desc
+        self.mem, self.n = mem, n
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None
                   ) -> None:
         call = self.call
         await call.take_turn(seq)
         try:
-            await self.scaling.run()
+            if self.scaling is not None:
+                await self.scaling.run()
+            else:
+                mem = self.mem
+                assert mem is not None
+                await mem.scale(Buffer(res, mem), Buffer(mine, mem), self.n, _yield)
+                mine = res
         except BaseException:
             call.lane.turns.remove(seq)
             raise
         await call.run(seq, ctx, mine, res, turned=True)
+        if self.scaling is not None:
+            self.scaling.succeeded()
 
 
 def _scaled_lane(call: _LaneCalls, scaling: _Scaling | None) -> _LaneCalls | _ScaledLaneCall:

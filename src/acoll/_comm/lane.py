@@ -645,11 +645,12 @@ class _LaneCall:
         input); it then runs the call with ``turned=True``, or gives the turn back
         (``lane.turns.remove(seq)``) if that work fails. On error here the turn is given
         back already."""
-        turns = self.lane.turns
+        lane = self.lane
+        turns = lane.turns
         turns.append(seq)
         try:
             self.comm.check_usable()
-            if turns[0] != seq:
+            if turns[0] != seq or lane.yields_before(seq):  # (as run() would)
                 await self._turn(seq)
         except BaseException:
             turns.remove(seq)

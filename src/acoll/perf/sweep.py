@@ -149,9 +149,9 @@ def count_wrong(got: npt.NDArray[Any], expected: npt.NDArray[Any], *,
     """Elements of ``got`` that differ from ``expected``.
 
     Exact, except that ``approx=n`` allows a floating-point AVG over ``n`` ranks its
-    roundings: each input is scaled by the rounded ``1/n`` and the terms summed, so the
-    error is a few units in the last place of the inputs (at most 4 in magnitude here),
-    whatever the average (a sum that cancels to 0 need not give exactly 0).
+    roundings: each input is scaled by the rounded ``1/n`` and the terms summed, each of
+    the ``n - 1`` additions rounding once at a partial sum under 4 in magnitude (at most
+    ``2 * eps``), whatever the average (a sum that cancels to 0 need not give exactly 0).
     """
     if got.dtype.kind in "iu":
         return int(np.count_nonzero(got != expected))
@@ -162,7 +162,7 @@ def count_wrong(got: npt.NDArray[Any], expected: npt.NDArray[Any], *,
     e = expected.astype(np.float64)
     eps = 2.0 ** -7 if got.dtype == _BF16 else float(np.finfo(got.dtype).eps)
     with np.errstate(invalid="ignore"):
-        ok = (np.abs(g - e) <= eps * (np.abs(e) + 4.0 * approx)) | (g == e)
+        ok = (np.abs(g - e) <= eps * (np.abs(e) + 2.0 * approx)) | (g == e)
     return int(ok.size - np.count_nonzero(ok))
 
 
