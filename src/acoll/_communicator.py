@@ -100,7 +100,15 @@ from ._comm.via_host import (
 from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
-from ._dtypes import ReduceOp, check_op_dtype, dtype_code, empty_bytes, prescales
+from ._dtypes import (
+    ReduceOp,
+    avg_factor,
+    check_op_dtype,
+    dtype_code,
+    empty_bytes,
+    prescales,
+    scale_into,
+)
 from ._memory import (
     Buffer,
     DirectStaging,
@@ -1697,6 +1705,10 @@ def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorith
     return lambda ctx: _ScaledFirst(make(ctx), scaling)
 
 
+#: Bytes a reused lane plan scales in one go, unpaced (as host reductions do).
+_SCALE_AT_ONCE = 64 << 10
+
+
 class _ScaledLaneCall:
     """A lane call preceded by its input's scaling, done in the op's turn (the lane's
     ops publish in the order of their numbers; see ``Lane.turns``): ``scaling``, or
@@ -1715,6 +1727,9 @@ class _ScaledLaneCall:
         try:
             if self.scaling is not None:
                 await self.scaling.run()
+            elif res.nbytes <= _SCALE_AT_ONCE:
+                scale_into(res, mine, avg_factor(res.dtype, self.n))
+                mine = res
             else:
                 mem = self.mem
                 assert mem is not None

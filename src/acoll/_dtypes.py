@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import functools
 import mmap
 import time
 import weakref
@@ -120,6 +121,7 @@ def prescales(op: ReduceOp, dt: np.dtype[Any]) -> bool:
     return op == ReduceOp.AVG and (dt.kind == "f" or dt == BFLOAT16)
 
 
+@functools.lru_cache(maxsize=256)
 def avg_factor(dt: np.dtype[Any], n: int) -> Any:
     """``1/n`` as the scalar of ``dt`` that AVG multiplies each input by: ``1.0/n`` in
     double, rounded to float32, then to the 16-bit float (as NCCL rounds it)."""
