@@ -151,3 +151,32 @@ async def test_device_average_is_scaled_on_the_callers_stream_at_the_call(
         assert ok_ar
         assert ok_rs
         assert send_kept
+
+
+async def test_scaled_copies_of_their_own_are_reused_and_few() -> None:
+    """reduce_scatter / non-root reduce AVG scale into host memory of their own: reused
+    (the smallest idle one that fits), at most two kept, none after close."""
+
+    async def fn(comm: acoll.Communicator) -> list[Any]:
+        n = comm.size
+        seen = []
+        outs = [np.empty(1000 * (k + 1), np.float32) for k in range(4)]
+        async with comm.group():
+            for k, out in enumerate(outs):
+                await comm.reduce_scatter(np.ones(n * 1000 * (k + 1), np.float32), out,
+                                          op=acoll.AVG)
+        seen.append(sorted(a.nbytes for a in comm._avg_spares))
+        assert all(np.array_equal(o, np.ones_like(o)) for o in outs)
+        small = np.empty(10, np.float32)
+        before = {id(a) for a in comm._avg_spares}
+        await comm.reduce_scatter(np.ones(n * 10, np.float32), small, op=acoll.AVG)
+        seen.append({id(a) for a in comm._avg_spares} == before)  # (reused, none new)
+        await comm.reduce(np.ones(5, np.float32), None, op=acoll.AVG, root=1)
+        await comm.close()
+        seen.append(len(comm._avg_spares))
+        return seen
+
+    for sizes, reused, after_close in await run_ranks(2, fn):
+        assert sizes == [3 * 8000, 4 * 8000]  # (the two largest of the group's four)
+        assert reused
+        assert after_close == 0

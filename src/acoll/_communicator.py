@@ -568,6 +568,7 @@ class Communicator:
             return
         self._error = error
         self._lane_plans.clear()
+        self._avg_spares.clear()
         lane = getattr(self, "_lane", None)  # (None before the lane is made)
         if lane is not None:
             lane.abandon()  # (before any caller can touch its buffers again)
@@ -628,8 +629,10 @@ class Communicator:
             plan.drop()
 
     def _release_lane(self) -> None:
-        """Drop the lane's plans and views (once no lane op runs any more)."""
+        """Drop the lane's plans and views (once no lane op runs any more), and AVG's
+        idle host memory."""
         self._lane_plans.clear()
+        self._avg_spares.clear()
         self._exec.announce = None
         if self._lane is not None:
             self._lane.release()
@@ -911,17 +914,21 @@ class Communicator:
         if dst is not None:
             return dst, _Scaling(self.mem, dst, src, self.size)
         # Host memory of the call's own, reused by later calls (a fresh array of a few MiB
-        # costs its page faults at every call): an idle spare large enough, else a new
-        # one; given back once its op has succeeded (after a failure a send may still be
-        # reading it), at most 4 kept.
+        # costs its page faults at every call): the smallest idle spare large enough, else
+        # a new one; given back once its op has succeeded (after a failure a send may
+        # still be reading it). At most 2 are kept, the smaller going first, none past a
+        # close or a failure.
         need = src.nbytes
         spares = self._avg_spares
-        fit = next((i for i, a in enumerate(spares) if a.nbytes >= need), None)
+        fits = [i for i, a in enumerate(spares) if a.nbytes >= need]
+        fit = min(fits, key=lambda i: spares[i].nbytes) if fits else None
         raw = spares.pop(fit) if fit is not None else empty_bytes(max(need, 64))
 
         def back() -> None:
-            if len(spares) < 4:
+            if self._error is None and not self._closed:
                 spares.append(raw)
+                if len(spares) > 2:
+                    spares.remove(min(spares, key=lambda a: a.nbytes))
 
         dst = Buffer(raw[:need].view(src.dtype), self.mem)
         return dst, _Scaling(self.mem, dst, src, self.size, back)
