@@ -160,10 +160,11 @@ async def test_scaled_copies_of_their_own_are_reused_and_few() -> None:
     async def fn(comm: acoll.Communicator) -> list[Any]:
         n = comm.size
         seen = []
-        outs = [np.empty(1000 * (k + 1), np.float32) for k in range(4)]
+        # (largest first: the smallest kept one is then not first in the list)
+        outs = [np.empty(1000 * (4 - k), np.float32) for k in range(4)]
         async with comm.group():
-            for k, out in enumerate(outs):
-                await comm.reduce_scatter(np.ones(n * 1000 * (k + 1), np.float32), out,
+            for out in outs:
+                await comm.reduce_scatter(np.ones(n * out.size, np.float32), out,
                                           op=acoll.AVG)
         seen.append(sorted(a.nbytes for a in comm._avg_spares))
         assert all(np.array_equal(o, np.ones_like(o)) for o in outs)

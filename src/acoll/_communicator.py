@@ -927,8 +927,8 @@ class Communicator:
         def back() -> None:
             if self._error is None and not self._closed:
                 spares.append(raw)
-                if len(spares) > 2:
-                    spares.remove(min(spares, key=lambda a: a.nbytes))
+                if len(spares) > 2:  # (by position: == on arrays compares elements)
+                    del spares[min(range(len(spares)), key=lambda i: spares[i].nbytes)]
 
         dst = Buffer(raw[:need].view(src.dtype), self.mem)
         return dst, _Scaling(self.mem, dst, src, self.size, back)
