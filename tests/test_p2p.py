@@ -265,8 +265,14 @@ async def test_register_on_a_host_communicator_is_a_no_op() -> None:
         assert isinstance(reg, acoll.Registration)
         await comm.all_reduce(x)
         await comm.deregister(reg)
-        with pytest.raises(acoll.InvalidUsage, match="Registration"):
-            await comm.deregister("nope")  # type: ignore[arg-type]
         return reg.index
 
     assert await run_ranks(2, fn) == [-1, -1]
+
+    async def misuse(comm: acoll.Communicator) -> None:
+        # (its own call: a misuse is announced to every rank, which would fail a peer
+        # still inside an earlier collective call)
+        with pytest.raises(acoll.InvalidUsage, match="Registration"):
+            await comm.deregister("nope")  # type: ignore[arg-type]
+
+    await run_ranks(2, misuse)
