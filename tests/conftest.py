@@ -6,8 +6,11 @@ error naming what it waited for, not as a killed test."""
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import inspect
 import os
+import tempfile
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
@@ -35,6 +38,80 @@ for _name in [k for k in os.environ if k.startswith("ACOLL_")]:
 # Ranks in tests talk over loopback only; subprocess tests pass their own environment.
 os.environ.setdefault("ACOLL_SOCKET_IFNAME", "=lo")
 os.environ.setdefault("ACOLL_TIMEOUT", "30")
+
+
+# A backstop under pytest-timeout. Its signal method raises in the main thread, and an
+# exception raised inside an event-loop callback goes to the loop's exception handler
+# instead, so a test stuck in a busy loop can outlive its timeout (CI once waited 90
+# minutes on one). faulthandler's watchdog is a C thread: past pytest-timeout's limit plus
+# a margin it writes every thread's stack to a file and ends the process. Under xdist the
+# controller names the crashed test, and prints these files at the end of the session.
+_HANG_MARGIN_S = 60.0
+_hang_dir: str | None = None  # the controller's; an xdist worker gets it in its workerinput
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _hang_dir
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:
+        _hang_dir = workerinput.get("acoll_hang_dir")
+    else:
+        _hang_dir = tempfile.mkdtemp(prefix="acoll-test-hangs-")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node: Any) -> None:
+    node.workerinput["acoll_hang_dir"] = _hang_dir
+
+
+def _test_limit(item: pytest.Item) -> float:
+    marker = item.get_closest_marker("timeout")
+    if marker is not None and marker.args:
+        return float(marker.args[0])
+    return float(item.config.getini("timeout") or 120)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    if _hang_dir is None:
+        yield
+        return
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    path = os.path.join(_hang_dir, f"{worker}-{os.getpid()}.txt")
+    with open(path, "w") as dump:
+        dump.write(f"{item.nodeid} outlived {_test_limit(item)} s + {_HANG_MARGIN_S} s "
+                   f"(started {time.strftime('%H:%M:%S')}); every thread's stack:\n")
+        dump.flush()
+        faulthandler.dump_traceback_later(_test_limit(item) + _HANG_MARGIN_S,
+                                          file=dump, exit=True)
+        try:
+            yield
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+    os.unlink(path)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workerinput"):  # an xdist worker: the controller reports
+        return
+    if _hang_dir is None:
+        return
+    try:
+        names = sorted(os.listdir(_hang_dir))
+    except FileNotFoundError:
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    for name in names:
+        with open(os.path.join(_hang_dir, name)) as dump:
+            text = dump.read()
+        if reporter is not None:
+            reporter.write_line(f"--- test outlived its timeout ({name}) ---\n{text}")
+    for name in names:
+        os.unlink(os.path.join(_hang_dir, name))
+    try:
+        os.rmdir(_hang_dir)
+    except OSError:
+        pass
 
 
 def _debug_loop() -> asyncio.AbstractEventLoop:
