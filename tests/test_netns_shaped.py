@@ -54,8 +54,6 @@ def topo() -> Iterator[Any]:
     assert _ours(t.tag) == []
 
 
-@pytest.mark.netns
-@needs_root
 def _settled_packets(t: Any) -> tuple[int, int]:
     """``t.link_packets()`` once two readings 0.1 s apart agree: the counters are read one
     link end at a time, so a packet in flight while they are read (a last ACK) counts as
@@ -71,6 +69,8 @@ def _settled_packets(t: Any) -> tuple[int, int]:
     return last  # type: ignore[no-any-return]
 
 
+@pytest.mark.netns
+@needs_root
 def test_hosts_links_and_shaping(topo: Any) -> None:
     t = topo
     assert sorted(_ours(t.tag)) == sorted([t.switch, *(t.host(i) for i in range(3))])
