@@ -1,17 +1,22 @@
 """Test harness: every async test runs on plain asyncio (debug mode) and on uvloop, and
-fails if anything reaches the loop's exception handler. Deadlines inside acoll
-(``ACOLL_TIMEOUT``) are set below pytest-timeout's, so a stuck wait surfaces as an acoll
-error naming what it waited for, not as a killed test."""
+fails if anything reaches the loop's exception handler while it runs. Deadlines inside
+acoll (``ACOLL_TIMEOUT``) are set below pytest-timeout's, so a stuck wait surfaces as an
+acoll error naming what it waited for, not as a killed test. Behind them, three limits:
+an async test is cancelled 20 s before pytest-timeout's limit (:func:`_guarded`);
+pytest-timeout's SIGALRM ends a synchronous one; a watchdog thread ends the process 60 s
+after that limit with every thread's stack (:func:`pytest_runtest_protocol`)."""
 
 from __future__ import annotations
 
 import asyncio
 import faulthandler
+import functools
 import inspect
 import os
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -129,23 +134,57 @@ def pytest_asyncio_loop_factories(config: Any, item: Any
     return factories
 
 
+#: Seconds before pytest-timeout's limit at which an async test is cancelled: its waits end
+#: with a traceback of where it stood, and run_ranks' clean-up has time to run.
+_CANCEL_MARGIN_S = 20.0
+
+
+def _guarded(test: Callable[..., Any], seconds: float) -> Callable[..., Any]:
+    """``test`` run under a deadline of ``seconds`` (a cancellation, which reaches the
+    test at its await point), failing if anything reaches the loop's exception handler
+    while it runs. pytest-timeout's SIGALRM alone is not enough for async tests: raised
+    inside a loop callback, its exception goes to the exception handler (uvloop handles
+    signals in a callback of its own), and a task whose next step it was about to
+    schedule is left pending for good, so the test's clean-up then waits for ever."""
+
+    @functools.wraps(test)
+    async def guarded(*args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        seen: list[dict[str, Any]] = []
+        previous = loop.get_exception_handler()
+        loop.set_exception_handler(lambda _loop, context: seen.append(context))
+        try:
+            expired = False
+            if sys.version_info >= (3, 11):
+                try:
+                    async with asyncio.timeout(seconds) as deadline:
+                        result = await test(*args, **kwargs)
+                except TimeoutError:
+                    if not deadline.expired():
+                        raise
+                    expired = True
+            else:  # pragma: no cover - the suite runs on 3.11 and 3.12
+                try:
+                    result = await asyncio.wait_for(test(*args, **kwargs), seconds)
+                except asyncio.TimeoutError:
+                    expired = True
+            if expired:
+                pytest.fail(f"the test did not end within {seconds:g} s and was cancelled "
+                            "(the traceback above shows where it waited)")
+            # Let callbacks scheduled by closing connections run before judging.
+            await asyncio.sleep(0)
+        finally:
+            loop.set_exception_handler(previous)
+        if seen:
+            details = "; ".join(f"{c.get('message')}: {c.get('exception')!r}" for c in seen)
+            pytest.fail(f"the event loop's exception handler was called: {details}")
+        return result
+
+    return guarded
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
-        func = getattr(item, "function", None)
-        if func is not None and inspect.iscoroutinefunction(func):
-            item.add_marker(pytest.mark.usefixtures("loop_guard"))
-
-
-@pytest.fixture
-async def loop_guard() -> AsyncIterator[None]:
-    """Fail the test if the running loop's exception handler is called."""
-    loop = asyncio.get_running_loop()
-    seen: list[dict[str, Any]] = []
-    loop.set_exception_handler(lambda _loop, context: seen.append(context))
-    yield
-    # Let callbacks scheduled by closing connections run before judging.
-    await asyncio.sleep(0)
-    loop.set_exception_handler(None)
-    if seen:
-        details = "; ".join(f"{c.get('message')}: {c.get('exception')!r}" for c in seen)
-        pytest.fail(f"the event loop's exception handler was called: {details}")
+        if isinstance(item, pytest.Function) and inspect.iscoroutinefunction(item.obj):
+            item.obj = _guarded(item.obj, max(_test_limit(item) - _CANCEL_MARGIN_S,
+                                              _test_limit(item) / 2))
