@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
+import concurrent.futures.thread as cf_thread
+import gc
+import mmap
+import subprocess
+import sys
+import threading
+import time
 from typing import Any
 
 import numpy as np
 import pytest
 
 import acoll
-from acoll._dtypes import DTYPES, ReduceOp, finish_avg, reduce_into
+from acoll._dtypes import DTYPES, ReduceOp, empty_bytes, finish_avg, reduce_into
 from acoll._memory import HostSpace, MemoryKind, host_buffer
 from acoll._memory import host as host_mod
 
@@ -156,3 +163,61 @@ def test_data_address_of_an_object_without_weak_references() -> None:
 
     arr = np.arange(5, dtype=np.int64)
     assert data_address(Plain(arr)) == arr.__array_interface__["data"][0]
+
+
+def _unmapped_soon(mm: Any) -> bool:
+    deadline = time.monotonic() + 10
+    while not mm.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return bool(mm.closed)
+
+
+def test_large_scratch_collected_under_a_lock_is_unmapped_without_taking_one() -> None:
+    """A collection can run the array's finalizer anywhere, for instance inside
+    ThreadPoolExecutor.submit, which holds concurrent.futures' global lock (not
+    reentrant): handing the mapping to an executor from there waited for ever."""
+    class Holder:  # (in a reference cycle: only the cyclic collector frees it)
+        pass
+
+    holder = Holder()
+    holder.me = holder  # type: ignore[attr-defined]
+    holder.arr = empty_bytes(2 << 20)  # type: ignore[attr-defined]
+    mm = holder.arr.base.obj  # type: ignore[attr-defined]
+    assert isinstance(mm, mmap.mmap)
+    del holder
+    returned: list[bool] = []
+
+    def collect() -> None:
+        with cf_thread._global_shutdown_lock:  # as inside ThreadPoolExecutor.submit
+            gc.collect()
+        returned.append(True)
+
+    worker = threading.Thread(target=collect, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert returned, "the collection did not return while the lock was held"
+    assert _unmapped_soon(mm)
+
+
+def test_large_scratch_is_unmapped_in_a_forked_child_too() -> None:
+    # (a fresh interpreter forks: never the threaded test worker)
+    script = """
+import gc, os, sys, time
+from acoll._dtypes import empty_bytes
+keep = empty_bytes(2 << 20)  # the parent's unmapping thread starts
+pid = os.fork()
+if pid == 0:
+    arr = empty_bytes(2 << 20)
+    mm = arr.base.obj
+    del arr
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while not mm.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    os._exit(0 if mm.closed else 3)
+_, status = os.waitpid(pid, 0)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+    done = subprocess.run([sys.executable, "-c", script], timeout=60, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr

@@ -17,9 +17,11 @@ import ctypes
 import enum
 import functools
 import mmap
+import os
+import queue
+import threading
 import time
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ml_dtypes
@@ -299,7 +301,9 @@ def _bad_dtype(dt: np.dtype[Any], what: str) -> None:
 
 
 _MMAP_MIN = 1 << 20
-_unmapper: ThreadPoolExecutor | None = None
+_unmap_lock = threading.Lock()
+_unmap_queue: queue.SimpleQueue[mmap.mmap] | None = None  # (this process's: _unmap_pid)
+_unmap_pid = 0
 
 
 def empty_bytes(nbytes: int) -> npt.NDArray[np.uint8]:
@@ -310,21 +314,45 @@ def empty_bytes(nbytes: int) -> npt.NDArray[np.uint8]:
     then zeroes (and may compact memory for) a whole huge page inside one call — a stall
     of up to milliseconds in whichever loop callback touches it first. Unmapping many
     small pages is slow too (about 0.3 ms per MiB), so when the array is collected its
-    mapping is released on a worker thread (``munmap`` runs without the GIL).
+    mapping is released on a thread of its own (``munmap`` runs without the GIL). The
+    array's finalizer only puts the mapping on a :class:`queue.SimpleQueue` (reentrant:
+    a collection can run it while its thread holds any lock, ``concurrent.futures``'
+    included, as ``ThreadPoolExecutor.submit`` would take).
     """
     if nbytes < _MMAP_MIN:
         return np.empty(nbytes, np.uint8)
+    _start_unmapper()
     mm = mmap.mmap(-1, nbytes)
     arr = np.frombuffer(mm, np.uint8)
     weakref.finalize(arr, _unmap_later, mm).atexit = False
     return arr
 
 
+def _start_unmapper() -> None:
+    """This process's unmapping thread (one more after a fork: the parent's is not here)."""
+    global _unmap_queue, _unmap_pid
+    pid = os.getpid()
+    if _unmap_pid == pid:
+        return
+    with _unmap_lock:
+        if _unmap_pid != pid:
+            todo: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
+            threading.Thread(target=_unmap_forever, args=(todo,), name="acoll-unmap",
+                             daemon=True).start()
+            _unmap_queue, _unmap_pid = todo, pid
+
+
 def _unmap_later(mm: mmap.mmap) -> None:
-    global _unmapper
-    if _unmapper is None:
-        _unmapper = ThreadPoolExecutor(1, thread_name_prefix="acoll-unmap")
-    _unmapper.submit(_unmap, mm)
+    """(The finalizer: takes no lock.) In a child forked after the array was made, the
+    mapping is dropped here instead, and unmapped when the array lets go of it."""
+    todo = _unmap_queue
+    if todo is not None and _unmap_pid == os.getpid():
+        todo.put(mm)
+
+
+def _unmap_forever(todo: queue.SimpleQueue[mmap.mmap]) -> None:
+    while True:
+        _unmap(todo.get())
 
 
 def _unmap(mm: mmap.mmap) -> None:
