@@ -22,8 +22,8 @@ import acoll
 from acoll import _communicator
 from acoll._comm import via_host as via_host_mod
 from acoll._dtypes import BFLOAT16
-from acoll._memory import Buffer, MemoryKind
-from acoll._transport.base import Connection, Listener, Transport
+from acoll._memory import Buffer, MemoryKind, host_buffer
+from acoll._transport.base import Connection, ConnectionLost, Listener, Transport
 from acoll._transport.shm import ShmConnection, ShmTransport
 from acoll._transport.staged import StagedConnection
 from acoll._transport.tcp import TcpConnection, TcpTransport
@@ -1168,3 +1168,57 @@ async def test_cancelling_a_native_device_all_reduce_fails_every_rank(
         np.testing.assert_array_equal(x.arr, 3)
     await asyncio.gather(*(c.close() for c in fresh))
     assert len(native_runs) >= 5
+
+
+async def test_a_cancelled_wait_closed_ends_while_a_send_waits_for_its_copy() -> None:
+    """wait_closed waits for the sends still queued behind their copies; a caller that is
+    cancelled meanwhile ends at once (its cancellation used to be swallowed there)."""
+    class NeverFence:
+        def done(self) -> bool:
+            return False
+
+        async def wait(self) -> None:
+            await asyncio.Event().wait()
+
+    class Staging:
+        kind = MemoryKind.CUDA
+
+        def lease(self, nbytes: int) -> tuple[Any, Any]:
+            return host_buffer(np.zeros(nbytes, np.uint8)), None
+
+        def download(self, host: Any, buf: Any) -> NeverFence:
+            return NeverFence()
+
+        def release(self, block: Any, fence: Any = None) -> None:
+            pass
+
+    class Inner:
+        max_inflight = 4
+        failed = None
+        aborted = False
+
+        def set_failure_callback(self, callback: Any) -> None:
+            pass
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        async def wait_closed(self) -> None:
+            pass
+
+    class DeviceBuffer:
+        kind = MemoryKind.CUDA
+        nbytes = 16
+
+    conn = StagedConnection(Inner(), Staging())  # type: ignore[arg-type]
+    sent = conn.isend(DeviceBuffer(), 1, b"")  # type: ignore[arg-type]
+    closing = asyncio.ensure_future(conn.wait_closed())
+    await asyncio.sleep(0.05)
+    assert not closing.done()  # (waiting for the queued send)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(closing, 5)
+    conn.abort()
+    with pytest.raises(ConnectionLost):
+        await sent
+    await asyncio.wait_for(conn.wait_closed(), 5)

@@ -28,7 +28,6 @@ equal), no exception into the loop's callbacks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Callable
 
@@ -252,9 +251,8 @@ class StagedConnection(Connection):
         self.inner.abort()
 
     async def wait_closed(self) -> None:
-        if self._pump is not None:
-            with contextlib.suppress(BaseException):
-                await asyncio.shield(self._pump)
+        if self._pump is not None:  # (its end, not its outcome; a cancelled caller ends)
+            await asyncio.wait([self._pump])
         await self.inner.wait_closed()
 
     @property
