@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from .errors import TimeoutError as AcollTimeoutError
 
@@ -14,6 +14,21 @@ T = TypeVar("T")
 def deadline_after(seconds: float) -> float:
     """The loop time ``seconds`` from now."""
     return asyncio.get_running_loop().time() + seconds
+
+
+def outcome_dropped_if_cancelled(fut: asyncio.Future[T]) -> asyncio.Future[T]:
+    """``fut``, whose outcome counts as retrieved once it is done. On Python 3.11 a
+    ``wait_for`` whose caller is cancelled cancels the future it waits for and never reads
+    it: a gather then ends holding a CancelledError nobody retrieves, which the loop's
+    exception handler reports when the gather is collected. (Whoever awaits ``fut``
+    still gets its outcome.)"""
+    fut.add_done_callback(_retrieve)
+    return fut
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
 
 
 def remaining(deadline: float) -> float:
@@ -27,6 +42,8 @@ async def wait_until(aw: Awaitable[T], deadline: float, what: str) -> T:
     Raises:
         acoll.TimeoutError: the deadline passed; ``what`` says what was being waited for.
     """
+    if asyncio.isfuture(aw):  # (a gather, say: see outcome_dropped_if_cancelled)
+        outcome_dropped_if_cancelled(aw)
     try:
         return await asyncio.wait_for(aw, remaining(deadline))
     except asyncio.TimeoutError as exc:
