@@ -293,6 +293,8 @@ async def test_a_call_queued_behind_a_direct_one_reads_its_result(
     async def fn(comm: acoll.Communicator) -> tuple[bool, float, int, int]:
         s = cupy.cuda.Stream(non_blocking=True)
         x = fake_cupy.ndarray(np.ones(n, np.float32), 0)
+        if comm.rank == 1:  # rank 0's direct call waits for this rank's meanwhile (a small
+            await asyncio.sleep(0.05)  # one could end within the loop pass it began in)
         first = asyncio.ensure_future(comm.all_reduce(x, stream=s))  # direct
         await asyncio.sleep(0)
         queued = not comm._exec.idle
@@ -301,8 +303,9 @@ async def test_a_call_queued_behind_a_direct_one_reads_its_result(
         await asyncio.gather(first, second, then)
         return queued, float(x.get()[0]), x.data.ptr, 4 * n
 
-    got = await run_ranks(2, fn, device=0)
-    assert [(q, v) for q, v, _, _ in got] == [(True, 4.0)] * 2
+    got = await run_ranks(2, fn, device=0, together=True)
+    assert got[0][0], "rank 0's second call was not queued behind its first"
+    assert [v for _, v, _, _ in got] == [4.0, 4.0]
     for _, _, ptr, nbytes in got:
         assert trace.unordered(ptr, nbytes) == []
 

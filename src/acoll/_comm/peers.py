@@ -111,6 +111,10 @@ class PeerLinks:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        # Why this rank failed (fail_all's notice), and the connections made after that,
+        # which carry it too (a dial begun before the failure that ended after it).
+        self._notice = b""
+        self._late: list[Connection] = []
         self._stop_error: AcollError | None = None  # (what stop() fails waits with)
         for transport, listener in self._endpoints:
             self._spawn(self._accept_loop(transport, listener))
@@ -172,7 +176,11 @@ class PeerLinks:
 
     def _register(self, peer: int, conn: Connection) -> None:
         if self._stopped:
-            conn.abort()
+            if self._notice:  # (the peer may be waiting on it: it learns why, not "gone")
+                conn.close(self._notice, drop_queued=True)
+                self._late.append(conn)
+            else:
+                conn.abort()
             return
         transport = self.choice[peer]
         assert transport is not None
@@ -283,11 +291,12 @@ class PeerLinks:
 
     def fail_all(self, notice: bytes) -> None:
         """Tell every connected peer why we failed (dropping queued sends), then stop."""
+        self._notice = notice
         for conn in list(self.conns.values()):
             conn.close(notice, drop_queued=True)
 
     def abort_all(self) -> None:
-        for conn in self.conns.values():
+        for conn in [*self.conns.values(), *self._late]:
             conn.abort()
         for link in self._raw:
             link.abort()
