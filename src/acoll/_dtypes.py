@@ -337,9 +337,21 @@ def _start_unmapper() -> None:
     with _unmap_lock:
         if _unmap_pid != pid:
             todo: queue.SimpleQueue[mmap.mmap] = queue.SimpleQueue()
-            threading.Thread(target=_unmap_forever, args=(todo,), name="acoll-unmap",
-                             daemon=True).start()
+            try:
+                threading.Thread(target=_unmap_forever, args=(todo,), name="acoll-unmap",
+                                 daemon=True).start()
+            except RuntimeError:  # (interpreter shutdown: mappings are dropped in place)
+                return
             _unmap_queue, _unmap_pid = todo, pid
+
+
+def _after_fork_in_child() -> None:
+    global _unmap_lock
+    _unmap_lock = threading.Lock()  # (a fork while another thread held it)
+
+
+if hasattr(os, "register_at_fork"):  # (POSIX)
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _unmap_later(mm: mmap.mmap) -> None:
