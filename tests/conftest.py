@@ -100,9 +100,10 @@ def _test_limit(item: pytest.Item) -> float | None:
 
 
 class _Watchdog:
-    """faulthandler's watchdog for the item running: armed with the time left at every
-    phase (pytest's faulthandler and pytest-timeout cancel it when a phase fails, and the
-    teardown after a failure is where a test can hang)."""
+    """faulthandler's watchdog for the item running: armed as it starts, and again with
+    the time left as its teardown starts (pytest's faulthandler plugin and pytest-timeout
+    cancel it when set-up or call fails, and the teardown after a failure is where a test
+    can hang)."""
 
     dump: Any = None
     ends_at = 0.0
@@ -145,20 +146,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item: pytest.Item) -> Any:
-    _watchdog.arm()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Any:
-    _watchdog.arm()
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Any:
-    _watchdog.arm()
+    _watchdog.arm()  # (a failed set-up or call cancelled it; teardown always follows)
     yield
 
 
