@@ -32,7 +32,10 @@ def wrap_sync(cls, name):
         finally:
             s = stats[name]; s[0] += 1; s[1] += time.perf_counter() - t
     setattr(cls, name, g)
-wrap_sync(L.StepPlan, "_reduce")
+for n in ("_folder", "_copier"):  # (they make the take() of a step; timed: the making)
+    wrap_sync(L.StepPlan, n)
+for n in ("_receive",):
+    wrap(L.StepPlan, n)
 orig_poll = L._LaneCall._poll
 async def poll(self, seq, done, spin, *a):
     t = time.perf_counter()

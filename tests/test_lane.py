@@ -244,14 +244,52 @@ def test_steps_move_at_most_step_max_per_peer() -> None:
 
 
 def test_one_shot_steps_move_at_most_pair_step() -> None:
-    """2-rank one-shot all_reduce steps move the lane's step, at most PAIR_STEP (512 KiB:
-    the slots a run of steps touches stay small beside the arrays), whatever the slot."""
-    from acoll._comm.lane import PAIR_STEP, Lane, one_shot_step
+    """2-rank one-shot all_reduce steps move the lane's step, at most the lane's pair step
+    (512 KiB, or 1 MiB where the host's largest cache has 16 MiB or more: the slots a run
+    of steps touches stay small beside the arrays), whatever the slot."""
+    from acoll._comm.lane import PAIR_STEP, PAIR_STEP_LARGE, Lane, one_shot_step
 
-    assert PAIR_STEP == 512 << 10
-    for limit, step in ((2 << 20, PAIR_STEP), (1 << 20, PAIR_STEP), (PAIR_STEP, PAIR_STEP),
-                        (64 << 10, 64 << 10)):
-        assert one_shot_step(Lane(1, 2, limit)) == step
+    assert (PAIR_STEP, PAIR_STEP_LARGE) == (512 << 10, 1 << 20)
+    for pair in (PAIR_STEP, PAIR_STEP_LARGE):
+        for limit, step in ((2 << 20, pair), (1 << 20, min(pair, 1 << 20)), (PAIR_STEP, PAIR_STEP),
+                            (64 << 10, 64 << 10)):
+            lane = Lane(1, 2, limit)
+            lane.pair_step = pair
+            assert one_shot_step(lane) == step
+
+
+def test_pair_step_follows_the_largest_cache(tmp_path: Any) -> None:
+    """The pair step is read from sysfs's description of CPU 0's caches: the largest data
+    or unified one (instruction caches and unreadable entries ignored); 512 KiB under
+    16 MiB or when nothing is described, 1 MiB from 16 MiB."""
+    from acoll._comm.lane import PAIR_STEP, PAIR_STEP_LARGE, largest_cache, pair_step
+
+    def caches(name: str, *entries: tuple[str, str]) -> str:
+        root = tmp_path / name
+        root.mkdir()
+        (root / "uevent").write_text("")
+        for k, (kind, size) in enumerate(entries):
+            (root / f"index{k}").mkdir()
+            (root / f"index{k}" / "type").write_text(kind + "\n")
+            (root / f"index{k}" / "size").write_text(size + "\n")
+        return str(root)
+
+    epyc = caches("epyc", ("Data", "32K"), ("Instruction", "32K"), ("Unified", "1024K"),
+                  ("Unified", "32768K"))
+    assert largest_cache(epyc) == 32 << 20
+    small = caches("small", ("Data", "48K"), ("Unified", "2048K"), ("Unified", "8M"))
+    assert largest_cache(small) == 8 << 20
+    odd = caches("odd", ("Instruction", "64M"), ("Unified", "bogus"), ("Data", "512"))
+    assert largest_cache(odd) == 512
+    assert largest_cache(str(tmp_path / "missing")) == 0
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "index0").mkdir()  # (no type, no size)
+    assert largest_cache(str(tmp_path / "partial")) == 0
+    assert pair_step(0) == PAIR_STEP
+    assert pair_step((16 << 20) - 1) == PAIR_STEP
+    assert pair_step(16 << 20) == PAIR_STEP_LARGE
+    assert pair_step(largest_cache(epyc)) == PAIR_STEP_LARGE
+    assert pair_step(largest_cache(small)) == PAIR_STEP
 
 
 def test_two_ranks_with_boards_take_one_shot_steps() -> None:
@@ -378,9 +416,10 @@ def test_float16_average_never_overflows_where_its_sum_would(n: int, net: str) -
 @pytest.mark.timeout(450)
 def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
     """The automatic 2-rank lane (2 MiB slots, boards): all_reduce above a slot goes in
-    one-shot steps of PAIR_STEP (512 KiB), every other collective in steps of at most
-    STEP_MAX (1 MiB) per peer, and every result matches NumPy bit for bit."""
-    from acoll._comm.lane import PAIR_STEP, STEP_MAX
+    one-shot steps of the host's pair step (512 KiB or 1 MiB), every other collective in
+    steps of at most STEP_MAX (1 MiB) per peer, and every result matches NumPy bit for
+    bit."""
+    from acoll._comm.lane import STEP_MAX, largest_cache, pair_step
 
     results = _run("pair_large", 2, cpus=max(2, os.cpu_count() or 1), wait=400)
     for res in results:
@@ -389,7 +428,7 @@ def test_two_ranks_run_large_all_reduces_in_one_shot_steps() -> None:
         assert res["boards"], res
         assert res["checks"] == results[0]["checks"]  # type: ignore[index]
         plans = {(kind, per) for kind, per in res["plans"]}
-        assert ("_AllReduceOneShotSteps", PAIR_STEP) in plans, plans
+        assert ("_AllReduceOneShotSteps", pair_step(largest_cache())) in plans, plans
         assert ("_AllGatherSteps", STEP_MAX) in plans, plans
         assert not any(kind == "_AllReduceSteps" for kind, _ in plans), plans
         assert all(per <= STEP_MAX for kind, per in plans), plans

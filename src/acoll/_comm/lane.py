@@ -12,9 +12,9 @@ in rank order on every rank, so every rank gets the same bits.
 Larger collectives (all but reduce) run as one op in steps of at most ``Lane.step`` per
 peer (the slot, at most ``STEP_MAX``; :class:`StepPlan`, the algorithms are :class:`Steps`
 subclasses): all_reduce two-shot (a reduce-scatter step then an all-gather step per
-chunk), or, with 2 ranks and boards, one-shot steps of ``Lane.step`` up to ``PAIR_STEP``
-(every rank boards its piece and combines its peer's: :func:`one_shot_steps_max`,
-:func:`one_shot_step`); the others one kind of step
+chunk), or, with 2 ranks and boards, one-shot steps of ``Lane.step`` up to 512 KiB (1 MiB
+on hosts with 16 MiB of cache or more; every rank boards its piece and combines its
+peer's: :func:`one_shot_steps_max`, :func:`one_shot_step`); the others one kind of step
 per piece. Steps that send every peer the same bytes go through each rank's *board*
 (:class:`~acoll._transport.shmlane.Board`, mapped by every peer) when every rank could map
 every board (:meth:`Lane.setup`), else through the mailboxes.
@@ -87,10 +87,12 @@ from ..errors import AcollError, InvalidUsage, ProtocolError, RemoteError, Trans
 from ..errors import TimeoutError as AcollTimeoutError
 from .peers import error_for_lost
 
-__all__ = ["PAIR_STEP", "STEP_MAX", "AllReducePlan", "Lane", "LanePlan", "StepPlan", "Steps",
+__all__ = ["PAIR_STEP", "PAIR_STEP_LARGE", "STEP_MAX", "AllReducePlan", "Lane", "LanePlan",
+           "StepPlan", "Steps",
            "ZERO_COPY_MIN", "ZeroCopyAllGather", "ZeroCopyAllReduce", "ZeroCopyBroadcast",
            "ZeroCopyReduceScatter",
-           "all_reduce_one_shot_steps", "one_shot_step", "one_shot_steps_max",
+           "all_reduce_one_shot_steps", "largest_cache", "one_shot_step", "one_shot_steps_max",
+           "pair_step",
            "all_gather_steps",
            "all_reduce_steps",
            "all_to_all_steps", "broadcast_steps", "lane_size", "one_shot_max",
@@ -211,6 +213,8 @@ class Lane:
         #: 1.00 to 1.05x on the 16-core host; those steps move at most ``PAIR_STEP``
         #: since session 47: :func:`one_shot_step`)
         self.step = min(limit, STEP_MAX)
+        #: the most a 2-rank one-shot all_reduce step moves (:func:`one_shot_step`)
+        self.pair_step = pair_step(largest_cache())
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []
         self.inboxes: list[Inbox | None] = []  # by rank (None: this rank)
@@ -890,9 +894,49 @@ def one_shot_max(lane: Lane) -> int:
 
 def one_shot_step(lane: Lane) -> int:
     """Bytes per step of a 2-rank one-shot all_reduce in steps
-    (:func:`all_reduce_one_shot_steps`): the lane's step, at most :data:`PAIR_STEP`. A
-    function of the lane alone, so every rank picks alike."""
-    return min(lane.step, PAIR_STEP)
+    (:func:`all_reduce_one_shot_steps`): the lane's step, at most ``lane.pair_step``
+    (:func:`pair_step`). A function of the lane and of the host's caches, so every rank
+    (all of them on one host) picks alike."""
+    return min(lane.step, lane.pair_step)
+
+
+def pair_step(cache: int) -> int:
+    """The most a 2-rank one-shot all_reduce step moves on a host whose largest CPU cache
+    has ``cache`` bytes (0: unknown): :data:`PAIR_STEP`, or :data:`PAIR_STEP_LARGE` from
+    :data:`_LARGE_CACHE` of cache up."""
+    return PAIR_STEP_LARGE if cache >= _LARGE_CACHE else PAIR_STEP
+
+
+#: where Linux describes CPU 0's caches (the same file for every process of a host)
+_CPU0_CACHES = "/sys/devices/system/cpu/cpu0/cache"
+_CACHE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+
+
+@functools.cache
+def largest_cache(root: str = _CPU0_CACHES) -> int:
+    """Bytes of CPU 0's largest data or unified cache as sysfs describes it (0: not
+    described, as in some containers and VMs). Read once per process."""
+    best = 0
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return 0
+    for name in names:
+        if not name.startswith("index"):
+            continue
+        try:
+            with open(os.path.join(root, name, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(root, name, "size")) as f:
+                text = f.read().strip().upper()
+        except OSError:
+            continue
+        unit = _CACHE_UNITS.get(text[-1:] if text[-1:].isalpha() else "")
+        digits = text[:-1] if text[-1:].isalpha() else text
+        if kind == "Instruction" or unit is None or not digits.isdigit():
+            continue
+        best = max(best, int(digits) * unit)
+    return best
 
 
 def one_shot_steps_max(lane: Lane) -> int:
@@ -910,8 +954,14 @@ def one_shot_steps_max(lane: Lane) -> int:
 #: ranks, two slots each) beside the arrays: on the 2-core VM (AMD, 8 MiB of L3) 512 KiB
 #: steps were 1.19 to 1.35x as fast as 1 MiB ones at 4 to 16 MiB when its two vCPUs shared
 #: the L3 and 0.95 to 1.00x when they did not (five runs); on the 16-core host 0.99 to
-#: 1.05x (``bench/lane_piece_ab.py``, ``bench/results/session47_lane_cap_ab.txt``)
+#: 1.05x (``bench/lane_piece_ab.py``, ``bench/results/session47_lane_cap_ab.txt``).
+#: Where the largest cache holds ``_LARGE_CACHE`` or more, steps move
+#: ``PAIR_STEP_LARGE``: on a 2-core VM with 32 MiB of L3 (session 52), 1 MiB steps were
+#: 1.02 to 1.23x as fast as 512 KiB ones at 4 to 16 MiB in three runs, in either of the
+#: VM's modes (``bench/results/session52_2core_pair_step.txt``)
 PAIR_STEP = 512 << 10
+PAIR_STEP_LARGE = 1 << 20
+_LARGE_CACHE = 16 << 20
 #: 2 ranks: one-shot steps up to this many slots; paired against two-shot steps on the
 #: 2-core VM they were 1.03 to 1.09x faster at every size from 4 to 128 MiB
 #: (``bench/lane_pair_ab.py``), so every size takes them
