@@ -603,6 +603,43 @@ async def avg_no_overflow(comm: acoll.Communicator) -> dict[str, Any]:
     return {"bad": bad[:10], "runs": runs}
 
 
+async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """Floating-point AVG all_reduces large enough for step plans (one-shot steps with 2
+    ranks, two-shot with more), their inputs scaled piece by piece as the steps copy
+    them: inputs that vary along the array, every element checked against the reference
+    (in place and not; send buffers untouched). Counts the step plan runs that scaled."""
+    from collective_cases import assert_result, make_input
+
+    scaled = [0]
+    step_run = lane_mod.StepPlan.run
+
+    async def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        scaled[0] += kwargs.get("factor") is not None
+        await step_run(self, *args, **kwargs)
+
+    lane_mod.StepPlan.run = counting  # type: ignore[method-assign]
+    n, r = comm.size, comm.rank
+    bad: list[str] = []
+    calls = 0
+    for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+        for count in (20_011, 700_001):
+            inputs = [make_input(k, count, dt, acoll.AVG, salt=count) for k in range(n)]
+            want = reference(inputs, acoll.AVG)
+            src, out = inputs[r].copy(), np.zeros(count, dt)
+            for what, run, got in (
+                    ("out of place", comm.all_reduce(src, out, op=acoll.AVG), out),
+                    ("in place", comm.all_reduce(src, op="avg"), src)):
+                await run
+                calls += 1
+                try:
+                    assert_result(got, want, acoll.AVG, n, f"{what} {dt} count={count}")
+                except AssertionError as exc:
+                    bad.append(str(exc)[:300])
+                if what == "out of place" and not np.array_equal(src, inputs[r]):
+                    bad.append(f"{dt} count={count}: the send buffer changed")
+    return {"bad": bad[:10], "calls": calls, "scaled_in_steps": scaled[0]}
+
+
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:
     """Every collective on buffers in a registered allocation (all_reduce, all_gather,
     reduce_scatter and broadcast of ZERO_COPY_MIN or more go zero-copy), at offsets that

@@ -395,6 +395,28 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize(("n", "lane"), [(2, "auto"), (2, "65536"), (3, "65536"), (4, "auto")])
+def test_average_in_steps_scales_each_piece_as_it_is_copied(n: int, lane: str) -> None:
+    """AVG all_reduces in step plans (2 ranks: one-shot steps; more: two-shot) scale their
+    input piece by piece as the steps copy it, and every element still matches the
+    reference (scaled, then summed in rank order), in place and not, for float32, float64
+    and float16, with uneven last chunks."""
+    env = {} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane}
+    results = _run("avg_in_steps", n, cpus=max(n, os.cpu_count() or 1), wait=250,
+                   env_extra=env)
+    for res in results:
+        assert res is not None
+        assert res["bad"] == [], res["bad"]
+        assert res["calls"] == 12
+        # (the calls in step plans and over the 64 KiB scaled at once: with a 64 KiB lane
+        # all but 20,011 float16 (40 KB); with the automatic lane of 2 ranks (one shot up
+        # to 2 MiB) 700,001 float32 and float64; of 4 ranks (one shot up to 85 KiB) all
+        # but 20,011 float16 and float32)
+        want = {"auto": {2: 4, 4: 8}, "65536": {2: 10, 3: 10}}[lane][n]
+        assert res["scaled_in_steps"] == want, res
+
+
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize(("n", "net"), [(2, "lane"), (3, "lane"), (3, "tcp")])
 def test_float16_average_never_overflows_where_its_sum_would(n: int, net: str) -> None:
     """AVG scales each input by 1/n first (NCCL): float16 60000 on every rank averages to

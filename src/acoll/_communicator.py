@@ -1720,7 +1720,9 @@ class _ScaledLaneCall:
     """A lane call preceded by its input's scaling, done in the op's turn (the lane's
     ops publish in the order of their numbers; see ``Lane.turns``): ``scaling``, or
     (``None``: an all_reduce plan, reused with each call's arrays) ``mine`` scaled into
-    ``res`` by 1/``n``, and the call run in place on ``res``."""
+    ``res`` by 1/``n``, and the call run in place on ``res``; a step plan of more than
+    ``_SCALE_AT_ONCE`` bytes instead scales each piece as it copies it
+    (:meth:`~acoll._comm.lane.StepPlan.run`'s ``factor``)."""
 
     def __init__(self, call: _LaneCalls, scaling: _Scaling | None,
                  mem: MemorySpace | None = None, n: int = 0) -> None:
@@ -1731,6 +1733,12 @@ class _ScaledLaneCall:
                   ) -> None:
         call = self.call
         await call.take_turn(seq)
+        if self.scaling is None and isinstance(call, StepPlan) and res.nbytes > _SCALE_AT_ONCE:
+            # (the steps scale each piece as they copy it: one pass over memory fewer;
+            # the run gives the turn back)
+            await call.run(seq, ctx, mine, res, turned=True,
+                           factor=avg_factor(res.dtype, self.n))
+            return
         try:
             if self.scaling is not None:
                 await self.scaling.run()

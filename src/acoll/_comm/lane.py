@@ -1196,10 +1196,14 @@ class StepPlan(_LaneCall):
         self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
-                  turned: bool = False) -> None:
+                  turned: bool = False, factor: Any = None) -> None:
         """Run the steps from ``mine`` into ``res`` (flat arrays of the plan's dtype; may be
         one array) as op ``seq``; ``turned``: the caller holds the op's turn already (it
-        is first in ``lane.turns``), which this run gives back."""
+        is first in ``lane.turns``), which this run gives back. ``factor`` (a scalar of
+        the dtype; all_reduce's steps only): the run reads ``mine`` as ``mine * factor``
+        (AVG's scaling, NCCL's PreMulSum), scaling each piece where it would have copied
+        it (into a mailbox or board, or as this rank's operand of a combination): the
+        same values as scaling all of ``mine`` first, without the pass over it."""
         lane = self.lane
         lane.inflight += 1
         try:
@@ -1240,8 +1244,11 @@ class StepPlan(_LaneCall):
                             await self._wait_board(seq, k)
                         from_res, a, b = step.sends[0]
                         if b > a:
-                            self._boards[rank][slot][:b - a] = (  # type: ignore[index]
-                                res if from_res else mine)[a:b]
+                            on = self._boards[rank][slot][:b - a]  # type: ignore[index]
+                            if factor is not None and not from_res:
+                                np.multiply(mine[a:b], factor, out=on)
+                            else:
+                                on[...] = (res if from_res else mine)[a:b]
                         board.publish_at(slot, value, (word_a, word_b, (b - a) * item))
                         boxes: Any = boards
                         views_in: Any = self._boards
@@ -1251,7 +1258,10 @@ class StepPlan(_LaneCall):
                             if not out.free_at(slot):
                                 await self._wait_free(out, peer, seq, k)
                             if b > a:
-                                views[slot][:b - a] = (res if from_res else mine)[a:b]
+                                if factor is not None and not from_res:
+                                    np.multiply(mine[a:b], factor, out=views[slot][:b - a])
+                                else:
+                                    views[slot][:b - a] = (res if from_res else mine)[a:b]
                             out.publish_at(slot, value, (word_a, word_b, (b - a) * item))
                         boxes, views_in = inboxes, ins
                     if k == last:
@@ -1259,10 +1269,13 @@ class StepPlan(_LaneCall):
                         held = False
                     if copy_own and step.own is not None:
                         a, at, m = step.own
-                        res[at:at + m] = mine[a:a + m]
+                        if factor is not None:
+                            np.multiply(mine[a:a + m], factor, out=res[at:at + m])
+                        else:
+                            res[at:at + m] = mine[a:a + m]
                     if step.combine is not None:
                         take = self._folder(slot, value, step, mine, res, inplace, boxes,
-                                            views_in)
+                                            views_in, factor, on_boards)
                     else:
                         take = self._copier(slot, value, step, res, boxes, views_in)
                     if not take():
@@ -1309,18 +1322,28 @@ class StepPlan(_LaneCall):
         return take
 
     def _folder(self, slot: int, value: int, step: _Step, mine: Any, res: Any,
-                inplace: bool, boxes: Any, views_in: Any) -> Any:
+                inplace: bool, boxes: Any, views_in: Any, factor: Any = None,
+                on_boards: bool = False) -> Any:
         """A combining step's receive: this rank's operand and its peers' (from
         ``views_in``: the mailboxes' or the boards' payload views) folded into ``res`` in
         rank order, each peer's as soon as it arrived and every one before it was folded
-        (the same bits as folding them all at the end). Returned as for :meth:`_copier`."""
+        (the same bits as folding them all at the end). Returned as for :meth:`_copier`.
+        ``factor``: this rank's operand is ``mine * factor`` (see :meth:`run`); where
+        the step put exactly that piece on this rank's board, it is read there."""
         assert step.combine is not None
         a, at, m = step.combine
         lane = self.lane
         rank, n = lane.rank, lane.size
         own, out = mine[a:a + m], res[at:at + m]
         held: Any = None
-        if m and rank >= 2 and inplace:  # (the first combinations would overwrite it)
+        if factor is not None and m:
+            if on_boards and step.sends[0] == (False, a, a + m):  # (one-shot steps)
+                own = views_in[rank][slot][:m]
+            else:  # (a copy of its own, scaled: as below, the fold may wait)
+                held = lane.borrow(m * self._item)
+                own = held[:m * self._item].view(self._dtype)
+                np.multiply(mine[a:a + m], factor, out=own)
+        elif m and rank >= 2 and inplace:  # (the first combinations would overwrite it)
             # (a copy of its own: the fold may wait for peers, and a later op of a group
             # may run meanwhile)
             held = lane.borrow(m * self._item)
