@@ -1,8 +1,7 @@
 """AVG's scaling folded into the steps (session 52) against scaling first, paired in the
 same processes: in-place float32 all_reduce per size, rounds alternating the variants
 (their order rotating): ``sum``, ``avg-first`` (the whole input scaled before the op's
-steps, as before session 52, here in one go) and ``avg`` (the steps scale each piece as
-they copy it).
+steps, as before session 52) and ``avg`` (the plans scale each piece as they copy it).
 Under acoll-run::
 
     python -m acoll.run -n 4 -- python bench/avg_fold_ab.py 4M 16M 64M --rounds 6
@@ -25,12 +24,11 @@ import acoll
 from acoll import _communicator
 from acoll._config import parse_size
 
-_AT_ONCE = _communicator._SCALE_AT_ONCE
 
-
-def _fold(on: bool) -> None:
-    """Whether AVG's step plans scale as they copy (else: all of the input first)."""
-    _communicator._SCALE_AT_ONCE = _AT_ONCE if on else 1 << 62  # type: ignore[attr-defined]
+def _fold(on: bool | None) -> None:
+    """Whether AVG's lane step plans scale as they copy (else: all of the input first;
+    None: as the library decides)."""
+    _communicator._FOLD_AVG = on
 
 
 async def main() -> None:
@@ -63,7 +61,7 @@ async def main() -> None:
                     t = np.array([(time.perf_counter() - t0) / iters])
                     await comm.all_reduce(t, op=acoll.MAX)
                     times[v].append(float(t[0]))
-            _fold(True)
+            _fold(None)
             if comm.rank == 0:
                 med = {v: statistics.median(times[v]) for v in variants}
                 line = [f"{nbytes >> 10:>7} KiB"]

@@ -604,25 +604,33 @@ async def avg_no_overflow(comm: acoll.Communicator) -> dict[str, Any]:
 
 
 async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
-    """Floating-point AVG all_reduces large enough for step plans (one-shot steps with 2
-    ranks, two-shot with more), their inputs scaled piece by piece as the steps copy
-    them: inputs that vary along the array, every element checked against the reference
-    (in place and not; send buffers untouched). Counts the step plan runs that scaled."""
+    """Floating-point AVG all_reduces through the lane, in one shot and in steps (one-shot
+    steps with 2 ranks, two-shot with more; ``AVG_FOLD=1``: the steps scale the input as
+    they copy it, 0: it is scaled first): inputs that vary along the array, every element
+    checked against the reference (in place and not; send buffers untouched). Counts the
+    step plan runs that scaled as they copied."""
     from collective_cases import assert_result, make_input
 
     scaled = [0]
-    step_run = lane_mod.StepPlan.run
 
-    async def counting(self: Any, *args: Any, **kwargs: Any) -> None:
-        scaled[0] += kwargs.get("factor") is not None
-        await step_run(self, *args, **kwargs)
+    def counted(cls: Any) -> None:
+        run = cls.run
 
-    lane_mod.StepPlan.run = counting  # type: ignore[method-assign]
+        async def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+            scaled[0] += kwargs.get("factor") is not None
+            await run(self, *args, **kwargs)
+
+        cls.run = counting
+
+    counted(lane_mod.StepPlan)
+    if "AVG_FOLD" in os.environ:
+        from acoll import _communicator
+        _communicator._FOLD_AVG = os.environ["AVG_FOLD"] == "1"
     n, r = comm.size, comm.rank
     bad: list[str] = []
     calls = 0
     for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
-        for count in (20_011, 700_001):
+        for count in (7, 20_011, 700_001):
             inputs = [make_input(k, count, dt, acoll.AVG, salt=count) for k in range(n)]
             want = reference(inputs, acoll.AVG)
             src, out = inputs[r].copy(), np.zeros(count, dt)
@@ -637,7 +645,7 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
                     bad.append(str(exc)[:300])
                 if what == "out of place" and not np.array_equal(src, inputs[r]):
                     bad.append(f"{dt} count={count}: the send buffer changed")
-    return {"bad": bad[:10], "calls": calls, "scaled_in_steps": scaled[0]}
+    return {"bad": bad[:10], "calls": calls, "scaled": scaled[0]}
 
 
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:

@@ -395,25 +395,47 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("n", "lane"), [(2, "auto"), (2, "65536"), (3, "65536"), (4, "auto")])
-def test_average_in_steps_scales_each_piece_as_it_is_copied(n: int, lane: str) -> None:
-    """AVG all_reduces in step plans (2 ranks: one-shot steps; more: two-shot) scale their
-    input piece by piece as the steps copy it, and every element still matches the
-    reference (scaled, then summed in rank order), in place and not, for float32, float64
-    and float16, with uneven last chunks."""
-    env = {} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane}
+@pytest.mark.parametrize(("n", "lane", "fold"), [(2, "auto", "1"), (2, "65536", "1"),
+                                                 (3, "65536", "1"), (4, "auto", "1"),
+                                                 (3, "65536", "0")])
+def test_lane_average_folded_into_the_steps_or_scaled_first(n: int, lane: str,
+                                                              fold: str) -> None:
+    """AVG all_reduces through the lane, in one shot and in steps (2 ranks: one-shot
+    steps; more: two-shot): step plans that fold the scaling into their copies (1) or
+    scale all of the input first (0), and one-shot calls (always first), match the
+    reference element for element (scaled, then summed in rank order), in place and not,
+    for float32, float64 and float16, with uneven last chunks."""
+    env = {"AVG_FOLD": fold} | ({} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane})
     results = _run("avg_in_steps", n, cpus=max(n, os.cpu_count() or 1), wait=250,
                    env_extra=env)
     for res in results:
         assert res is not None
         assert res["bad"] == [], res["bad"]
-        assert res["calls"] == 12
-        # (the calls in step plans and over the 64 KiB scaled at once: with a 64 KiB lane
-        # all but 20,011 float16 (40 KB); with the automatic lane of 2 ranks (one shot up
-        # to 2 MiB) 700,001 float32 and float64; of 4 ranks (one shot up to 85 KiB) all
-        # but 20,011 float16 and float32)
+        assert res["calls"] == 18
+        # (the calls in step plans, folded: with a 64 KiB lane all but 7 elements and
+        # 20,011 float16 (40 KB: scaled at once, not paced); with the automatic lane of 2
+        # ranks (one shot up to 2 MiB) 700,001 float32 and float64; of 4 ranks (one shot
+        # up to 85 KiB) all but 7 elements and 20,011 float16 and float32)
         want = {"auto": {2: 4, 4: 8}, "65536": {2: 10, 3: 10}}[lane][n]
-        assert res["scaled_in_steps"] == want, res
+        assert res["scaled"] == (want if fold == "1" else 0), res
+
+
+def test_avg_folds_where_the_input_outgrows_the_cache(monkeypatch: Any) -> None:
+    """By default a step plan's AVG folds its scaling into its copies where the input and
+    its result together outgrow the host's largest cache (or the cache is not known), and
+    scales first below; ``_FOLD_AVG`` forces either."""
+    from acoll import _communicator
+
+    monkeypatch.setattr(_communicator, "_FOLD_AVG", None)
+    monkeypatch.setattr(_communicator, "largest_cache", lambda: 32 << 20)
+    assert not _communicator._folds_avg(16 << 20)
+    assert _communicator._folds_avg((16 << 20) + 1)
+    monkeypatch.setattr(_communicator, "largest_cache", lambda: 0)
+    assert _communicator._folds_avg(1)
+    for forced in (True, False):
+        monkeypatch.setattr(_communicator, "_FOLD_AVG", forced)
+        assert _communicator._folds_avg(1) is forced
+        assert _communicator._folds_avg(1 << 40) is forced
 
 
 @pytest.mark.timeout(300)
