@@ -649,8 +649,17 @@ async def test_closed_communicators_are_not_kept_alive_by_the_deadline_timer() -
     assert [w() for w in refs] == [None, None]
     loop = asyncio.get_running_loop()
     armed = [h for h in getattr(loop, "_scheduled", [])
-             if not h.cancelled() and h.when() > loop.time() + 100]
+             if not h.cancelled() and h.when() > loop.time() + 100
+             and not _the_harness_deadline(h)]
     assert armed == []
+
+
+def _the_harness_deadline(handle: asyncio.TimerHandle) -> bool:
+    """Whether ``handle`` is the asyncio.timeout the suite runs every async test under
+    (tests/conftest.py: the test's limit - 20 s, over 100 s away under --timeout 300)."""
+    timeout_cls = getattr(asyncio, "Timeout", None)
+    owner = getattr(getattr(handle, "_callback", None), "__self__", None)
+    return timeout_cls is not None and isinstance(owner, timeout_cls)
 
 
 # --------------------------------------------------------------- session 48's review

@@ -397,15 +397,18 @@ def test_collectives_larger_than_a_slot_run_in_steps_and_match_numpy(n: int,
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(("n", "lane", "fold"), [(2, "auto", "1"), (2, "65536", "1"),
                                                  (3, "65536", "1"), (4, "auto", "1"),
-                                                 (3, "65536", "0")])
+                                                 (3, "65536", "0"), (2, "auto", ""),
+                                                 (4, "auto", "")])
 def test_lane_average_folded_into_the_steps_or_scaled_first(n: int, lane: str,
                                                               fold: str) -> None:
     """AVG all_reduces through the lane, in one shot and in steps (2 ranks: one-shot
-    steps; more: two-shot): step plans that fold the scaling into their copies (1) or
-    scale all of the input first (0), and one-shot calls (always first), match the
+    steps; more: two-shot): step plans forced to fold the scaling into their copies (1)
+    or to scale all of the input first (0) or left to choose (""), and one-shot calls
+    (always first), match the
     reference element for element (scaled, then summed in rank order), in place and not,
     for float32, float64 and float16, with uneven last chunks."""
-    env = {"AVG_FOLD": fold} | ({} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane})
+    env = ({"AVG_FOLD": fold} if fold else {}) | (
+        {} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane})
     results = _run("avg_in_steps", n, cpus=max(n, os.cpu_count() or 1), wait=250,
                    env_extra=env)
     for res in results:
@@ -417,25 +420,32 @@ def test_lane_average_folded_into_the_steps_or_scaled_first(n: int, lane: str,
         # ranks (one shot up to 2 MiB) 700,001 float32 and float64; of 4 ranks (one shot
         # up to 85 KiB) all but 7 elements and 20,011 float16 and float32)
         want = {"auto": {2: 4, 4: 8}, "65536": {2: 10, 3: 10}}[lane][n]
-        assert res["scaled"] == (want if fold == "1" else 0), res
+        # (by default ("") two-shot steps fold, the 2-rank one-shot steps do not)
+        folds = fold == "1" or (not fold and n > 2)
+        assert res["scaled"] == (want if folds else 0), res
 
 
-def test_avg_folds_where_the_input_outgrows_the_cache(monkeypatch: Any) -> None:
-    """By default a step plan's AVG folds its scaling into its copies where the input and
-    its result together outgrow the host's largest cache (or the cache is not known), and
-    scales first below; ``_FOLD_AVG`` forces either."""
+def test_avg_folds_into_two_shot_steps_by_default(monkeypatch: Any) -> None:
+    """By default a step plan's AVG folds its scaling into its copies in two-shot steps
+    (3 ranks and more) and scales first in the 2-rank one-shot steps; ``_FOLD_AVG``
+    forces either."""
     from acoll import _communicator
+    from acoll._comm.lane import Lane, StepPlan, all_reduce_one_shot_steps, all_reduce_steps
 
+    def plan(steps: Any) -> Any:
+        made = StepPlan.__new__(StepPlan)  # (only its steps are read)
+        made.steps = steps
+        return made
+
+    two_shot = plan(all_reduce_steps(Lane(0, 4, 1 << 20), 1 << 20, 1 << 18))
+    one_shot = plan(all_reduce_one_shot_steps(Lane(0, 2, 2 << 20), 1 << 20, 1 << 18))
     monkeypatch.setattr(_communicator, "_FOLD_AVG", None)
-    monkeypatch.setattr(_communicator, "largest_cache", lambda: 32 << 20)
-    assert not _communicator._folds_avg(16 << 20)
-    assert _communicator._folds_avg((16 << 20) + 1)
-    monkeypatch.setattr(_communicator, "largest_cache", lambda: 0)
-    assert _communicator._folds_avg(1)
+    assert _communicator._folds_avg(two_shot)
+    assert not _communicator._folds_avg(one_shot)
     for forced in (True, False):
         monkeypatch.setattr(_communicator, "_FOLD_AVG", forced)
-        assert _communicator._folds_avg(1) is forced
-        assert _communicator._folds_avg(1 << 40) is forced
+        assert _communicator._folds_avg(two_shot) is forced
+        assert _communicator._folds_avg(one_shot) is forced
 
 
 @pytest.mark.timeout(300)

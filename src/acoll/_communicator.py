@@ -68,7 +68,6 @@ from ._comm.lane import (
     all_to_all_steps,
     broadcast_steps,
     lane_size,
-    largest_cache,
     one_shot_max,
     one_shot_step,
     one_shot_steps_max,
@@ -1715,32 +1714,27 @@ def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorith
 
 #: Bytes a reused lane plan scales in one go, unpaced (as host reductions do).
 _SCALE_AT_ONCE = 64 << 10
-#: Whether lane all_reduce step plans scale AVG's input as they copy it: None, where the
-#: input and its result outgrow the host's largest cache (:func:`_folds_avg`); True or
-#: False always (``bench/avg_fold_ab.py``'s paired runs, tests)
+#: Whether lane all_reduce step plans scale AVG's input as they copy it: None, where
+#: their steps say it pays (``Steps.folds_scaling``: two-shot steps); True or False
+#: always (``bench/avg_fold_ab.py``'s paired runs, tests)
 _FOLD_AVG: bool | None = None
 
 
-def _folds_avg(nbytes: int) -> bool:
-    """Whether a lane step plan's AVG of ``nbytes`` scales its input as its steps copy it,
-    rather than all of it first. Folded, a pass over memory is saved; scaled first, the
-    pass stays in cache when the input and its result fit there, and each step's copy
-    then reads this rank's piece where it already is. On the 2-core VM (32 MiB of L3,
-    2 ranks, paired: ``bench/avg_fold_ab.py``) folding was 1.14 to 1.39x as fast at 16
-    and 64 MiB and 0.92 to 1.02x at 4 MiB; the one-shot call (up to a slot) 0.89x at
-    1 MiB, so it always scales first."""
+def _folds_avg(plan: StepPlan) -> bool:
+    """Whether ``plan``'s AVG scales its input as its steps copy it rather than all of
+    it first (see ``Steps.folds_scaling``)."""
     if _FOLD_AVG is not None:
         return _FOLD_AVG
-    return 2 * nbytes > largest_cache()
+    return plan.steps.folds_scaling
 
 
 class _ScaledLaneCall:
     """A lane call preceded by its input's scaling, done in the op's turn (the lane's
     ops publish in the order of their numbers; see ``Lane.turns``): ``scaling``, or
     (``None``: an all_reduce plan, reused with each call's arrays) ``mine`` scaled into
-    ``res`` by 1/``n``, and the call run in place on ``res``; a step plan too large for
-    the cache (:func:`_folds_avg`) instead scales its input as it copies it
-    (``factor`` of :meth:`~acoll._comm.lane.StepPlan.run`)."""
+    ``res`` by 1/``n``, and the call run in place on ``res``; a step plan in two-shot
+    steps (:func:`_folds_avg`) instead scales its input as it copies it (``factor`` of
+    :meth:`~acoll._comm.lane.StepPlan.run`)."""
 
     def __init__(self, call: _LaneCalls, scaling: _Scaling | None,
                  mem: MemorySpace | None = None, n: int = 0) -> None:
@@ -1751,7 +1745,7 @@ class _ScaledLaneCall:
                   ) -> None:
         call = self.call
         await call.take_turn(seq)
-        if self.scaling is None and isinstance(call, StepPlan) and _folds_avg(res.nbytes):
+        if self.scaling is None and isinstance(call, StepPlan) and _folds_avg(call):
             # (the steps scale their input as they copy it: one pass over memory fewer;
             # the run gives the turn back)
             await call.run(seq, ctx, mine, res, turned=True,

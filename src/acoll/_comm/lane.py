@@ -997,6 +997,13 @@ class Steps(ABC):
 
     #: (start in ``mine``, start in ``res``, count) of this rank's own block, or None
     local: tuple[int, int, int] | None = None
+    #: all_reduce steps whose AVG scales its input as they copy it (``factor`` of
+    #: :meth:`StepPlan.run`) by default, rather than all of it first: two-shot steps, where
+    #: folded was 1.10 to 1.30x as fast with 4 and 8 ranks at 4 to 64 MiB on the 16-core
+    #: host; not the 2-rank one-shot steps, whose own operand is then read back from the
+    #: board: 0.85 to 0.91x there at 4 to 64 MiB, 0.92 to 1.39x on the 2-core VM
+    #: (``bench/avg_fold_ab.py``, ``bench/results/session52_gpu/``)
+    folds_scaling = False
 
     def __init__(self, lane: Lane, total: int, per: int, span: int) -> None:
         self.rank, self.size, self.peers = lane.rank, lane.size, lane.peers
@@ -1018,6 +1025,8 @@ class Steps(ABC):
 class _AllReduceSteps(Steps):
     """Two-shot all_reduce: per chunk of up to ``size * per`` elements, a reduce-scatter
     step (rank ``k`` combines part ``k`` of the chunk) then an all-gather step."""
+
+    folds_scaling = True
 
     def __init__(self, lane: Lane, count: int, per: int) -> None:
         super().__init__(lane, count, per, per * lane.size)
