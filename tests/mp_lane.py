@@ -88,6 +88,25 @@ if os.environ.get("LANE_NO_BOARD_RANK") == sys.argv[3]:  # this rank cannot map 
     lane_mod.open_board = _refuse
 
 
+if os.environ.get("LANE_NO_CACHE_RANK") == sys.argv[3]:  # this rank cannot read its caches
+    lane_mod.largest_cache = lambda root="": 0  # (so it would cut 512 KiB steps alone)
+
+
+async def pair_steps_agreed(comm: acoll.Communicator) -> dict[str, Any]:
+    """A 2-rank all_reduce in one-shot steps (5 MiB + 28 bytes of float32, every rank's
+    input different), against the reference; with the lane's agreed pair step."""
+    from collective_cases import assert_same, make_input
+
+    n, r = comm.size, comm.rank
+    count = (5 << 18) + 7
+    inputs = [make_input(k, count, np.dtype(np.float32), acoll.SUM) for k in range(n)]
+    x = inputs[r].copy()
+    await comm.all_reduce(x)
+    assert_same(x, reference(inputs, acoll.SUM), "all_reduce in one-shot steps")
+    assert comm._lane is not None
+    return {"pair_step": comm._lane.pair_step, "plans": sorted(set(STEP_PLANS))}
+
+
 async def _outcome(coro: Any) -> dict[str, Any]:
     t0 = time.monotonic()
     try:
@@ -609,7 +628,7 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     they copy it, 0: it is scaled first): inputs that vary along the array, every element
     checked against the reference (in place and not; send buffers untouched). Counts the
     step plan runs that scaled as they copied."""
-    from collective_cases import assert_result, make_input
+    from collective_cases import assert_same, make_input
 
     scaled = [0]
 
@@ -639,13 +658,79 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
                     ("in place", comm.all_reduce(src, op="avg"), src)):
                 await run
                 calls += 1
-                try:
-                    assert_result(got, want, acoll.AVG, n, f"{what} {dt} count={count}")
+                try:  # (the lane folds in rank order: the reference's bits)
+                    assert_same(got, want, f"{what} {dt} count={count}")
                 except AssertionError as exc:
                     bad.append(str(exc)[:300])
                 if what == "out of place" and not np.array_equal(src, inputs[r]):
                     bad.append(f"{dt} count={count}: the send buffer changed")
     return {"bad": bad[:10], "calls": calls, "scaled": scaled[0]}
+
+
+async def avg_folded_group_race(comm: acoll.Communicator) -> dict[str, Any]:
+    """Found by review: 2 ranks, AVG forced to fold into the one-shot steps, two calls in a
+    group with an even number of steps (the first op's last slot is the second op's
+    first). Rank 1 publishes the first op's last step 20 ms late and rank 0 starts that
+    step's receive 50 ms late, so rank 1 reads rank 0's board and acknowledges it while
+    rank 0 has not folded its own share yet, and rank 0's second op may write that slot
+    meanwhile (the race is not certain to strike in a run: which steps read their own
+    share off the board is returned too). Every result checked against the reference."""
+    from acoll import _communicator
+    from acoll._transport import shmlane
+    from collective_cases import assert_same, make_input
+
+    _communicator._FOLD_AVG = True
+    n, r = comm.size, comm.rank
+    lane = comm._lane
+    assert lane is not None
+    lane.pair_step = lane_mod.PAIR_STEP_LARGE  # (the same on both ranks: 1 MiB steps)
+    count = 900_000  # (4 steps, the last a short one)
+    last = -(-count * 4 // lane_mod.one_shot_step(lane)) - 1
+    late = {"first": True}
+    if r == 1:
+        publish = shmlane._Slots.publish_at
+
+        def publish_late(self: Any, slot: int, value: int, head: Any) -> None:
+            if (isinstance(self, shmlane.Board) and late["first"]
+                    and value >> shmlane._STEP_SHIFT == last):
+                late["first"] = False
+                time.sleep(0.02)
+            publish(self, slot, value, head)
+
+        shmlane._Slots.publish_at = publish_late  # type: ignore[method-assign]
+    else:
+        receive = lane_mod.StepPlan._receive
+
+        async def receive_late(self: Any, seq: int, ctx: Any, step: int, *args: Any) -> None:
+            if step == last and late["first"]:
+                late["first"] = False
+                await asyncio.sleep(0.05)
+            await receive(self, seq, ctx, step, *args)
+
+        lane_mod.StepPlan._receive = receive_late  # type: ignore[method-assign]
+    folder = lane_mod.StepPlan._folder
+    own_board: set[tuple[int, bool]] = set()  # (step, whether its own share came off the board)
+
+    def watched(self: Any, slot: int, value: int, *args: Any) -> Any:
+        own_board.add((value >> shmlane._STEP_SHIFT, bool(args[-1])))
+        return folder(self, slot, value, *args)
+
+    lane_mod.StepPlan._folder = watched  # type: ignore[method-assign]
+    bad: list[str] = []
+    for rep in range(3):
+        late["first"] = True
+        ins = [[make_input(k, count, np.dtype(np.float32), acoll.AVG, salt=10 * rep + c)
+                for k in range(n)] for c in range(2)]
+        a, b = ins[0][r].copy(), ins[1][r].copy()
+        async with comm.group():
+            await comm.all_reduce(a, op=acoll.AVG)
+            await comm.all_reduce(b, op=acoll.AVG)
+        for name, got, inputs in (("first", a, ins[0]), ("second", b, ins[1])):
+            try:
+                assert_same(got, reference(inputs, acoll.AVG), f"rep {rep} {name}")
+            except AssertionError as exc:
+                bad.append(str(exc)[:300])
+    return {"bad": bad, "steps": last + 1, "own_board": sorted(own_board)}
 
 
 async def reg_matrix(comm: acoll.Communicator) -> dict[str, Any]:

@@ -258,6 +258,24 @@ def test_one_shot_steps_move_at_most_pair_step() -> None:
             assert one_shot_step(lane) == step
 
 
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("blind", ["", "0", "1"])
+def test_ranks_agree_on_the_pair_step_whatever_each_read(blind: str) -> None:
+    """The one-shot step is agreed when the boards are: every rank takes the smallest any
+    rank chose, so a rank that could not read its caches (512 KiB) and one that read 16 MiB
+    or more (1 MiB) cut the same steps, and the all_reduce is right on both."""
+    from acoll._comm.lane import PAIR_STEP, largest_cache, pair_step
+
+    results = _run("pair_steps_agreed", 2, cpus=max(2, os.cpu_count() or 1), wait=150,
+                   env_extra={"LANE_NO_CACHE_RANK": blind} if blind else {})
+    want = PAIR_STEP if blind else pair_step(largest_cache())
+    for res in results:
+        assert res is not None
+        assert res["boards"], res
+        assert res["pair_step"] == want, res
+        assert ("_AllReduceOneShotSteps", want) in {(k, p) for k, p in res["plans"]}, res
+
+
 def test_pair_step_follows_the_largest_cache(tmp_path: Any) -> None:
     """The pair step is read from sysfs's description of CPU 0's caches: the largest data
     or unified one (instruction caches and unreadable entries ignored); 512 KiB under
@@ -423,6 +441,23 @@ def test_lane_average_folded_into_the_steps_or_scaled_first(n: int, lane: str,
         # (by default ("") two-shot steps fold, the 2-rank one-shot steps do not)
         folds = fold == "1" or (not fold and n > 2)
         assert res["scaled"] == (want if folds else 0), res
+
+
+@pytest.mark.timeout(200)
+def test_folded_average_reads_its_own_board_only_while_it_holds_the_turn() -> None:
+    """Found by review: a folded one-shot step read this rank's scaled share back from its
+    board after giving the lane's turn away, so the group's next op could overwrite it
+    first (a late last step on both ranks: one rank's result wrong, the other's right)."""
+    results = _run("avg_folded_group_race", 2, cpus=max(2, os.cpu_count() or 1), wait=150)
+    for res in results:
+        assert res is not None
+        assert res["steps"] % 2 == 0, res
+        assert res["bad"] == [], res["bad"]
+        last = res["steps"] - 1
+        # (every step but the last reads its own share off the board; the last, past the
+        # turn, from a scaled copy of its own)
+        assert sorted(map(tuple, res["own_board"])) == [
+            *((k, True) for k in range(last)), (last, False)], res
 
 
 def test_avg_folds_into_two_shot_steps_by_default(monkeypatch: Any) -> None:

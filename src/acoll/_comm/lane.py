@@ -322,8 +322,12 @@ class Lane:
             except Exception as exc:  # (every rank must reach the all-gathers)
                 why = f"rank {self.rank} cannot make its board: {exc}"
             records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(
-                {"pid": os.getpid(), "fd": fd, "token": token, "why": why}))]
+                {"pid": os.getpid(), "fd": fd, "token": token, "why": why,
+                 "pair": self.pair_step}))]
             why = next((r["why"] for r in records if r["why"]), "")
+            # (the one-shot steps run on boards only; every rank must cut them alike, and
+            # each read its own cache sizes: the smallest step wins)
+            self.pair_step = min(int(r["pair"]) for r in records)
             for k, rec in enumerate(records):
                 if why or k == self.rank:
                     continue
@@ -912,10 +916,20 @@ _CPU0_CACHES = "/sys/devices/system/cpu/cpu0/cache"
 _CACHE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
-@functools.cache
 def largest_cache(root: str = _CPU0_CACHES) -> int:
     """Bytes of CPU 0's largest data or unified cache as sysfs describes it (0: not
-    described, as in some containers and VMs). Read once per process."""
+    described, as in some containers and VMs, or not readable now). Read once per process
+    and root where it succeeds."""
+    known = _caches.get(root) or _read_largest_cache(root)
+    if known:
+        _caches[root] = known
+    return known
+
+
+_caches: dict[str, int] = {}  # root -> a read that found a size (a failed one is retried)
+
+
+def _read_largest_cache(root: str) -> int:
     best = 0
     try:
         names = sorted(os.listdir(root))
@@ -1283,8 +1297,10 @@ class StepPlan(_LaneCall):
                         else:
                             res[at:at + m] = mine[a:a + m]
                     if step.combine is not None:
+                        # (this rank's own board copy is read only while the op holds the
+                        # turn: past it a later op may write that slot once the peer read it)
                         take = self._folder(slot, value, step, mine, res, inplace, boxes,
-                                            views_in, factor, on_boards)
+                                            views_in, factor, on_boards and held)
                     else:
                         take = self._copier(slot, value, step, res, boxes, views_in)
                     if not take():
@@ -1338,7 +1354,8 @@ class StepPlan(_LaneCall):
         rank order, each peer's as soon as it arrived and every one before it was folded
         (the same bits as folding them all at the end). Returned as for :meth:`_copier`.
         ``factor``: this rank's operand is ``mine * factor`` (see :meth:`run`); where
-        the step put exactly that piece on this rank's board, it is read there."""
+        the step put exactly that piece on this rank's board (``on_boards``: and the op
+        still holds the lane's turn, so no later op writes that slot), it is read there."""
         assert step.combine is not None
         a, at, m = step.combine
         lane = self.lane
