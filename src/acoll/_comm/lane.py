@@ -213,7 +213,8 @@ class Lane:
         #: 1.00 to 1.05x on the 16-core host; those steps move at most ``PAIR_STEP``
         #: since session 47: :func:`one_shot_step`)
         self.step = min(limit, STEP_MAX)
-        #: the most a 2-rank one-shot all_reduce step moves (:func:`one_shot_step`)
+        #: the most a 2-rank one-shot all_reduce step moves (:func:`one_shot_step`): this
+        #: host's choice, then the smallest of every rank's (:meth:`_setup_boards`)
         self.pair_step = pair_step(largest_cache())
         self.peers = [p for p in range(size) if p != rank]
         self.outboxes: list[Outbox] = []
@@ -899,8 +900,8 @@ def one_shot_max(lane: Lane) -> int:
 def one_shot_step(lane: Lane) -> int:
     """Bytes per step of a 2-rank one-shot all_reduce in steps
     (:func:`all_reduce_one_shot_steps`): the lane's step, at most ``lane.pair_step``
-    (:func:`pair_step`). A function of the lane and of the host's caches, so every rank
-    (all of them on one host) picks alike."""
+    (:func:`pair_step`, agreed by every rank as the boards are set up). A function of the
+    lane alone, so every rank picks alike."""
     return min(lane.step, lane.pair_step)
 
 
