@@ -1,6 +1,6 @@
 """AVG's scaling folded into the steps (session 52) against scaling first, paired in the
-same processes: in-place float32 all_reduce per size, rounds alternating the variants
-(their order rotating): ``sum``, ``avg-first`` (the whole input scaled before the op's
+same processes: in-place float32 all_reduce (or ``--coll reduce_scatter``, out of place)
+per size, rounds alternating the variants (their order rotating): ``sum``, ``avg-first`` (the whole input scaled before the op's
 steps, as before session 52) and ``avg`` (the plans scale each piece as they copy it).
 Under acoll-run::
 
@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import statistics
 import time
+from typing import Any
 
 import numpy as np
 
@@ -36,16 +37,26 @@ async def main() -> None:
     ap.add_argument("sizes", nargs="+")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--mib-per-round", type=float, default=128.0)
+    ap.add_argument("--coll", choices=["all_reduce", "reduce_scatter"], default="all_reduce",
+                    help="reduce_scatter: SIZE is the send buffer, out of place")
     args = ap.parse_args()
     variants = ["sum", "avg-first", "avg"]
     async with await acoll.init_from_env() as comm:
         if comm.rank == 0:
             lane = comm._lane
             print(f"# {comm.size} ranks, lane {None if lane is None else lane.limit} bytes, "
-                  f"in-place float32 all_reduce; variants {variants}", flush=True)
+                  f"float32 {args.coll}; variants {variants}", flush=True)
         for size in args.sizes:
             nbytes = parse_size(size)
-            x = np.zeros(nbytes // 4, np.float32)  # (0: no overflow, no denormals)
+            x = np.zeros(nbytes // 4 // comm.size * comm.size, np.float32)  # (0: no overflow)
+            block = np.zeros(x.size // comm.size, np.float32)
+
+            async def op_once(op: acoll.ReduceOp, x: Any = x, block: Any = block) -> None:
+                if args.coll == "all_reduce":
+                    await comm.all_reduce(x, op=op)  # (in place)
+                else:
+                    await comm.reduce_scatter(x, block, op=op)
+
             iters = max(3, int(args.mib_per_round * (1 << 20) // nbytes))
             times: dict[str, list[float]] = {v: [] for v in variants}
             for rnd in range(args.rounds):
@@ -54,10 +65,10 @@ async def main() -> None:
                     _fold(v != "avg-first")
                     op = acoll.SUM if v == "sum" else acoll.AVG
                     await comm.barrier()
-                    await comm.all_reduce(x, op=op)
+                    await op_once(op)
                     t0 = time.perf_counter()
                     for _ in range(iters):
-                        await comm.all_reduce(x, op=op)
+                        await op_once(op)
                     t = np.array([(time.perf_counter() - t0) / iters])
                     await comm.all_reduce(t, op=acoll.MAX)
                     times[v].append(float(t[0]))

@@ -667,6 +667,55 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     return {"bad": bad[:10], "calls": calls, "scaled": scaled[0]}
 
 
+async def avg_reduce_scatter_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
+    """Floating-point AVG reduce_scatters through the lane, blocks of one slot and of more
+    (steps, which scale each piece as they copy it from the send buffer unless
+    ``AVG_FOLD=0``): against the reference bit for bit, out of place (the send buffer
+    untouched; a 2-D one too) and in place (the other blocks untouched). Returns how many
+    step plan runs scaled as they copied and how many calls ran in steps."""
+    from collective_cases import assert_same, make_input
+
+    scaled = [0]
+    step_run = lane_mod.StepPlan.run
+
+    async def counting(self: Any, *args: Any, **kwargs: Any) -> None:
+        scaled[0] += kwargs.get("factor") is not None
+        await step_run(self, *args, **kwargs)
+
+    lane_mod.StepPlan.run = counting  # type: ignore[method-assign]
+    if "AVG_FOLD" in os.environ:
+        from acoll import _communicator
+        _communicator._FOLD_AVG = os.environ["AVG_FOLD"] == "1"
+    n, r = comm.size, comm.rank
+    assert comm._lane is not None
+    limit = comm._lane.limit
+    bad: list[str] = []
+    in_steps = 0
+    for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+        for block in (7, 20_011, 300_007):
+            inputs = [make_input(k, n * block, dt, acoll.AVG, salt=block) for k in range(n)]
+            want = reference(inputs, acoll.AVG)[r * block:(r + 1) * block]
+            send = inputs[r].copy()
+            runs: list[tuple[str, Any, Any]] = [
+                ("out of place", send, np.zeros(block, dt)),
+                ("2-D send", send.reshape(n, block), np.zeros(block, dt))]
+            whole = inputs[r].copy()
+            runs.append(("in place", whole, whole[r * block:(r + 1) * block]))
+            for what, src, dst in runs:
+                await comm.reduce_scatter(src, dst, op=acoll.AVG)
+                in_steps += block * dt.itemsize > limit
+                try:
+                    assert_same(dst, want, f"{what} {dt} block={block}")
+                except AssertionError as exc:
+                    bad.append(str(exc)[:300])
+            if not np.array_equal(send, inputs[r]):
+                bad.append(f"{dt} block={block}: the send buffer changed")
+            others = np.delete(whole, np.s_[r * block:(r + 1) * block])
+            if not np.array_equal(others, np.delete(inputs[r], np.s_[r * block:(r + 1) * block])):
+                bad.append(f"{dt} block={block}: in place changed the other blocks")
+    return {"bad": bad[:10], "scaled": scaled[0], "in_steps": in_steps}
+
+
 async def avg_folded_group_race(comm: acoll.Communicator) -> dict[str, Any]:
     """Found by review: 2 ranks, AVG forced to fold into the one-shot steps, two calls in a
     group with an even number of steps (the first op's last slot is the second op's

@@ -443,6 +443,26 @@ def test_lane_average_folded_into_the_steps_or_scaled_first(n: int, lane: str,
         assert res["scaled"] == (want if folds else 0), res
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("n", "lane", "fold"), [(2, "auto", ""), (3, "65536", ""),
+                                                 (3, "65536", "0"), (4, "auto", "")])
+def test_lane_reduce_scatter_average_folded_into_its_steps(n: int, lane: str,
+                                                           fold: str) -> None:
+    """AVG reduce_scatters through the lane: blocks over a slot run in steps that scale
+    each piece as they copy it from the send buffer (by default; "0": scaled first into
+    memory of their own), blocks of one slot scale first; all bit for bit against the
+    reference, in place and not, 2-D send buffers too, send buffers untouched."""
+    env = ({"AVG_FOLD": fold} if fold else {}) | (
+        {} if lane == "auto" else {"ACOLL_SHM_LANE_MAX": lane})
+    results = _run("avg_reduce_scatter_in_steps", n, cpus=max(n, os.cpu_count() or 1),
+                   wait=250, env_extra=env)
+    for res in results:
+        assert res is not None
+        assert res["bad"] == [], res["bad"]
+        assert res["in_steps"] > 0, res
+        assert res["scaled"] == (0 if fold == "0" else res["in_steps"]), res
+
+
 @pytest.mark.timeout(200)
 def test_folded_average_reads_its_own_board_only_while_it_holds_the_turn() -> None:
     """Found by review: a folded one-shot step read this rank's scaled share back from its

@@ -1714,9 +1714,9 @@ def _scaled_first(make: MakeAlgorithm, scaling: _Scaling | None) -> MakeAlgorith
 
 #: Bytes a reused lane plan scales in one go, unpaced (as host reductions do).
 _SCALE_AT_ONCE = 64 << 10
-#: Whether lane all_reduce step plans scale AVG's input as they copy it: None, where
-#: their steps say it pays (``Steps.folds_scaling``: two-shot steps); True or False
-#: always (``bench/avg_fold_ab.py``'s paired runs, tests)
+#: Whether lane step plans scale AVG's input as they copy it: None, where their steps
+#: say it pays (``Steps.folds_scaling``: all_reduce's two-shot steps, reduce_scatter's);
+#: True or False always (``bench/avg_fold_ab.py``'s paired runs, tests)
 _FOLD_AVG: bool | None = None
 
 
@@ -1732,9 +1732,10 @@ class _ScaledLaneCall:
     """A lane call preceded by its input's scaling, done in the op's turn (the lane's
     ops publish in the order of their numbers; see ``Lane.turns``): ``scaling``, or
     (``None``: an all_reduce plan, reused with each call's arrays) ``mine`` scaled into
-    ``res`` by 1/``n``, and the call run in place on ``res``; a step plan in two-shot
-    steps (:func:`_folds_avg`) instead scales its input as it copies it (``factor`` of
-    :meth:`~acoll._comm.lane.StepPlan.run`)."""
+    ``res`` by 1/``n``, and the call run in place on ``res``; a step plan whose steps
+    fold (:func:`_folds_avg`: all_reduce's two-shot steps, reduce_scatter's) instead
+    scales its input as it copies it (``factor`` of
+    :meth:`~acoll._comm.lane.StepPlan.run`), from the caller's send buffer."""
 
     def __init__(self, call: _LaneCalls, scaling: _Scaling | None,
                  mem: MemorySpace | None = None, n: int = 0) -> None:
@@ -1745,11 +1746,17 @@ class _ScaledLaneCall:
                   ) -> None:
         call = self.call
         await call.take_turn(seq)
-        if self.scaling is None and isinstance(call, StepPlan) and _folds_avg(call):
+        if isinstance(call, StepPlan) and _folds_avg(call):
             # (the steps scale their input as they copy it: one pass over memory fewer;
-            # the run gives the turn back)
-            await call.run(seq, ctx, mine, res, turned=True,
-                           factor=avg_factor(res.dtype, self.n))
+            # the run gives the turn back; a scaling's own memory is left unused)
+            scaling = self.scaling
+            if scaling is None:
+                await call.run(seq, ctx, mine, res, turned=True,
+                               factor=avg_factor(res.dtype, self.n))
+                return
+            await call.run(seq, ctx, scaling.src.array, res, turned=True,
+                           factor=avg_factor(res.dtype, scaling.n))
+            scaling.succeeded()
             return
         try:
             if self.scaling is not None:

@@ -1012,8 +1012,9 @@ class Steps(ABC):
 
     #: (start in ``mine``, start in ``res``, count) of this rank's own block, or None
     local: tuple[int, int, int] | None = None
-    #: all_reduce steps whose AVG scales its input as they copy it (``factor`` of
-    #: :meth:`StepPlan.run`) by default, rather than all of it first: two-shot steps, where
+    #: steps whose AVG scales its input as they copy it (``factor`` of
+    #: :meth:`StepPlan.run`) by default, rather than all of it first: all_reduce's
+    #: two-shot steps (and reduce_scatter's, :class:`_ReduceScatterSteps`), where
     #: folded was 1.10 to 1.30x as fast with 4 and 8 ranks at 4 to 64 MiB on the 16-core
     #: host; not the 2-rank one-shot steps, whose own operand is then read back from the
     #: board: 0.85 to 0.91x there at 4 to 64 MiB, 0.92 to 1.39x on the 2-core VM
@@ -1076,6 +1077,10 @@ class _AllReduceOneShotSteps(Steps):
 
 class _ReduceScatterSteps(Steps):
     """reduce_scatter of blocks of ``total`` elements, a piece of each block per step."""
+
+    #: (as two-shot all_reduce steps: the pieces go through the mailboxes, this rank's
+    #: own into a scratch piece; session 52: see ``bench/results/session52_2core_rs_avg.txt``)
+    folds_scaling = True
 
     def __init__(self, lane: Lane, block: int, per: int) -> None:
         super().__init__(lane, block, per, per)
@@ -1224,7 +1229,8 @@ class StepPlan(_LaneCall):
         """Run the steps from ``mine`` into ``res`` (flat arrays of the plan's dtype; may be
         one array) as op ``seq``; ``turned``: the caller holds the op's turn already (it
         is first in ``lane.turns``), which this run gives back. ``factor`` (a scalar of
-        the dtype; all_reduce's steps only): the run reads ``mine`` as ``mine * factor``
+        the dtype; all_reduce's and reduce_scatter's steps): the run reads ``mine`` as
+        ``mine * factor``
         (AVG's scaling, NCCL's PreMulSum), scaling each piece where it would have copied
         it (into a mailbox or board, or as this rank's operand of a combination): the
         same values as scaling all of ``mine`` first, without the pass over it."""
