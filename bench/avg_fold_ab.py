@@ -1,7 +1,8 @@
 """AVG's scaling folded into the steps (session 52) against scaling first, paired in the
 same processes: in-place float32 all_reduce (or ``--coll reduce_scatter``, out of place)
-per size, rounds alternating the variants (their order rotating): ``sum``, ``avg-first`` (the whole input scaled before the op's
-steps, as before session 52) and ``avg`` (the plans scale each piece as they copy it).
+per size, rounds alternating the variants (their order rotating): ``sum``, ``avg-first``
+(the whole input scaled before the op's steps, as before session 52) and ``avg`` (the
+plans scale each piece as they copy it).
 Under acoll-run::
 
     python -m acoll.run -n 4 -- python bench/avg_fold_ab.py 4M 16M 64M --rounds 6
