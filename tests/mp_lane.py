@@ -628,7 +628,7 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     they copy it, 0: it is scaled first): inputs that vary along the array, every element
     checked against the reference (in place and not; send buffers untouched). Counts the
     step plan runs that scaled as they copied."""
-    from collective_cases import assert_same, make_input
+    from collective_cases import assert_same
 
     scaled = [0]
 
@@ -650,7 +650,7 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     calls = 0
     for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
         for count in (7, 20_011, 700_001):
-            inputs = [make_input(k, count, dt, acoll.AVG, salt=count) for k in range(n)]
+            inputs = [_random_input(k, count, dt, count) for k in range(n)]
             want = reference(inputs, acoll.AVG)
             src, out = inputs[r].copy(), np.zeros(count, dt)
             for what, run, got in (
@@ -667,13 +667,21 @@ async def avg_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     return {"bad": bad[:10], "calls": calls, "scaled": scaled[0]}
 
 
+def _random_input(rank: int, count: int, dt: Any, salt: int) -> Any:
+    """Rank ``rank``'s input of ``count`` x ``dt``: random values of both signs and many
+    magnitudes, so that scaling before the sum and after it round differently."""
+    rng = np.random.default_rng([rank, count, salt])
+    return (rng.standard_normal(count) * 100).astype(dt)
+
+
 async def avg_reduce_scatter_in_steps(comm: acoll.Communicator) -> dict[str, Any]:
     """Floating-point AVG reduce_scatters through the lane, blocks of one slot and of more
     (steps, which scale each piece as they copy it from the send buffer unless
     ``AVG_FOLD=0``): against the reference bit for bit, out of place (the send buffer
     untouched; a 2-D one too) and in place (the other blocks untouched). Returns how many
     step plan runs scaled as they copied and how many calls ran in steps."""
-    from collective_cases import assert_same, make_input
+    from acoll._dtypes import BFLOAT16
+    from collective_cases import assert_same
 
     scaled = [0]
     step_run = lane_mod.StepPlan.run
@@ -691,9 +699,9 @@ async def avg_reduce_scatter_in_steps(comm: acoll.Communicator) -> dict[str, Any
     limit = comm._lane.limit
     bad: list[str] = []
     in_steps = 0
-    for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16)):
+    for dt in (np.dtype(np.float32), np.dtype(np.float64), np.dtype(np.float16), BFLOAT16):
         for block in (7, 20_011, 300_007):
-            inputs = [make_input(k, n * block, dt, acoll.AVG, salt=block) for k in range(n)]
+            inputs = [_random_input(k, n * block, dt, block) for k in range(n)]
             want = reference(inputs, acoll.AVG)[r * block:(r + 1) * block]
             send = inputs[r].copy()
             runs: list[tuple[str, Any, Any]] = [
@@ -710,6 +718,24 @@ async def avg_reduce_scatter_in_steps(comm: acoll.Communicator) -> dict[str, Any
                     bad.append(str(exc)[:300])
             if not np.array_equal(send, inputs[r]):
                 bad.append(f"{dt} block={block}: the send buffer changed")
+            if block == 20_011:  # (two at once: concurrent tasks, then a group)
+                for how in ("tasks", "group"):
+                    one, two = inputs[r].copy(), inputs[r].copy()
+                    outs = [np.zeros(block, dt), two[r * block:(r + 1) * block]]
+                    if how == "tasks":
+                        await asyncio.gather(
+                            comm.reduce_scatter(one, outs[0], op=acoll.AVG),
+                            comm.reduce_scatter(two, outs[1], op=acoll.AVG))
+                    else:
+                        async with comm.group():
+                            await comm.reduce_scatter(one, outs[0], op=acoll.AVG)
+                            await comm.reduce_scatter(two, outs[1], op=acoll.AVG)
+                    in_steps += 2 * (block * dt.itemsize > limit)
+                    for k, res in enumerate(outs):
+                        try:
+                            assert_same(res, want, f"{how} {k} {dt} block={block}")
+                        except AssertionError as exc:
+                            bad.append(str(exc)[:300])
             others = np.delete(whole, np.s_[r * block:(r + 1) * block])
             if not np.array_equal(others, np.delete(inputs[r], np.s_[r * block:(r + 1) * block])):
                 bad.append(f"{dt} block={block}: in place changed the other blocks")

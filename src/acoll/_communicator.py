@@ -1687,7 +1687,8 @@ class _Scaling:
         await self.mem.scale(self.dst, self.src, self.n, _yield)
 
     def succeeded(self) -> None:
-        """The op that read ``dst`` succeeded: ``dst``'s memory may be reused."""
+        """The op that read ``dst`` (or, folding the scaling into its steps, ``src``)
+        succeeded: ``dst``'s memory may be reused."""
         if self.done is not None:
             self.done()
             self.done = None
@@ -1746,10 +1747,13 @@ class _ScaledLaneCall:
                   ) -> None:
         call = self.call
         await call.take_turn(seq)
-        if isinstance(call, StepPlan) and _folds_avg(call):
+        scaling = self.scaling
+        if (isinstance(call, StepPlan) and _folds_avg(call)
+                and (scaling is None or mine is scaling.dst.array)):
             # (the steps scale their input as they copy it: one pass over memory fewer;
-            # the run gives the turn back; a scaling's own memory is left unused)
-            scaling = self.scaling
+            # the run gives the turn back. With a scaling, the plan was to read its
+            # memory, laid out as its source: it reads the source instead, and the
+            # scaling's memory is left unused)
             if scaling is None:
                 await call.run(seq, ctx, mine, res, turned=True,
                                factor=avg_factor(res.dtype, self.n))
