@@ -66,7 +66,7 @@ import msgpack
 import numpy as np
 
 from .._coll.base import STEP_NS, Coll, Descriptor
-from .._config import get_logger
+from .._config import get_logger, parse_size
 from .._dtypes import ReduceOp, finish_avg, ufunc_of
 from .._memory import Buffer, shared
 from .._memory.host import data_address, paced
@@ -914,7 +914,6 @@ def pair_step(cache: int) -> int:
 
 #: where Linux describes CPU 0's caches (the same file for every process of a host)
 _CPU0_CACHES = "/sys/devices/system/cpu/cpu0/cache"
-_CACHE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 
 
 def largest_cache(root: str = _CPU0_CACHES) -> int:
@@ -941,16 +940,12 @@ def _read_largest_cache(root: str) -> int:
             continue
         try:
             with open(os.path.join(root, name, "type")) as f:
-                kind = f.read().strip()
+                if f.read().strip() == "Instruction":
+                    continue
             with open(os.path.join(root, name, "size")) as f:
-                text = f.read().strip().upper()
-        except OSError:
+                best = max(best, parse_size(f.read()))
+        except (OSError, ValueError):
             continue
-        unit = _CACHE_UNITS.get(text[-1:] if text[-1:].isalpha() else "")
-        digits = text[:-1] if text[-1:].isalpha() else text
-        if kind == "Instruction" or unit is None or not digits.isdigit():
-            continue
-        best = max(best, int(digits) * unit)
     return best
 
 
