@@ -1575,13 +1575,16 @@ async def _native_lib(endpoints: list[tuple[Transport, Listener]],
                       mem: MemorySpace | None) -> NativeLib | None:
     """The native ring's library for a communicator with a TCP transport (built off the
     loop's thread on first use), unless ``ACOLL_NATIVE=0``; a device communicator's runs
-    the all_reduces it sends through the host (``ACOLL_GPU_VIA_HOST_MAX``, not 0)."""
+    the all_reduces it sends through the host (``ACOLL_GPU_VIA_HOST_MAX``, not 0). Every
+    communicator loads it (unless ``ACOLL_NATIVE=0``) for its 16-bit float loops
+    (:func:`acoll._dtypes.combiner`), whatever its transports."""
     wanted = NATIVE.resolve()
-    if wanted == 0 or (mem is not None and mem.kind != MemoryKind.HOST
-                       and VIA_HOST_MAX.resolve() == 0) or not any(
-            isinstance(t, TcpTransport) for t, _ in endpoints):
+    if wanted == 0:
         return None
     lib = await load_native()
+    if ((mem is not None and mem.kind != MemoryKind.HOST and VIA_HOST_MAX.resolve() == 0)
+            or not any(isinstance(t, TcpTransport) for t, _ in endpoints)):
+        return None
     if lib is None and wanted > 0:
         log.warning("ACOLL_NATIVE=1 but the native ring could not be built (ACOLL_DEBUG="
                     "INFO says why): the Python ring runs instead")

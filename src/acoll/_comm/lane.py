@@ -67,7 +67,7 @@ import numpy as np
 
 from .._coll.base import STEP_NS, Coll, Descriptor
 from .._config import get_logger, parse_size
-from .._dtypes import ReduceOp, finish_avg, ufunc_of
+from .._dtypes import ReduceOp, combiner, finish_avg, scale_into
 from .._memory import Buffer, shared
 from .._memory.host import data_address, paced
 from .._memory.shared import SharedBlock, open_shared
@@ -863,7 +863,7 @@ class AllReducePlan(_LaneCall):
                        [np.frombuffer(lane.inboxes[k].payload(slot, nbytes),  # type: ignore[union-attr]
                                       dtype) for slot in (0, 1)]
                        for k in range(lane.size)]
-        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+        self._ufunc = combiner(ReduceOp.SUM if op == ReduceOp.AVG else op, dtype)
         self._avg = op == ReduceOp.AVG
         self._peer = lane.peers[0]  # (2 ranks: the other one)
 
@@ -1217,7 +1217,7 @@ class StepPlan(_LaneCall):
         self._boards = None if lane.boards is None else [
             [np.frombuffer(board.payload(slot, per * item), dtype) for slot in (0, 1)]
             for board in lane.boards]
-        self._ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+        self._ufunc = combiner(ReduceOp.SUM if op == ReduceOp.AVG else op, dtype)
 
     async def run(self, seq: int, ctx: Any = None, mine: Any = None, res: Any = None,
                   turned: bool = False, factor: Any = None) -> None:
@@ -1271,7 +1271,7 @@ class StepPlan(_LaneCall):
                         if b > a:
                             on = self._boards[rank][slot][:b - a]  # type: ignore[index]
                             if factor is not None and not from_res:
-                                np.multiply(mine[a:b], factor, out=on)
+                                scale_into(on, mine[a:b], factor)
                             else:
                                 on[...] = (res if from_res else mine)[a:b]
                         board.publish_at(slot, value, (word_a, word_b, (b - a) * item))
@@ -1284,7 +1284,7 @@ class StepPlan(_LaneCall):
                                 await self._wait_free(out, peer, seq, k)
                             if b > a:
                                 if factor is not None and not from_res:
-                                    np.multiply(mine[a:b], factor, out=views[slot][:b - a])
+                                    scale_into(views[slot][:b - a], mine[a:b], factor)
                                 else:
                                     views[slot][:b - a] = (res if from_res else mine)[a:b]
                             out.publish_at(slot, value, (word_a, word_b, (b - a) * item))
@@ -1295,7 +1295,7 @@ class StepPlan(_LaneCall):
                     if copy_own and step.own is not None:
                         a, at, m = step.own
                         if factor is not None:
-                            np.multiply(mine[a:a + m], factor, out=res[at:at + m])
+                            scale_into(res[at:at + m], mine[a:a + m], factor)
                         else:
                             res[at:at + m] = mine[a:a + m]
                     if step.combine is not None:
@@ -1370,7 +1370,7 @@ class StepPlan(_LaneCall):
             else:  # (a copy of its own, scaled: as below, the fold may wait)
                 held = lane.borrow(m * self._item)
                 own = held[:m * self._item].view(self._dtype)
-                np.multiply(mine[a:a + m], factor, out=own)
+                scale_into(own, mine[a:a + m], factor)
         elif m and rank >= 2 and inplace:  # (the first combinations would overwrite it)
             # (a copy of its own: the fold may wait for peers, and a later op of a group
             # may run meanwhile)
@@ -1468,7 +1468,7 @@ def _combine(parts: list[list[Any] | None], rank: int, op: ReduceOp, mine: Any, 
     if saved is not None:
         np.copyto(saved, mine)
         mine = saved
-    ufunc = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op)
+    ufunc = combiner(ReduceOp.SUM if op == ReduceOp.AVG else op, res.dtype)
     operands = [mine if p is None else p[slot] for p in parts]
     ufunc(operands[0], operands[1], out=res)
     for part in operands[2:]:
@@ -1756,7 +1756,7 @@ class _ZeroCopy(_LaneCall):
         none): the caller knows which from its arrays' addresses (slices' addresses cost
         microseconds each to learn)."""
         n, dtype = len(operands), self._dtype
-        ufunc, avg = ufunc_of(ReduceOp.SUM if op == ReduceOp.AVG else op), op == ReduceOp.AVG
+        ufunc, avg = combiner(ReduceOp.SUM if op == ReduceOp.AVG else op, dtype), op == ReduceOp.AVG
         mine = aliased if aliased >= 2 else -1  # (out= of the first ufunc may be 0 or 1)
 
         def work(i: int, j: int) -> None:

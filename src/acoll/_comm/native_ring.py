@@ -10,8 +10,8 @@ share loses to Gloo's C++ ring there. So when
   edge of the ring (rank i to rank i + 1) goes over the socket transport;
 - and a call is an all_reduce the tuner (or ``ACOLL_ALGO``) gives to the ring, or a
   reduce_scatter or all_gather moving more than ``ACOLL_SMALL_MSG`` in all, on host
-  memory, of a dtype and op the C code has (8/32/64-bit integers, float32, float64; SUM,
-  PROD, MAX, MIN, AVG), of at least ``ACOLL_NATIVE_MIN`` bytes, made outside a group,
+  memory, of any dtype acoll has (8/32/64-bit integers, 16-bit floats, float32, float64;
+  SUM, PROD, MAX, MIN, AVG), of at least ``ACOLL_NATIVE_MIN`` bytes, made outside a group,
 
 the whole op is one call into ``ring.c`` on a worker thread, with the GIL released: it
 sends, receives and reduces over two *raw links* (authenticated TCP sockets that carry
@@ -63,8 +63,9 @@ log = get_logger("COLL")
 
 NATIVE = Setting("NATIVE", int, -1,
                  "The native ring for large host all_reduces over TCP (C code on a worker "
-                 "thread, GIL released): -1 where it builds, 0 never, 1 where it builds "
-                 "and a warning where it does not.", "COLL")
+                 "thread, GIL released) and its 16-bit float loops for every host "
+                 "reduction: -1 where it builds, 0 never, 1 where it builds and a "
+                 "warning where it does not.", "COLL")
 NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 0,
                      "Smallest all_reduce (bytes) the native ring takes (those the ring "
                      "gets start above ACOLL_SMALL_MSG); must be the same on every rank, "
@@ -75,8 +76,8 @@ NATIVE_INLINE = Setting("NATIVE_INLINE", parse_size, 1 << 20,
                         "of handing sends to a helper thread; -1: always the helper. A "
                         "local choice (the bytes on the wire are the same).", "COLL")
 
-#: dtype wire codes ring.c reduces (16-bit floats stay on the Python ring)
-_NATIVE_DTYPES = frozenset({0, 1, 2, 3, 4, 5, 8, 9})
+#: dtype wire codes ring.c reduces (every one acoll has)
+_NATIVE_DTYPES = frozenset(range(10))
 _OPS = {ReduceOp.SUM: 0, ReduceOp.PROD: 1, ReduceOp.MAX: 2, ReduceOp.MIN: 3,
         ReduceOp.AVG: 4}
 _HEADER = struct.Struct("<4sHHI4x")  # magic, version, 0, seq; then the descriptor

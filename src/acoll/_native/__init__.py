@@ -1,13 +1,16 @@
 """The native ring (``ring.c``): compiled on first use, cached, called through ctypes.
 
 The C file holds the data path of ring all-reduce, reduce-scatter and all-gather over two
-TCP sockets (its header comment states the contract). It is built with the system's C compiler
-(``ACOLL_NATIVE_CC``, default ``cc``) into a cache folder (``ACOLL_NATIVE_CACHE``, default
-``$XDG_CACHE_HOME/acoll`` or ``~/.cache/acoll``) under a name that hashes the source, the
-compiler's identity and the flags, so that a changed file or compiler builds again and
-concurrent first uses (several ranks starting at once) each write a private file and move
-it into place. A ctypes call runs without the GIL, which is the point: the loop thread and
-the other ranks' Python threads run while the C code moves and reduces the data.
+TCP sockets (its header comment states the contract), and the element loops it reduces
+with, which acoll's host reductions of 16-bit floats also call once it is loaded
+(:func:`acoll._dtypes.combiner`: NumPy's own float16 loops are 10 to 30 times slower).
+It is built with the system's C compiler (``ACOLL_NATIVE_CC``, default ``cc``) into a
+cache folder (``ACOLL_NATIVE_CACHE``, default ``$XDG_CACHE_HOME/acoll`` or
+``~/.cache/acoll``) under a name that hashes the source, the compiler's identity and the
+flags, so that a changed file or compiler builds again and concurrent first uses (several
+ranks starting at once) each write a private file and move it into place. A ctypes call
+runs without the GIL, which is the point: the loop thread and the other ranks' Python
+threads run while the C code moves and reduces the data.
 
 Nothing here may run on an event loop's thread when it can take long: :func:`load` is
 the blocking entry (a compile takes about a second); :func:`load_async` runs it on a worker
@@ -28,7 +31,8 @@ import threading
 from importlib import resources
 from pathlib import Path
 
-from .._config import Setting, get_logger
+from .._config import Setting, get_logger, parse_bool
+from .._dtypes import use_native_halves
 
 __all__ = ["NR", "NativeLib", "Stage", "State", "load", "load_async"]
 
@@ -39,6 +43,10 @@ CC = Setting("NATIVE_CC", str, "cc", "C compiler that builds acoll's native ring
 CACHE = Setting("NATIVE_CACHE", str, "",
                 "Folder for the compiled native ring (empty: $XDG_CACHE_HOME/acoll or "
                 "~/.cache/acoll).", "NET")
+
+SIMD = Setting("NATIVE_SIMD", parse_bool, True,
+                "The native library's 16-bit float loops use AVX2 and F16C where the CPU "
+                "has them (0: plain C loops; the results are the same bits).", "NET")
 
 _FLAGS = ("-O3", "-std=c11", "-shared", "-fPIC", "-pthread", "-fno-strict-aliasing")
 _LIBS = ("-ldl",)  # (dlopen: in the C library itself from glibc 2.34; harmless there)
@@ -92,7 +100,30 @@ class NativeLib:
         self._fn = fn
         lib.acoll_nr_version.restype = ctypes.c_int
         self.version = int(lib.acoll_nr_version())
+        #: ``acoll_nr_reduce(out, a, b, n, dtype, op)`` and ``acoll_nr_scale(out, a, n,
+        #: dtype, factor)``: the ring's element loops on their own, for 16-bit floats
+        #: (:func:`acoll._dtypes.combiner`); addresses as ints
+        self.reduce = lib.acoll_nr_reduce
+        self.reduce.restype = ctypes.c_int
+        self.reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                ctypes.c_int64, ctypes.c_int, ctypes.c_int]
+        self.scale = lib.acoll_nr_scale
+        self.scale.restype = ctypes.c_int
+        self.scale.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                               ctypes.c_int, ctypes.c_float]
+        self._set_simd = lib.acoll_nr_set_simd
+        self._set_simd.restype = ctypes.c_int
+        self._set_simd.argtypes = [ctypes.c_int]
+        #: whether the 16-bit float loops run on AVX2 and F16C (else plain C: same bits)
+        self.simd = self.set_simd(SIMD.resolve())
         self._lib = lib
+
+    def set_simd(self, on: bool) -> bool:
+        """Run the 16-bit float loops on AVX2/F16C where the CPU has them (``on``), or
+        as plain C; returns whether the vector loops now run (the results are the same
+        bits either way: tests compare both)."""
+        self.simd = bool(self._set_simd(1 if on else 0))
+        return self.simd
 
     def run(self, mode: int, send_fd: int, recv_fd: int, src: int, dst: int, scratch: int,
             count: int, dtype: int, op: int, rank: int, nranks: int, send_items: int,
@@ -197,6 +228,8 @@ def load(cc: str | None = None) -> NativeLib | None:
         except (OSError, subprocess.SubprocessError, AttributeError) as exc:
             log.info("native ring unavailable (the Python ring runs instead): %s", exc)
             lib = None
+        else:
+            use_native_halves(lib.reduce, lib.scale)
         _loaded[key] = lib
         return lib
 

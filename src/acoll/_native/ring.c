@@ -46,7 +46,7 @@
 #include <sched.h>
 #include <time.h>
 
-#define ACOLL_NR_VERSION 4
+#define ACOLL_NR_VERSION 5
 #define HEADER_SIZE 32
 #define SLICE_MS 50
 
@@ -63,7 +63,7 @@ enum {
 };
 
 enum { DT_I8 = 0, DT_U8 = 1, DT_I32 = 2, DT_U32 = 3, DT_I64 = 4, DT_U64 = 5,
-       DT_F32 = 8, DT_F64 = 9 };
+       DT_F16 = 6, DT_BF16 = 7, DT_F32 = 8, DT_F64 = 9 };
 enum { OP_SUM = 0, OP_PROD = 1, OP_MAX = 2, OP_MIN = 3, OP_AVG = 4 };
 
 typedef struct {
@@ -148,9 +148,274 @@ AVERAGE(avg_u64, uint64_t, uint64_t)
 AVERAGE(avg_f32, float, float)
 AVERAGE(avg_f64, double, double)
 
+/* ------------------------------------------------------------------ 16-bit floats */
+/* float16 (IEEE binary16) and bfloat16 values combine as NumPy's float16 loops and
+ * ml_dtypes' bfloat16 do (and acoll's GPU kernels): both operands widened to float32
+ * (exact), one float32 operation, one rounding back to nearest-even. maximum/minimum
+ * return an operand's own bits: a NaN operand wins (the first if both are), and on ties
+ * (+0 against -0) float16 keeps the first operand and bfloat16 the second, as those
+ * libraries do. NaN results: float16 keeps the top of the float32 payload, bfloat16
+ * gives the sign and 0x7fc0. Not under -ffast-math: the subnormal rounding below relies
+ * on IEEE float32 addition. */
+static inline float h2f(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+    uint32_t bits;
+    float f;
+    if (e == 0x1fu) {
+        bits = sign | 0x7f800000u | (m << 13);
+    } else if (e != 0) {
+        bits = sign | ((e + 112u) << 23) | (m << 13);
+    } else {  /* zero or subnormal: m units of 2^-24, exact in float32 */
+        f = (float)m * 0x1p-24f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f2h(float f) {
+    uint32_t x, ax;
+    memcpy(&x, &f, 4);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    ax = x & 0x7fffffffu;
+    if (ax > 0x7f800000u) {  /* NaN: the payload's top ten bits, and still a NaN */
+        uint16_t r = (uint16_t)(0x7c00u | ((ax & 0x7fffffu) >> 13));
+        return (uint16_t)(sign | (r == 0x7c00u ? 0x7c01u : r));
+    }
+    if (ax >= 0x477ff000u)  /* 65520 and up (the tie above 65504 goes to even): inf */
+        return (uint16_t)(sign | 0x7c00u);
+    if (ax < 0x38800000u) {
+        /* below 2^-14, a multiple of 2^-24: exactly the unit in the last place of 0.5f,
+         * so the float32 sum 0.5f + |f| rounds |f| to it (nearest-even) */
+        float a, t;
+        uint32_t tb;
+        memcpy(&a, &ax, 4);
+        t = a + 0.5f;
+        memcpy(&tb, &t, 4);
+        return (uint16_t)(sign | (tb - 0x3f000000u));
+    }
+    /* rebias the exponent (127 -> 15) and round the 13 dropped bits to nearest-even;
+     * a carry runs into the exponent as it should */
+    return (uint16_t)(sign | ((ax + 0xc8000fffu + ((ax >> 13) & 1u)) >> 13));
+}
+
+static inline float b2f(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t f2b(float f) {
+    uint32_t x;
+    memcpy(&x, &f, 4);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)(((x >> 16) & 0x8000u) | 0x7fc0u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+#define HALVES(NAME, TOF, FROMF, TIE_FIRST)                                             \
+    static void NAME(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,     \
+                     int op) {                                                           \
+        int64_t i;                                                                      \
+        switch (op) {                                                                   \
+        case OP_SUM: case OP_AVG:                                                       \
+            for (i = 0; i < n; i++) out[i] = FROMF(TOF(a[i]) + TOF(b[i]));              \
+            break;                                                                      \
+        case OP_PROD:                                                                   \
+            for (i = 0; i < n; i++) out[i] = FROMF(TOF(a[i]) * TOF(b[i]));              \
+            break;                                                                      \
+        default: {                                                                      \
+            int want_max = op == OP_MAX;                                                \
+            for (i = 0; i < n; i++) {                                                   \
+                uint16_t x = a[i], y = b[i];                                            \
+                float fx = TOF(x), fy = TOF(y);                                         \
+                out[i] = fx != fx ? x : fy != fy ? y                                    \
+                       : fx == fy ? (TIE_FIRST ? x : y)                                 \
+                       : ((fx > fy) == want_max) ? x : y;                               \
+            }                                                                           \
+        }                                                                               \
+        }                                                                               \
+    }
+HALVES(red_f16_plain, h2f, f2h, 1)
+HALVES(red_bf16_plain, b2f, f2b, 0)
+
+/* scale: out = a * f (AVG's scaling of an input), one rounding */
+#define SCALE16(NAME, TOF, FROMF)                                                       \
+    static void NAME(uint16_t *out, const uint16_t *a, int64_t n, float f) {             \
+        for (int64_t i = 0; i < n; i++) out[i] = FROMF(TOF(a[i]) * f);                   \
+    }
+SCALE16(scale_f16_plain, h2f, f2h)
+SCALE16(scale_bf16_plain, b2f, f2b)
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define ACOLL_X86 1
+/* The same arithmetic 8 values at a time: F16C's conversions are exact one way and
+ * round to nearest-even the other, as f2h does (NaN results of arithmetic are quiet
+ * NaNs either way); bfloat16 with AVX2 integer rounding. Only where the CPU has them. */
+#define F16C_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
+
+__attribute__((target("avx2,f16c")))
+static void arith_f16_x86(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,
+                          int mul) {
+    int64_t i = 0;
+    if (mul) {
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+            __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
+            _mm_storeu_si128((__m128i *)(out + i),
+                             _mm256_cvtps_ph(_mm256_mul_ps(x, y), F16C_ROUND));
+        }
+    } else {
+        for (; i + 8 <= n; i += 8) {
+            __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+            __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
+            _mm_storeu_si128((__m128i *)(out + i),
+                             _mm256_cvtps_ph(_mm256_add_ps(x, y), F16C_ROUND));
+        }
+    }
+    red_f16_plain(out + i, a + i, b + i, n - i, mul ? OP_PROD : OP_SUM);
+}
+
+__attribute__((target("avx2,f16c")))
+static void scale_f16_x86(uint16_t *out, const uint16_t *a, int64_t n, float f) {
+    int64_t i = 0;
+    __m256 k = _mm256_set1_ps(f);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
+        _mm_storeu_si128((__m128i *)(out + i),
+                         _mm256_cvtps_ph(_mm256_mul_ps(x, k), F16C_ROUND));
+    }
+    scale_f16_plain(out + i, a + i, n - i, f);
+}
+
+__attribute__((target("avx2")))
+static inline __m256 b8_to_f(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+__attribute__((target("avx2")))
+static inline void f_to_b8(uint16_t *p, __m256 v) {
+    __m256i x = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(x, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(x, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    __m256i nan = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(x, 16),
+                                                   _mm256_set1_epi32(0x8000)),
+                                  _mm256_set1_epi32(0x7fc0));
+    r = _mm256_blendv_epi8(r, nan, _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+    /* eight 32-bit words (each < 2^16) to eight 16-bit ones, in order */
+    __m128i lo = _mm256_castsi256_si128(r), hi = _mm256_extracti128_si256(r, 1);
+    _mm_storeu_si128((__m128i *)p, _mm_packus_epi32(lo, hi));
+}
+
+__attribute__((target("avx2")))
+static void arith_bf16_x86(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,
+                           int mul) {
+    int64_t i = 0;
+    if (mul) {
+        for (; i + 8 <= n; i += 8) f_to_b8(out + i, _mm256_mul_ps(b8_to_f(a + i), b8_to_f(b + i)));
+    } else {
+        for (; i + 8 <= n; i += 8) f_to_b8(out + i, _mm256_add_ps(b8_to_f(a + i), b8_to_f(b + i)));
+    }
+    red_bf16_plain(out + i, a + i, b + i, n - i, mul ? OP_PROD : OP_SUM);
+}
+
+__attribute__((target("avx2")))
+static void scale_bf16_x86(uint16_t *out, const uint16_t *a, int64_t n, float f) {
+    int64_t i = 0;
+    __m256 k = _mm256_set1_ps(f);
+    for (; i + 8 <= n; i += 8) f_to_b8(out + i, _mm256_mul_ps(b8_to_f(a + i), k));
+    scale_bf16_plain(out + i, a + i, n - i, f);
+}
+
+/* whether the vector paths run: the CPU has them and acoll_nr_set_simd did not turn
+ * them off (-1: not asked yet) */
+static int simd_on = -1;
+
+static int simd(void) {
+    int on = __atomic_load_n(&simd_on, __ATOMIC_RELAXED);
+    if (on < 0) {
+        __builtin_cpu_init();
+        on = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+        __atomic_store_n(&simd_on, on, __ATOMIC_RELAXED);
+    }
+    return on;
+}
+#endif
+
+/* Use the vector paths where the CPU has them (on != 0), or the plain loops (0); returns
+ * whether the vector paths now run. The results are the same bits either way. */
+int acoll_nr_set_simd(int on) {
+#ifdef ACOLL_X86
+    __builtin_cpu_init();
+    on = on && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    __atomic_store_n(&simd_on, on, __ATOMIC_RELAXED);
+    return on;
+#else
+    (void)on;
+    return 0;
+#endif
+}
+
+static void red_f16(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n, int op) {
+#ifdef ACOLL_X86
+    if ((op == OP_SUM || op == OP_AVG || op == OP_PROD) && simd()) {
+        arith_f16_x86(out, a, b, n, op == OP_PROD);
+        return;
+    }
+#endif
+    red_f16_plain(out, a, b, n, op);
+}
+
+static void red_bf16(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,
+                     int op) {
+#ifdef ACOLL_X86
+    if ((op == OP_SUM || op == OP_AVG || op == OP_PROD) && simd()) {
+        arith_bf16_x86(out, a, b, n, op == OP_PROD);
+        return;
+    }
+#endif
+    red_bf16_plain(out, a, b, n, op);
+}
+
+static void scale_f16(uint16_t *out, const uint16_t *a, int64_t n, float f) {
+#ifdef ACOLL_X86
+    if (simd()) {
+        scale_f16_x86(out, a, n, f);
+        return;
+    }
+#endif
+    scale_f16_plain(out, a, n, f);
+}
+
+static void scale_bf16(uint16_t *out, const uint16_t *a, int64_t n, float f) {
+#ifdef ACOLL_X86
+    if (simd()) {
+        scale_bf16_x86(out, a, n, f);
+        return;
+    }
+#endif
+    scale_bf16_plain(out, a, n, f);
+}
+
+/* sum / nranks for 16-bit floats: float32 division, one rounding (integer AVG's
+ * finish; floating-point AVG scales its inputs instead) */
+static void avg_f16(uint16_t *p, int64_t n, int nranks) {
+    for (int64_t i = 0; i < n; i++) p[i] = f2h(h2f(p[i]) / (float)nranks);
+}
+
+static void avg_bf16(uint16_t *p, int64_t n, int nranks) {
+    for (int64_t i = 0; i < n; i++) p[i] = f2b(b2f(p[i]) / (float)nranks);
+}
+
 static int itemsize_of(int dtype) {
     switch (dtype) {
     case DT_I8: case DT_U8: return 1;
+    case DT_F16: case DT_BF16: return 2;
     case DT_I32: case DT_U32: case DT_F32: return 4;
     case DT_I64: case DT_U64: case DT_F64: return 8;
     default: return 0;
@@ -166,6 +431,8 @@ static void reduce_into(void *out, const void *a, const void *b, int64_t n, int 
     case DT_U32: red_u32(out, a, b, n, op); break;
     case DT_I64: red_i64(out, a, b, n, op); break;
     case DT_U64: red_u64(out, a, b, n, op); break;
+    case DT_F16: red_f16(out, a, b, n, op); break;
+    case DT_BF16: red_bf16(out, a, b, n, op); break;
     case DT_F32: red_f32(out, a, b, n, op); break;
     default: red_f64(out, a, b, n, op);
     }
@@ -179,6 +446,8 @@ static void average(void *p, int64_t n, int dtype, int nranks) {
     case DT_U32: avg_u32(p, n, nranks); break;
     case DT_I64: avg_i64(p, n, nranks); break;
     case DT_U64: avg_u64(p, n, nranks); break;
+    case DT_F16: avg_f16(p, n, nranks); break;
+    case DT_BF16: avg_bf16(p, n, nranks); break;
     case DT_F32: avg_f32(p, n, nranks); break;
     default: avg_f64(p, n, nranks);
     }
@@ -868,3 +1137,36 @@ int acoll_nr_run(int mode, int send_fd, int recv_fd, const void *src, void *dst,
 }
 
 int acoll_nr_version(void) { return ACOLL_NR_VERSION; }
+
+/* out = a (op) b over n items of dtype, as the ring combines them (out may be a or b,
+ * or lie apart from both). Returns NR_OK, or NR_BAD_ARGS for an unknown dtype or op. */
+int acoll_nr_reduce(void *out, const void *a, const void *b, int64_t n, int dtype, int op) {
+    if (itemsize_of(dtype) == 0 || op < OP_SUM || op > OP_AVG || n < 0)
+        return NR_BAD_ARGS;
+    reduce_into(out, a, b, n, dtype, op);
+    return NR_OK;
+}
+
+/* p[i] = p[i] / nranks over n items of dtype, as the ring finishes an AVG it was given
+ * unscaled (integers truncate toward zero; 16-bit floats divide in float32 and round
+ * once). Returns NR_OK, or NR_BAD_ARGS. */
+int acoll_nr_average(void *p, int64_t n, int dtype, int nranks) {
+    if (itemsize_of(dtype) == 0 || nranks < 1 || n < 0)
+        return NR_BAD_ARGS;
+    average(p, n, dtype, nranks);
+    return NR_OK;
+}
+
+/* out = a * factor over n 16-bit floats (AVG's scaling: factor is the dtype's rounded
+ * 1/nranks, widened), one rounding each; out may be a. NR_BAD_ARGS for other dtypes. */
+int acoll_nr_scale(void *out, const void *a, int64_t n, int dtype, float factor) {
+    if (n < 0)
+        return NR_BAD_ARGS;
+    if (dtype == DT_F16)
+        scale_f16(out, a, n, factor);
+    else if (dtype == DT_BF16)
+        scale_bf16(out, a, n, factor);
+    else
+        return NR_BAD_ARGS;
+    return NR_OK;
+}
