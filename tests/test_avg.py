@@ -118,7 +118,9 @@ async def test_device_average_is_scaled_on_the_callers_stream_at_the_call(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """On a device communicator (the fake device of tests/fake_device.py) the scaling is
     enqueued at the call on the caller's stream, ahead of the op's start on it, in a
-    group too (before the group's ops run); results as on the host."""
+    group too (before the group's ops run); results as on the host. A small all_reduce
+    on the direct path (up to 64 KiB, nothing queued) enqueues no scaling: it scales its
+    page-locked copy on the host (the next test)."""
     made: list[FakeDeviceSpace] = []
 
     def make(device: int) -> FakeDeviceSpace:
@@ -126,14 +128,16 @@ async def test_device_average_is_scaled_on_the_callers_stream_at_the_call(
         return made[-1]
 
     monkeypatch.setattr(_communicator, "device_space", make)
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_MAX", "64K")  # (past it: the device's own path)
     dt = np.dtype(np.float16)
+    count = 40_013  # (80 KB: past the direct path's 64 KiB)
 
     async def fn(comm: acoll.Communicator) -> list[Any]:
         n = comm.size
         assert isinstance(comm.mem, FakeDeviceSpace)
         space = comm.mem
-        want = _want(4099, n, 60000, dt)
-        x = to_dev(0)(np.full(4099, 60000, dt))
+        want = _want(count, n, 60000, dt)
+        x = to_dev(0)(np.full(count, 60000, dt))
         await comm.all_reduce(x, op=acoll.AVG, stream="s1")
         first = list(space.events)
         space.events.clear()
@@ -143,7 +147,7 @@ async def test_device_average_is_scaled_on_the_callers_stream_at_the_call(
             await comm.reduce_scatter(y, out, op=acoll.AVG, stream="s2")
             in_group = list(space.events)
         return [first, in_group, np.array_equal(to_host(x), want),
-                np.array_equal(to_host(out), want), (to_host(y) == 60000).all()]
+                np.array_equal(to_host(out), want[:4099]), (to_host(y) == 60000).all()]
 
     for first, in_group, ok_ar, ok_rs, send_kept in await run_ranks(3, fn, device=0):
         assert first[0] == ("scale", "s1"), first  # (before the op's own stream work)
@@ -151,6 +155,63 @@ async def test_device_average_is_scaled_on_the_callers_stream_at_the_call(
         assert ok_ar
         assert ok_rs
         assert send_kept
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_small_device_average_scales_its_host_copy_only(
+        dtype: str, nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device AVG all_reduce of up to 64 KiB made while nothing is queued (the direct
+    path through a page-locked copy) puts no scaling on any stream: the copy is scaled
+    on the host once downloaded, then summed. Random inputs: the same bits as the same
+    call in a group (ordered after the stream by events: scaled on the stream at the
+    call, then the same algorithm), and with 2 ranks (one addition) as the reference;
+    out of place (the send buffer kept) and in place, with and without stream=, repeated
+    (the plan reused); float16's 60000 averages to a finite value."""
+    monkeypatch.setattr(_communicator, "device_space", FakeDeviceSpace)
+    monkeypatch.setenv("ACOLL_GPU_VIA_HOST_MAX", "64K")
+    dt = BFLOAT16 if dtype == "bfloat16" else np.dtype(dtype)
+    counts = [1, 7, 4099, (64 << 10) // dt.itemsize]
+
+    def inputs(rank: int, count: int) -> np.ndarray[Any, Any]:
+        return (np.random.default_rng(rank + 10 * count).standard_normal(count)
+                * 100).astype(dt)
+
+    async def dev(comm: acoll.Communicator) -> list[Any]:
+        assert isinstance(comm.mem, FakeDeviceSpace)
+        space, got = comm.mem, []
+        for count in counts:
+            mine = inputs(comm.rank, count)
+            results = []
+            for stream in (None, "s1", None):
+                send = to_dev(0)(mine)
+                out = to_dev(0)(np.zeros(count, dt))
+                await comm.all_reduce(send, out, op=acoll.AVG, stream=stream)
+                assert np.array_equal(to_host(send), mine)
+                x = to_dev(0)(mine)
+                await comm.all_reduce(x, op=acoll.AVG, stream=stream)
+                results += [to_host(out).tobytes(), to_host(x).tobytes()]
+            assert [e for e in space.events if e[0] == "scale"] == []
+            grouped = to_dev(0)(mine)
+            async with comm.group():
+                await comm.all_reduce(grouped, op=acoll.AVG)
+            assert [e for e in space.events if e[0] == "scale"] == [("scale", None)]
+            space.events.clear()
+            assert results == [to_host(grouped).tobytes()] * len(results), count
+            got.append(results[0])
+        if dt == np.float16:
+            big = to_dev(0)(np.full(4101, 60000, dt))
+            await comm.all_reduce(big, op=acoll.AVG)
+            assert np.array_equal(to_host(big), _want(4101, comm.size, 60000, dt))
+        assert len(comm._via_plans) == len(counts) + (dt == np.float16)
+        return got
+
+    got = await run_ranks(nranks, dev, device=0)
+    assert all(g == got[0] for g in got)
+    if nranks == 2:
+        for k, count in enumerate(counts):
+            want = reference([inputs(r, count) for r in range(2)], acoll.AVG)
+            assert got[0][k] == want.tobytes(), count
 
 
 async def test_scaled_copies_of_their_own_are_reused_and_few() -> None:

@@ -976,12 +976,15 @@ class Communicator:
         check_op_dtype(rop, s.dtype, "all_reduce")
         scaling: _Scaling | None = None
         sent = s
+        via = (self._via_direct and s.count and self.size > 1 and self._p2p is None
+               and s.nbytes <= self._via_limit() and self._exec.idle)
         if prescales(rop, s.dtype) and s.count and self.size > 1:
-            # (every input scaled by 1/n into the result, then summed there in place)
-            s, scaling = self._scale_avg(s, r, stream)
+            if not (via and s.nbytes <= _VIA_DIRECT_MAX):
+                # (every input scaled by 1/n into the result, then summed there in place;
+                # a small direct call scales its page-locked copy instead: DirectPlan)
+                s, scaling = self._scale_avg(s, r, stream)
             rop = ReduceOp.SUM
-        if (self._via_direct and s.count and self.size > 1 and self._p2p is None
-                and s.nbytes <= self._via_limit()):
+        if via:
             ex = self._exec
             if ex.idle:
                 if s.nbytes <= _VIA_DIRECT_MAX:
@@ -1090,7 +1093,10 @@ class Communicator:
         """A small device all_reduce made while the executor is idle: it starts at once
         (nothing runs before its download), so its two copies go on the caller's stream
         itself, in order after the caller's queued work with no event between streams,
-        through a page-locked copy kept for calls like it (:mod:`acoll._comm.via_host`)."""
+        through a page-locked copy kept for calls like it (:mod:`acoll._comm.via_host`).
+        A floating-point AVG (``asked``; ``rop`` SUM) scales that copy on the host before
+        summing: no GPU work beyond the two copies (each piece of GPU work costs a context
+        switch where processes time-slice a GPU)."""
         key = (s.count, s.dtype, asked)  # (a scaled AVG runs SUM, its descriptor says AVG)
         plans = self._via_plans
         plan = plans.pop(key, None)
@@ -1104,7 +1110,8 @@ class Communicator:
             assert isinstance(staging, DirectStaging)  # (_via_direct)
             plan = plans[key] = DirectPlan(
                 staging, self._host_mem, s, rop, cls,
-                descriptor(Coll.ALL_REDUCE, s, asked, algo=cls))
+                descriptor(Coll.ALL_REDUCE, s, asked, algo=cls),
+                avg_factor(s.dtype, self.size) if prescales(asked, s.dtype) else None)
         caller = plan.staging.caller_stream(stream)
         settle, host, timeout = stream is None, self._host_mem, self.timeout
         native = self._via_native(s, rop, plan.cls)

@@ -53,7 +53,7 @@ from typing import Any
 from .._coll.algorithms import RingAllReduce, _chunk_items
 from .._coll.base import Descriptor, OpContext, chunk_ranges, split_even
 from .._config import Setting, parse_size
-from .._dtypes import ReduceOp
+from .._dtypes import ReduceOp, scale_into
 from .._memory import (
     Buffer,
     CopySignals,
@@ -340,14 +340,17 @@ class DirectPlan:
     upload still reads it; an event of acoll's own, valid whatever becomes of the stream).
     """
 
-    __slots__ = ("block", "cls", "data", "desc", "last", "op", "staging", "view")
+    __slots__ = ("block", "cls", "data", "desc", "factor", "last", "op", "staging", "view")
 
     def __init__(self, staging: DirectStaging, host: HostSpace, s: Buffer, rop: ReduceOp,
-                 cls: Any, desc: Descriptor) -> None:
+                 cls: Any, desc: Descriptor, factor: Any = None) -> None:
         self.staging, self.cls, self.desc, self.op = staging, cls, desc, rop
         self.view, self.block = staging.lease(s.nbytes)
         self.data = host.wrap(self.view.array.view(s.dtype))
         self.last: Fence | None = None
+        #: a floating-point AVG's rounded 1/n: each call scales its downloaded copy by it
+        #: (on the host, as NCCL's PreMulSum scales each input), then sums (``op``)
+        self.factor = factor
 
     def drop(self) -> None:
         """Give the block back to the staging pool, reused only once the last upload
@@ -379,6 +382,9 @@ class DirectCall:
         deadline = asyncio.get_running_loop().time() + self.timeout
         plan = self.plan
         await self.download.wait_soon(deadline)
+        if plan.factor is not None:
+            own = plan.data.array
+            scale_into(own, own, plan.factor)
         self.ctx.mem = self.host  # the algorithm's scratch and reductions: on the host
         if self.native is not None:
             await self.native.run()
