@@ -96,7 +96,8 @@ async def test_native_ring_pipelines_copies_through_counters_on_the_gpu(
         staging = comm.mem.staging()
         stream = cp.cuda.Stream(non_blocking=True)
         for n in ((1 << 18) + 7, 3_000_001, (1 << 18) + 7, 3_000_001):  # (blocks reused)
-            for dtype, op in ((np.float32, "sum"), (np.int32, "max"), (np.float64, "avg")):
+            for dtype, op in ((np.float32, "sum"), (np.int32, "max"), (np.float64, "avg"),
+                              (np.float16, "sum"), (BFLOAT16, "avg")):
                 ins = [((np.arange(n) * 3 + r) % 7 + 1).astype(dtype) for r in range(nranks)]
                 rop = ReduceOp.coerce(op)
                 want = reference(ins, rop)
@@ -410,6 +411,58 @@ async def test_torch_stream_argument() -> None:
         assert bool((y == 4).all())
 
     await run_ranks(2, fn, device=0)
+
+
+async def test_small_average_scales_its_host_copy_without_a_kernel(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Over TCP, an AVG all_reduce of up to 64 KiB made while nothing is queued (the
+    direct path) launches no scaling kernel: its page-locked copy is scaled on the host.
+    2 ranks (one addition): the reference's bits, every floating-point dtype, in place
+    and not, with and without stream=; a larger call (past 64 KiB) still scales on the
+    GPU."""
+    from acoll._memory import cuda as cuda_space
+    for name in ("ACOLL_P2P_DISABLE", "ACOLL_SHM_DISABLE", "ACOLL_INPROC_DISABLE"):
+        monkeypatch.setenv(name, "1")
+    launched: list[int] = []
+    real = cuda_space.launch_scale
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        launched.append(args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cuda_space, "launch_scale", counted)
+    dtypes = [np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)]
+
+    def inputs(rank: int, count: int, dt: Any) -> np.ndarray[Any, Any]:
+        return (np.random.default_rng(rank + count).standard_normal(count) * 100).astype(dt)
+
+    async def fn(comm: acoll.Communicator) -> list[str]:
+        bad = []
+        stream = cp.cuda.Stream(non_blocking=True)
+        for dt in dtypes:
+            for count in (1, 4099, (64 << 10) // dt.itemsize):
+                want = reference([inputs(r, count, dt) for r in range(2)], ReduceOp.AVG)
+                mine = inputs(comm.rank, count, dt)
+                x = to_device(0)(mine)
+                out = to_device(0)(np.zeros(count, dt))
+                await comm.all_reduce(x, out, op="avg")
+                bad += [] if to_host(out).tobytes() == want.tobytes() else [f"{dt} {count}"]
+                bad += [] if np.array_equal(to_host(x), mine) else [f"{dt} {count} send"]
+                await comm.all_reduce(x, op="avg", stream=stream)
+                stream.synchronize()
+                bad += [] if to_host(x).tobytes() == want.tobytes() else [
+                    f"{dt} {count} in place"]
+        return bad
+
+    assert await run_ranks(2, fn, device=0) == [[], []]
+    assert launched == []
+
+    async def large(comm: acoll.Communicator) -> None:
+        x = to_device(0)(np.ones(40_000, np.float16))
+        await comm.all_reduce(x, op="avg")
+
+    await run_ranks(2, large, device=0)
+    assert launched == [40_000, 40_000]
 
 
 @pytest.mark.parametrize("algo", ["ring", "rd"])
