@@ -158,8 +158,9 @@ class _Spy:
 @pytest.mark.parametrize("dt", HALVES, ids=IDS)
 def test_combiner_hands_large_contiguous_arrays_to_the_native_loops(
         lib: native.NativeLib, dt: np.dtype[Any], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Arrays past the threshold go native; small, strided, partly overlapping arrays
-    and other dtypes stay on NumPy; the results are NumPy's either way."""
+    """Arrays past the threshold go native; small, strided, partly overlapping and
+    read-only outputs and other dtypes stay on NumPy; the results (and errors) are
+    NumPy's either way."""
     red, scl = _Spy(lib.reduce), _Spy(lib.scale)
     monkeypatch.setattr(_dtypes, "_native_reduce", red)
     monkeypatch.setattr(_dtypes, "_native_scale", scl)
@@ -188,6 +189,10 @@ def test_combiner_hands_large_contiguous_arrays_to_the_native_loops(
     want = np.add(shifted[1:], shifted[:-1])
     add(shifted[1:], shifted[:-1], out=shifted[:-1])  # partly overlapping its output
     assert np.array_equal(shifted[:-1].view(np.uint16), want.view(np.uint16))
+    frozen = rand(least + 8)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        add(shifted, shifted, out=frozen)  # NumPy's own refusal
     assert red.items == 0
     # scaling (AVG's): native past the threshold, exact
     f = avg_factor(dt, 3)

@@ -137,14 +137,17 @@ def use_native_halves(reduce_fn: Any, scale_fn: Any) -> None:
 
 def _flat_addresses(*arrays: Any) -> list[int] | None:
     """The arrays' data addresses when every one is a C-contiguous ndarray of the first's
-    dtype and size, and the first (the output) is each other one or lies apart from it;
-    ``None`` otherwise (NumPy's loop then handles them as NumPy does)."""
+    dtype and size, the first (the output) is writeable and is each other one or lies
+    apart from it; ``None`` otherwise (NumPy's loop then handles them as NumPy does,
+    errors included)."""
     out = arrays[0]
     dt, size = out.dtype, out.size
     for a in arrays:
         if type(a) is not np.ndarray or a.dtype != dt or a.size != size or not (
                 a.flags.c_contiguous):
             return None
+    if not out.flags.writeable:
+        return None
     addrs = [a.ctypes.data for a in arrays]
     po, nbytes = addrs[0], out.nbytes
     for pa in addrs[1:]:
