@@ -221,8 +221,17 @@ def test_sources_cover_every_op_and_dtype() -> None:
             assert "extern \"C\"" in src.code
             names.add(src.name)
     assert len(names) == len(DTYPES) * 5
-    assert "acoll_fin" in pk.reduce_source("avg", "float16").code
+    # floating-point AVG scales each operand as it loads it (no division); integer AVG
+    # divides the sum
+    for dt in ("float16", "bfloat16", "float32", "float64"):
+        code = pk.reduce_source("avg", dt).code
+        assert "acoll_scale(" in code, dt
+        assert "acoll_fin" not in code, dt
+        assert "__ddiv_rn(1.0, (double)n)" in code, dt
+    assert "acoll_fin" in pk.reduce_source("avg", "int32").code
+    assert "acoll_scale(" not in pk.reduce_source("avg", "int32").code
     assert "acoll_fin" not in pk.reduce_source("sum", "float16").code
+    assert "acoll_scale(" not in pk.reduce_source("sum", "float16").code
     assert pk.copy_source().dtype is None
 
 
@@ -233,11 +242,13 @@ NVCC = shutil.which("nvcc")
 @pytest.mark.timeout(600)
 def test_sources_compile_for_sm90(tmp_path: Path) -> None:
     """The P2P kernels compile: the copy kernel and one reducing kernel per element-type
-    family and op shape (float32 arithmetic, 16-bit floats through float32 with AVG's
-    division, float64, wrapping integers, comparisons); the GPU tests run them all."""
+    family and op shape (float32 arithmetic, 16-bit floats through float32, AVG's
+    per-operand scaling on every floating-point dtype, float64, wrapping integers with
+    AVG's division, comparisons); the GPU tests run them all."""
     srcs = [pk.copy_source()] + [pk.reduce_source(op, dt) for op, dt in (
         ("sum", "float32"), ("avg", "bfloat16"), ("max", "float16"), ("prod", "float64"),
-        ("avg", "int64"), ("min", "uint8"))]
+        ("avg", "int64"), ("min", "uint8"), ("avg", "float16"), ("avg", "float32"),
+        ("avg", "float64"))]
     procs = []
     for src in srcs:
         path = tmp_path / f"{src.name}.cu"

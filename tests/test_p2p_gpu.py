@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 import acoll
-from collective_cases import ALL_DTYPES, ALL_OPS, check_all
+from acoll._dtypes import BFLOAT16
+from collective_cases import ALL_DTYPES, ALL_OPS, check_all, reference
 from gpu_cases import NGPUS, NO_GPU_REASON, cp, to_device, to_host
 
 HERE = Path(__file__).parent
@@ -71,6 +72,78 @@ async def test_disabled_means_no_domain(monkeypatch: pytest.MonkeyPatch) -> None
         assert all(float(to_host(b)[0]) == 3.0 for b in x)
     finally:
         await _close(comms)
+
+
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_average_scales_each_operand_in_the_kernels(
+        nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On the P2P path a floating-point AVG runs no scaling kernel and allocates nothing:
+    the reducing kernels scale each operand as they load it. The results are the
+    reference's bits (inputs scaled by the rounded 1/n, summed in rank order, as the
+    kernels sum), for all_reduce (one-shot and two-shot), reduce (root and not) and
+    reduce_scatter, in place and not, first calls and prepared repeats; float16's 60000
+    averages to a finite value."""
+    from acoll._memory import cuda as cuda_space
+    launched: list[int] = []
+    real = cuda_space.launch_scale
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        launched.append(args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cuda_space, "launch_scale", counted)
+    comms = await _form(_devices(nranks))
+    dtypes = [np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)]
+
+    def inputs(rank: int, count: int, dt: Any) -> np.ndarray[Any, Any]:
+        return (np.random.default_rng(rank + 7 * count).standard_normal(count)
+                * 100).astype(dt)
+
+    async def one(c: acoll.Communicator) -> list[str]:
+        bad: list[str] = []
+        n, r = c.size, c.rank
+        dev = to_device(c.device or 0)
+
+        def check(got: Any, want: np.ndarray[Any, Any], what: str) -> None:
+            if to_host(got).tobytes() != want.tobytes():
+                bad.append(what)
+
+        for dt in dtypes:
+            for count in (1, 4099, 300_001):  # (the last: two-shot)
+                ins = [inputs(k, count, dt) for k in range(n)]
+                want = reference(ins, acoll.AVG)
+                for rep in range(2):  # (the second: a prepared call)
+                    x, out = dev(ins[r]), dev(np.zeros(count, dt))
+                    await c.all_reduce(x, out, op="avg")
+                    check(out, want, f"all_reduce {dt} {count} {rep}")
+                    check(x, ins[r], f"all_reduce {dt} {count} {rep} send")
+                    await c.all_reduce(x, op=acoll.AVG)
+                    check(x, want, f"all_reduce in place {dt} {count} {rep}")
+                    res = dev(np.zeros(count, dt))
+                    await c.reduce(dev(ins[r]), res, op="avg", root=n - 1)
+                    if r == n - 1:
+                        check(res, want, f"reduce {dt} {count} {rep}")
+                whole = [inputs(k, count * n, dt) for k in range(n)]
+                block = np.s_[r * count:(r + 1) * count]
+                out = dev(np.zeros(count, dt))
+                await c.reduce_scatter(dev(whole[r]), out, op="avg")
+                check(out, reference([w[block] for w in whole], acoll.AVG),
+                      f"reduce_scatter {dt} {count}")
+        big = dev(np.full(4099, 60000, np.float16))
+        await c.all_reduce(big, op="avg")
+        if not np.isfinite(to_host(big)).all():
+            bad.append("float16 60000")
+        return bad
+
+    try:
+        assert all(c._p2p is not None for c in comms)
+        assert await asyncio.gather(*(one(c) for c in comms)) == [[]] * nranks
+    except BaseException:
+        for c in comms:
+            c.abort()
+        raise
+    await _close(comms)
+    assert launched == []
 
 
 @pytest.mark.timeout(400)

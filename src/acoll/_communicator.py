@@ -978,10 +978,11 @@ class Communicator:
         sent = s
         via = (self._via_direct and s.count and self.size > 1 and self._p2p is None
                and s.nbytes <= self._via_limit() and self._exec.idle)
-        if prescales(rop, s.dtype) and s.count and self.size > 1:
+        if prescales(rop, s.dtype) and s.count and self.size > 1 and self._p2p is None:
             if not (via and s.nbytes <= _VIA_DIRECT_MAX):
                 # (every input scaled by 1/n into the result, then summed there in place;
-                # a small direct call scales its page-locked copy instead: DirectPlan)
+                # a small direct call scales its page-locked copy instead: DirectPlan;
+                # the P2P kernels scale each operand as they load it)
                 s, scaling = self._scale_avg(s, r, stream)
             rop = ReduceOp.SUM
         if via:
@@ -1224,8 +1225,9 @@ class Communicator:
             r, out = None, recv if recv is not None else send
         check_op_dtype(rop, s.dtype, "reduce")
         asked, scaling = rop, None
-        if prescales(rop, s.dtype) and s.count and self.size > 1:
-            # (scaled into the result on the root, elsewhere into memory of its own)
+        if prescales(rop, s.dtype) and s.count and self.size > 1 and self._p2p is None:
+            # (scaled into the result on the root, elsewhere into memory of its own; the
+            # P2P kernels scale each operand as they load it)
             s, scaling = self._scale_avg(s, r, stream)
             rop = ReduceOp.SUM
             if r is not None:
@@ -1305,8 +1307,9 @@ class Communicator:
         s, r, out = self._pair(send, recv, "reduce_scatter", self.size, 1)
         check_op_dtype(rop, s.dtype, "reduce_scatter")
         asked, scaling = rop, None
-        if prescales(rop, s.dtype) and r.count and self.size > 1:
-            # (scaled into memory of its own: the other blocks of ``send`` stay as they are)
+        if prescales(rop, s.dtype) and r.count and self.size > 1 and self._p2p is None:
+            # (scaled into memory of its own: the other blocks of ``send`` stay as they are;
+            # the P2P kernels scale each operand as they load it)
             s, scaling = self._scale_avg(s, None, stream)
             rop = ReduceOp.SUM
         order = self.mem.order(stream)

@@ -32,8 +32,11 @@ step). Codes: :data:`ERR_TIMEOUT`, :data:`ERR_ABORTED`, :data:`ERR_MISMATCH` (a 
 descriptor differs from mine: it is running another collective or size).
 
 Reductions combine ranks in rank order 0, 1, ..., n-1 on every rank (so every rank gets
-identical bits), with the element functions of :mod:`acoll._cuda.kernels`; AVG divides
-once at the end. Loads use ``ld.global.cg`` (L2 only: peers' data is never stale in L1).
+identical bits), with the element functions of :mod:`acoll._cuda.kernels`. AVG on
+floating-point dtypes multiplies every operand by the rounded ``1/n`` as it loads it
+(NCCL's PreMulSum: the bits of scaling each rank's input first, with no pass of its own);
+on integers it divides once at the end. Loads use ``ld.global.cg`` (L2 only: peers' data
+is never stale in L1).
 """
 
 from __future__ import annotations
@@ -44,8 +47,8 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import DTYPE_NAMES, ReduceOp, parse_dtype
-from .kernels import _CTYPES, _PRELUDE, _bits_code, _finish_code, _op_code
+from .._dtypes import DTYPE_NAMES, ReduceOp, parse_dtype, prescales
+from .kernels import _CTYPES, _PRELUDE, _bits_code, _finish_code, _op_code, _scale_code
 
 __all__ = [
     "ERR_ABORTED", "ERR_MISMATCH", "ERR_TIMEOUT", "ERR_WORDS", "MAXR", "MAX_BLOCKS",
@@ -215,18 +218,46 @@ static __device__ __forceinline__ uint4 acoll_vop(uint4 x, uint4 y) {{
 static __device__ __forceinline__ T acoll_lds(const T* p) {{
   return acoll_from(__ldcg(reinterpret_cast<const S*>(p)));
 }}
-{fin}
-// Reduce element/vector i of every source (rank order) -> value.
-static __device__ __forceinline__ uint4 acoll_vred(const T* const* src, int n, u64 i) {{
-  uint4 acc = acoll_ld16(src[0] + i * {V});
-  for (int p = 1; p < n; ++p) acc = acoll_vop(acc, acoll_ld16(src[p] + i * {V}));
+{pre}
+// Reduce element/vector i of every source (rank order) -> value; each operand goes
+// through acoll_vpre / acoll_spre first (AVG's scaling by f, or nothing).
+static __device__ __forceinline__ uint4 acoll_vred(const T* const* src, int n, u64 i, F f) {{
+  uint4 acc = acoll_vpre(acoll_ld16(src[0] + i * {V}), f);
+  for (int p = 1; p < n; ++p)
+    acc = acoll_vop(acc, acoll_vpre(acoll_ld16(src[p] + i * {V}), f));
   return acc;
 }}
-static __device__ __forceinline__ T acoll_sred(const T* const* src, int n, u64 j) {{
-  T acc = acoll_lds(src[0] + j);
-  for (int p = 1; p < n; ++p) acc = acoll_op(acc, acoll_lds(src[p] + j));
+static __device__ __forceinline__ T acoll_sred(const T* const* src, int n, u64 j, F f) {{
+  T acc = acoll_spre(acoll_lds(src[0] + j), f);
+  for (int p = 1; p < n; ++p) acc = acoll_op(acc, acoll_spre(acoll_lds(src[p] + j), f));
   return acc;
 }}
+"""
+
+_PRE_NONE = r"""
+typedef float F;
+static __device__ __forceinline__ F acoll_factor(int n) { (void)n; return 0.0f; }
+static __device__ __forceinline__ uint4 acoll_vpre(uint4 v, F f) { (void)f; return v; }
+static __device__ __forceinline__ T acoll_spre(T v, F f) { (void)f; return v; }
+"""
+
+# A floating-point AVG as NCCL's PreMulSum: every operand is multiplied by the rounded
+# 1/n as it is loaded (the scaling kernel's element function, rounded to T), then summed;
+# the same bits as scaling each rank's input first, without the pass or its memory.
+_PRE_SCALE = r"""
+typedef D F;
+// 1/n as acoll._dtypes.avg_factor rounds it: in double (IEEE division), then {rounding}
+static __device__ __forceinline__ F acoll_factor(int n) {{
+  return {factor};
+}}
+static __device__ __forceinline__ uint4 acoll_vpre(uint4 v, F f) {{
+  acoll_vec x;
+  x.v = v;
+#pragma unroll
+  for (int k = 0; k < {V}; ++k) x.s[k] = acoll_to(acoll_scale(acoll_from(x.s[k]), f));
+  return x.v;
+}}
+static __device__ __forceinline__ T acoll_spre(T v, F f) {{ return acoll_scale(v, f); }}
 """
 
 _FIN_NONE = r"""
@@ -338,6 +369,7 @@ _RANGE = r"""
 """
 
 _REDUCE_BODY = r"""
+  const F pre_f = acoll_factor(nranks);
   const T* srcs[MAXR];
   if (mode == {rs}) {{
     for (int p = 0; p < nranks; ++p) srcs[p] = s_src[p] + (u64)rank * s_stride[p];
@@ -346,8 +378,8 @@ _REDUCE_BODY = r"""
   }}
   if (mode == {one} || mode == {rs} || (mode == {red} && rank == root)) {{
     ACOLL_RANGE(0, n,
-      reinterpret_cast<uint4*>(out)[i] = acoll_vdone(acoll_vred(srcs, nranks, i), nranks),
-      out[j] = acoll_sdone(acoll_sred(srcs, nranks, j), nranks));
+      reinterpret_cast<uint4*>(out)[i] = acoll_vdone(acoll_vred(srcs, nranks, i, pre_f), nranks),
+      out[j] = acoll_sdone(acoll_sred(srcs, nranks, j, pre_f), nranks));
   }} else if (mode == {two}) {{
     // Slices in whole vectors; the last rank's slice takes the tail.
     const u64 nv = vec ? n / V : n, unit = vec ? V : 1;
@@ -355,10 +387,10 @@ _REDUCE_BODY = r"""
     const u64 hi = rank == nranks - 1 ? n : nv * (rank + 1) / nranks * unit;
     T* res = const_cast<T*>(s_res[rank]);  // own_ws: my workspace, else out itself
     ACOLL_RANGE(lo, hi,
-      {{ const uint4 v = acoll_vdone(acoll_vred(srcs, nranks, i), nranks);
+      {{ const uint4 v = acoll_vdone(acoll_vred(srcs, nranks, i, pre_f), nranks);
         reinterpret_cast<uint4*>(out)[i] = v;
         if (own_ws) reinterpret_cast<uint4*>(res)[i] = v; }},
-      {{ const T v = acoll_sdone(acoll_sred(srcs, nranks, j), nranks);
+      {{ const T v = acoll_sdone(acoll_sred(srcs, nranks, j, pre_f), nranks);
         out[j] = v;
         if (own_ws) res[j] = v; }});
     if (!acoll_barrier(a, 1, &s_ok)) return;
@@ -399,9 +431,26 @@ def _common() -> str:
 
 
 def reduce_source(op: ReduceOp | str | int, dtype: Any) -> P2PSource:
-    """The reducing kernel (all-reduce one/two-shot, reduce-scatter, reduce) for ``op``
-    (AVG divides by the rank count at the end) on ``dtype``."""
+    """The reducing kernel (all-reduce one/two-shot, reduce-scatter, reduce) for ``op`` on
+    ``dtype``. AVG on floating-point dtypes scales every operand by the rounded ``1/n`` as
+    it loads it, then sums (NCCL's PreMulSum: the bits of scaling each input first); on
+    integers it sums, then divides by the rank count at the end."""
     return _reduce_source(ReduceOp.coerce(op), parse_dtype(dtype))
+
+
+def _pre_scale(ct: Any, v: int) -> str:
+    """The per-operand scaling of a floating-point AVG (:data:`_PRE_SCALE`) for ``ct``."""
+    helpers, scale_fn, wide = _scale_code(ct)
+    quotient = "__ddiv_rn(1.0, (double)n)"
+    if ct.ctype == "double":
+        factor, rounding = quotient, "nothing more (float64)"
+    elif ct.ctype == "float":
+        factor, rounding = f"__double2float_rn({quotient})", "to float32"
+    else:
+        factor = f"{ct.to_f}({ct.from_f}(__double2float_rn({quotient})))"
+        rounding = f"to float32, then to {ct.ctype}, widened back"
+    return (f"typedef {wide} D;\n" + helpers + scale_fn
+            + _PRE_SCALE.format(V=v, factor=factor, rounding=rounding))
 
 
 @functools.cache
@@ -411,15 +460,16 @@ def _reduce_source(rop: ReduceOp, dt: np.dtype[Any]) -> P2PSource:
     base = ReduceOp.SUM if rop == ReduceOp.AVG else rop
     helpers, opfn = _op_code(ct, dt.itemsize, base)
     v = 16 // dt.itemsize
-    if rop == ReduceOp.AVG:
+    pre, fin_code = _PRE_NONE, _FIN_NONE
+    if rop == ReduceOp.AVG and prescales(rop, dt):
+        pre = _pre_scale(ct, v)
+    elif rop == ReduceOp.AVG:
         fhelp, fin, dtype_c = _finish_code(ct)
         fin_code = f"typedef {dtype_c} D;\n" + fhelp + fin + _FIN_AVG.format(V=v)
-    else:
-        fin_code = _FIN_NONE
     name = f"acoll_p2p_{rop.name.lower()}_{dname}"
     body = (_PRELUDE.format(ctype=ct.ctype) + _common() + helpers + opfn
             + _bits_code(ct, dt.itemsize)
-            + _REDUCE_FNS.format(V=v, fin="")
+            + _REDUCE_FNS.format(V=v, pre=pre)
             + fin_code + _RANGE.format()
             + _KERNEL.format(threads=THREADS, name=name, mismatch=ERR_MISMATCH,
                              body=_REDUCE_BODY.format(one=Mode.ALL_REDUCE_ONE_SHOT,
