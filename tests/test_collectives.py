@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import acoll
+from acoll._dtypes import BFLOAT16
 from acoll.testing import run_ranks
 from collective_cases import (
     ALL_DTYPES,
@@ -191,6 +192,43 @@ async def test_results_identical_on_every_rank_for_random_floats() -> None:
 
     results = await run_ranks(5, fn)
     assert all(r == results[0] for r in results)
+
+
+@pytest.mark.parametrize("algo", ["ring", "rd", "direct", "hd"])
+@pytest.mark.parametrize("nranks", [2, 3, 4, 5])
+async def test_ties_and_nans_give_every_rank_the_same_bits(
+        algo: str, nranks: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The ops commute in value but not in bits: MAX/MIN of +0 and -0 keep one operand,
+    a sum of two NaNs one payload. Every algorithm still gives every rank the same bits
+    (recursive doubling: both partners of an exchange put the lower rank's operand
+    first), for float32, float16 and bfloat16, small and large counts."""
+    monkeypatch.setenv("ACOLL_ALGO", f"all_reduce:{algo}")
+    monkeypatch.setenv("ACOLL_CHUNK_SIZE", "4K")
+    nans = {  # (each rank's own NaN: signs and payloads differ, some signalling)
+        np.dtype(np.float32): (np.uint32, [0x7FC00001, 0xFFC00002, 0x7F800003, 0xFF900005,
+                                           0x7FA00007]),
+        np.dtype(np.float16): (np.uint16, [0x7E01, 0xFE02, 0x7D03, 0xFC05, 0x7C07]),
+        BFLOAT16: (np.uint16, [0x7FC1, 0xFFC2, 0x7F83, 0xFF85, 0x7FC7])}
+
+    async def fn(comm: acoll.Communicator) -> list[bytes]:
+        got = []
+        for dt, (raw, bits) in nans.items():
+            for count in (16, 9001):
+                zero = np.full(count, -0.0 if comm.rank % 2 else 0.0, dt)
+                for op in (acoll.MAX, acoll.MIN):
+                    x = zero.copy()
+                    await comm.all_reduce(x, op=op)
+                    got.append(x.tobytes())
+                x = np.full(count, bits[comm.rank], raw).view(dt)
+                assert np.isnan(x).all()
+                await comm.all_reduce(x)
+                got.append(x.tobytes())
+        return got
+
+    with np.errstate(invalid="ignore"):  # (NumPy's loops flag signalling NaNs)
+        results = await run_ranks(nranks, fn)
+    for r, res in enumerate(results):
+        assert res == results[0], r
 
 
 async def test_fp16_bf16_sum_close_to_float32_reference() -> None:

@@ -3,9 +3,10 @@
 They must give NumPy's float16 and ml_dtypes' bfloat16 bits for every value: each test
 runs every 16-bit pattern against a set of second operands (the special ones and random
 ones), for each op, on the vector loops (AVX2/F16C, where this CPU has them) and on the
-plain C loops, in place and not. NaN results are compared as NaN only where both
-operands are NaNs (which payload wins then is the compiler's choice of operand order,
-in NumPy's build as in ours); everywhere else, bit for bit."""
+plain C loops, in place and not. Where both operands are NaNs, NumPy's result is
+compared as a NaN only (which payload wins is its compiler's choice of operand order);
+ours is the second operand's, quieted, at every position. Everywhere else, bit for
+bit."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 import acoll
-from acoll import _dtypes
+from acoll import _communicator, _dtypes
 from acoll import _native as native
 from acoll._dtypes import BFLOAT16, ReduceOp, avg_factor, combiner, finish_avg, scale_into
 from acoll.testing import run_ranks
@@ -87,6 +88,8 @@ def test_every_value_combines_as_numpy_does(lib: native.NativeLib, mode: str,
         out = np.empty_like(a)
         assert lib.reduce(_addr(out), _addr(a), _addr(b), a.size, CODES[dt], int(op)) == 0
         assert _mismatches(out, want, both_nan, dt) == [], (mode, op)
+        if op in (ReduceOp.SUM, ReduceOp.PROD):  # (two NaNs: the second's, quieted)
+            assert (out[both_nan] == _quieted(b[both_nan], dt)).all(), (mode, op)
         # in place, as either operand
         first, second = a.copy(), b.copy()
         lib.reduce(_addr(first), _addr(first), _addr(b), a.size, CODES[dt], int(op))
@@ -98,6 +101,31 @@ def test_every_value_combines_as_numpy_does(lib: native.NativeLib, mode: str,
     lib.reduce(_addr(out2), _addr(a), _addr(b), a.size, CODES[dt], int(ReduceOp.AVG))
     with np.errstate(all="ignore"):
         assert _mismatches(out2, np.add(x, y).view(np.uint16), both_nan, dt) == []
+
+
+def _quieted(b: np.ndarray[Any, Any], dt: np.dtype[Any]) -> np.ndarray[Any, Any]:
+    """The NaN a sum or product of two NaNs gives: the second operand's, quieted."""
+    if dt == BFLOAT16:
+        return (b & 0x8000) | 0x7FC0
+    return b | 0x0200
+
+
+@pytest.mark.parametrize("dt", HALVES, ids=IDS)
+def test_two_nans_give_the_second_quieted_wherever_they_sit(lib: native.NativeLib, mode: str,
+                                                            dt: np.dtype[Any]) -> None:
+    """A sum or product of two NaNs is the second operand's NaN, quieted, on every rank
+    and at every position (the vector body and the scalar tail of a call alike), so the
+    same data cut into pieces differently gives the same bits."""
+    nan = ALL[np.isnan(ALL.view(dt))]
+    rng = np.random.default_rng(3)
+    firsts, seconds = rng.choice(nan, 64), rng.choice(nan, 64)
+    for op in (ReduceOp.SUM, ReduceOp.PROD):
+        for length in (1, 7, 8, 9, 21, 64):
+            for x, y in zip(firsts, seconds, strict=True):
+                a, b = np.full(length, x, np.uint16), np.full(length, y, np.uint16)
+                out = np.empty_like(a)
+                lib.reduce(_addr(out), _addr(a), _addr(b), length, CODES[dt], int(op))
+                assert (out == _quieted(b, dt)).all(), (mode, op, length, hex(x), hex(y))
 
 
 @pytest.mark.parametrize("dt", HALVES, ids=IDS)
@@ -189,6 +217,13 @@ def test_combiner_hands_large_contiguous_arrays_to_the_native_loops(
     want = np.add(shifted[1:], shifted[:-1])
     add(shifted[1:], shifted[:-1], out=shifted[:-1])  # partly overlapping its output
     assert np.array_equal(shifted[:-1].view(np.uint16), want.view(np.uint16))
+    square = rand(4 * least).reshape(2 * least, 2)
+    with pytest.raises(ValueError, match="broadcast"):  # (same size, other shape)
+        add(square, square, out=np.empty((least, 4), dt))
+    swapped = rand(least + 8).astype(dt.newbyteorder())
+    res2 = np.empty_like(swapped)
+    add(swapped, swapped, out=res2)  # (another byte order: not the combiner's dtype)
+    assert np.array_equal(res2, np.add(swapped, swapped))
     frozen = rand(least + 8)
     frozen.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):
@@ -201,6 +236,9 @@ def test_combiner_hands_large_contiguous_arrays_to_the_native_loops(
     scale_into(y, x, f)
     assert scl.items == least + 5
     assert np.array_equal(y.view(np.uint16), np.multiply(x, f).view(np.uint16))
+    for plain in (1 / 3, 0.1):  # (a Python float: rounded to the dtype first, as NumPy)
+        scale_into(y, x, plain)
+        assert np.array_equal(y.view(np.uint16), np.multiply(x, plain).view(np.uint16))
 
 
 @pytest.mark.parametrize("dt", HALVES, ids=IDS)
@@ -237,14 +275,17 @@ async def test_collectives_on_16_bit_floats_give_numpys_bits(
     monkeypatch.setattr(native, "_loaded", {})
     spy = _Spy(lib.reduce)
     monkeypatch.setattr(_dtypes, "_native_reduce", None)
-    monkeypatch.setattr(native, "use_native_halves",
-                        lambda red, scl: _dtypes.use_native_halves(spy, scl))
+
+    def register(red: Any, scl: Any) -> None:
+        _dtypes.use_native_halves(None if red is None else spy, scl)
+
+    monkeypatch.setattr(native, "use_native_halves", register)
+    monkeypatch.setattr(_communicator, "use_native_halves", register)
     fast = await run_ranks(nranks, fn)
     assert spy.items > 0  # (the native loops ran)
     monkeypatch.setenv("ACOLL_NATIVE", "0")
-    _dtypes.use_native_halves(None, None)
     slow = await run_ranks(nranks, fn)
-    assert _dtypes._native_reduce is None
+    assert _dtypes._native_reduce is None  # (an ACOLL_NATIVE=0 communicator turned it off)
     for r in range(nranks):
         for k, (f, s) in enumerate(zip(fast[r], slow[r], strict=True)):
             assert f == s, f"rank {r}, result {k}"

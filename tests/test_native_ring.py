@@ -903,8 +903,11 @@ async def test_a_raw_link_without_the_key_is_refused() -> None:
 @pytest.mark.usefixtures("over_tcp")
 async def test_without_a_compiler_the_python_ring_runs(monkeypatch: pytest.MonkeyPatch,
                                                        tmp_path: Path, caplog: Any) -> None:
+    from acoll import _dtypes
     monkeypatch.setenv("ACOLL_NATIVE_CC", str(tmp_path / "missing-cc"))
     monkeypatch.setenv("ACOLL_NATIVE", "1")
+    for name in ("_native_reduce", "_native_scale"):  # (put back afterwards)
+        monkeypatch.setattr(_dtypes, name, getattr(_dtypes, name))
 
     async def job(comm: acoll.Communicator) -> float:
         x = np.ones(1 << 18, np.float32)
@@ -914,7 +917,8 @@ async def test_without_a_compiler_the_python_ring_runs(monkeypatch: pytest.Monke
 
     with caplog.at_level(logging.WARNING, logger="acoll.INIT"):
         assert await run_ranks(2, job, timeout=20) == [2.0, 2.0]
-    assert "ACOLL_NATIVE=1 but the native ring could not be built" in caplog.text
+    assert "ACOLL_NATIVE=1 but the native library could not be built" in caplog.text
+    assert _dtypes._native_reduce is None  # (NumPy's 16-bit loops, as the warning says)
 
 
 @pytest.mark.usefixtures("over_tcp")

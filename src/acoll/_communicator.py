@@ -108,6 +108,7 @@ from ._dtypes import (
     empty_bytes,
     prescales,
     scale_into,
+    use_native_halves,
 )
 from ._memory import (
     Buffer,
@@ -1586,18 +1587,22 @@ async def _native_lib(endpoints: list[tuple[Transport, Listener]],
     """The native ring's library for a communicator with a TCP transport (built off the
     loop's thread on first use), unless ``ACOLL_NATIVE=0``; a device communicator's runs
     the all_reduces it sends through the host (``ACOLL_GPU_VIA_HOST_MAX``, not 0). Every
-    communicator loads it (unless ``ACOLL_NATIVE=0``) for its 16-bit float loops
-    (:func:`acoll._dtypes.combiner`), whatever its transports."""
+    communicator loads it for its 16-bit float loops (:func:`acoll._dtypes.combiner`),
+    whatever its transports; ``ACOLL_NATIVE=0`` turns those off for the process again."""
     wanted = NATIVE.resolve()
     if wanted == 0:
+        use_native_halves(None, None)
         return None
     lib = await load_native()
+    # (process-wide, as the latest communicator found it: an ACOLL_NATIVE=0 one, or one
+    # whose compiler failed, turns them off)
+    use_native_halves(None if lib is None else lib.reduce, None if lib is None else lib.scale)
+    if lib is None and wanted > 0:
+        log.warning("ACOLL_NATIVE=1 but the native library could not be built (ACOLL_DEBUG="
+                    "INFO says why): the Python ring and NumPy's loops run instead")
     if ((mem is not None and mem.kind != MemoryKind.HOST and VIA_HOST_MAX.resolve() == 0)
             or not any(isinstance(t, TcpTransport) for t, _ in endpoints)):
         return None
-    if lib is None and wanted > 0:
-        log.warning("ACOLL_NATIVE=1 but the native ring could not be built (ACOLL_DEBUG="
-                    "INFO says why): the Python ring runs instead")
     return lib
 
 

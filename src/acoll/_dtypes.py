@@ -137,13 +137,13 @@ def use_native_halves(reduce_fn: Any, scale_fn: Any) -> None:
 
 def _flat_addresses(*arrays: Any) -> list[int] | None:
     """The arrays' data addresses when every one is a C-contiguous ndarray of the first's
-    dtype and size, the first (the output) is writeable and is each other one or lies
+    dtype and shape, the first (the output) is writeable and is each other one or lies
     apart from it; ``None`` otherwise (NumPy's loop then handles them as NumPy does,
     errors included)."""
     out = arrays[0]
-    dt, size = out.dtype, out.size
+    dt, shape = out.dtype, out.shape
     for a in arrays:
-        if type(a) is not np.ndarray or a.dtype != dt or a.size != size or not (
+        if type(a) is not np.ndarray or a.dtype != dt or a.shape != shape or not (
                 a.flags.c_contiguous):
             return None
     if not out.flags.writeable:
@@ -170,7 +170,7 @@ def combiner(op: ReduceOp, dt: np.dtype[Any]) -> Any:
 
     def combine(a: Any, b: Any, out: Any) -> Any:
         fn = _native_reduce
-        if fn is not None and getattr(out, "size", 0) >= least:
+        if fn is not None and getattr(out, "size", 0) >= least and out.dtype == dt:
             addrs = _flat_addresses(out, a, b)
             if addrs is not None:
                 fn(addrs[0], addrs[1], addrs[2], out.size, code, opcode)
@@ -211,8 +211,8 @@ def scale_into(dst: npt.NDArray[Any], src: npt.NDArray[Any], factor: Any) -> Non
     fn = _native_scale
     if code is not None and fn is not None and dst.size >= _HALF_MIN[dst.dtype]:
         addrs = _flat_addresses(dst, src)
-        if addrs is not None:
-            fn(addrs[0], addrs[1], dst.size, code, float(factor))
+        if addrs is not None:  # (the factor rounded to the dtype, as NumPy rounds it)
+            fn(addrs[0], addrs[1], dst.size, code, float(dst.dtype.type(factor)))
             return
     np.multiply(src, factor, out=dst)
 

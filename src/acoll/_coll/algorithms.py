@@ -206,8 +206,9 @@ class RecursiveDoublingAllReduce:
     For ``n`` not a power of two, the first ``2 * (n - p)`` ranks (``p`` the largest power
     of two <= n) pair up: odd ones fold their even neighbour's data in, the even ones wait,
     and get the result back at the end (:class:`acoll._topology.RecursiveDoubling`). Every
-    rank ends with bit-identical results because each exchange combines the same two
-    operands (in either order; all ops are commutative).
+    rank ends with bit-identical results because both partners of an exchange combine the
+    same two operands in the same order, the lower rank's first (the ops commute in value,
+    not in bits: a MAX of +0 and -0, or a sum of two NaNs, keeps one operand's bits).
     """
 
     def __init__(self, ctx: OpContext, src: Buffer, dst: Buffer, op: ReduceOp) -> None:
@@ -235,7 +236,10 @@ class RecursiveDoublingAllReduce:
             sf = ctx.post_send(peer, dst, i + 1)
             await ctx.wait_recv(rf, peer)
             await ctx.wait_send(sf, peer)
-            await ctx.reduce(dst, dst, tmp, op)
+            if peer < r:
+                await ctx.reduce(dst, tmp, dst, op)
+            else:
+                await ctx.reduce(dst, dst, tmp, op)
         if op == ReduceOp.AVG:
             await ctx.avg(dst)
         if self.role == "odd":

@@ -155,8 +155,8 @@ AVERAGE(avg_f64, double, double)
  * return an operand's own bits: a NaN operand wins (the first if both are), and on ties
  * (+0 against -0) float16 keeps the first operand and bfloat16 the second, as those
  * libraries do. NaN results: float16 keeps the top of the float32 payload, bfloat16
- * gives the sign and 0x7fc0. Not under -ffast-math: the subnormal rounding below relies
- * on IEEE float32 addition. */
+ * gives the sign and 0x7fc0; two NaN operands give the second's (see nan_pick). Not
+ * under -ffast-math: the subnormal rounding below relies on IEEE float32 addition. */
 static inline float h2f(uint16_t h) {
     uint32_t sign = (uint32_t)(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
     uint32_t bits;
@@ -215,16 +215,28 @@ static inline uint16_t f2b(float f) {
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
+/* Where both operands of a sum or product are NaNs, the result is the second one's
+ * (quieted), whatever order the compiler gives the operands and wherever the element
+ * sits in the array (the vector loops and the scalar tails agree): the first operand is
+ * replaced by the second before the operation. */
+static inline float nan_pick(float x, float y) { return (x != x && y != y) ? y : x; }
+
 #define HALVES(NAME, TOF, FROMF, TIE_FIRST)                                             \
     static void NAME(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,     \
                      int op) {                                                           \
         int64_t i;                                                                      \
         switch (op) {                                                                   \
         case OP_SUM: case OP_AVG:                                                       \
-            for (i = 0; i < n; i++) out[i] = FROMF(TOF(a[i]) + TOF(b[i]));              \
+            for (i = 0; i < n; i++) {                                                   \
+                float y = TOF(b[i]);                                                    \
+                out[i] = FROMF(nan_pick(TOF(a[i]), y) + y);                             \
+            }                                                                           \
             break;                                                                      \
         case OP_PROD:                                                                   \
-            for (i = 0; i < n; i++) out[i] = FROMF(TOF(a[i]) * TOF(b[i]));              \
+            for (i = 0; i < n; i++) {                                                   \
+                float y = TOF(b[i]);                                                    \
+                out[i] = FROMF(nan_pick(TOF(a[i]), y) * y);                             \
+            }                                                                           \
             break;                                                                      \
         default: {                                                                      \
             int want_max = op == OP_MAX;                                                \
@@ -257,6 +269,14 @@ SCALE16(scale_bf16_plain, b2f, f2b)
  * NaNs either way); bfloat16 with AVX2 integer rounding. Only where the CPU has them. */
 #define F16C_ROUND (_MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)
 
+/* nan_pick on 8 lanes: x, or y where both are NaNs */
+__attribute__((target("avx2")))
+static inline __m256 nan_pick8(__m256 x, __m256 y) {
+    __m256 both = _mm256_and_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q),
+                                _mm256_cmp_ps(y, y, _CMP_UNORD_Q));
+    return _mm256_blendv_ps(x, y, both);
+}
+
 __attribute__((target("avx2,f16c")))
 static void arith_f16_x86(uint16_t *out, const uint16_t *a, const uint16_t *b, int64_t n,
                           int mul) {
@@ -266,14 +286,14 @@ static void arith_f16_x86(uint16_t *out, const uint16_t *a, const uint16_t *b, i
             __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
             __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
             _mm_storeu_si128((__m128i *)(out + i),
-                             _mm256_cvtps_ph(_mm256_mul_ps(x, y), F16C_ROUND));
+                             _mm256_cvtps_ph(_mm256_mul_ps(nan_pick8(x, y), y), F16C_ROUND));
         }
     } else {
         for (; i + 8 <= n; i += 8) {
             __m256 x = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + i)));
             __m256 y = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + i)));
             _mm_storeu_si128((__m128i *)(out + i),
-                             _mm256_cvtps_ph(_mm256_add_ps(x, y), F16C_ROUND));
+                             _mm256_cvtps_ph(_mm256_add_ps(nan_pick8(x, y), y), F16C_ROUND));
         }
     }
     red_f16_plain(out + i, a + i, b + i, n - i, mul ? OP_PROD : OP_SUM);
@@ -317,9 +337,15 @@ static void arith_bf16_x86(uint16_t *out, const uint16_t *a, const uint16_t *b, 
                            int mul) {
     int64_t i = 0;
     if (mul) {
-        for (; i + 8 <= n; i += 8) f_to_b8(out + i, _mm256_mul_ps(b8_to_f(a + i), b8_to_f(b + i)));
+        for (; i + 8 <= n; i += 8) {
+            __m256 y = b8_to_f(b + i);
+            f_to_b8(out + i, _mm256_mul_ps(nan_pick8(b8_to_f(a + i), y), y));
+        }
     } else {
-        for (; i + 8 <= n; i += 8) f_to_b8(out + i, _mm256_add_ps(b8_to_f(a + i), b8_to_f(b + i)));
+        for (; i + 8 <= n; i += 8) {
+            __m256 y = b8_to_f(b + i);
+            f_to_b8(out + i, _mm256_add_ps(nan_pick8(b8_to_f(a + i), y), y));
+        }
     }
     red_bf16_plain(out + i, a + i, b + i, n - i, mul ? OP_PROD : OP_SUM);
 }
