@@ -111,11 +111,6 @@ def dtype_code(dt: np.dtype[Any]) -> int:
     return code
 
 
-def ufunc_of(op: ReduceOp) -> np.ufunc:
-    """The NumPy ufunc that combines two operands under ``op`` (SUM for AVG's sum)."""
-    return _UFUNCS[op]
-
-
 # ---------------------------------------------------------------- native 16-bit floats
 #: wire code of each 16-bit float dtype (ring.c's DT_F16 / DT_BF16)
 _HALF_CODES = {np.dtype(np.float16): 6, BFLOAT16: 7}
@@ -159,7 +154,7 @@ def _flat_addresses(*arrays: Any) -> list[int] | None:
 @functools.cache
 def combiner(op: ReduceOp, dt: np.dtype[Any]) -> Any:
     """A callable ``f(a, b, out=o)`` doing ``o[:] = a (op) b`` on arrays of ``dt`` as
-    :func:`ufunc_of`'s ufunc does (SUM for AVG's sum), with the same bits: the ufunc
+    NumPy's ufunc for ``op`` does (SUM's for AVG's sum), with the same bits: the ufunc
     itself, or for 16-bit floats a function that hands large contiguous arrays to the
     native loops once they are loaded (:func:`use_native_halves`)."""
     uf = _UFUNCS[op]
