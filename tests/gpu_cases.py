@@ -54,3 +54,18 @@ def to_host(buf: Any) -> np.ndarray[Any, Any]:
         return out
     with buf.device:
         return cp.asnumpy(buf)  # type: ignore[no-any-return]
+
+
+def count_scale_launches(monkeypatch: Any) -> list[int]:
+    """Record the element count of every AVG scaling kernel the CUDA space launches from
+    now on (the kernels still run); returns the list it appends to."""
+    from acoll._memory import cuda as cuda_space
+    launched: list[int] = []
+    real = cuda_space.launch_scale
+
+    def counted(*args: Any, **kw: Any) -> Any:
+        launched.append(args[2])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(cuda_space, "launch_scale", counted)
+    return launched

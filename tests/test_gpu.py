@@ -36,7 +36,7 @@ from collective_cases import (
     check_all,
     reference,
 )
-from gpu_cases import NGPUS, NO_GPU_REASON, cp, to_device, to_host
+from gpu_cases import NGPUS, NO_GPU_REASON, count_scale_launches, cp, to_device, to_host
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPUS < 1, reason=NO_GPU_REASON)]
@@ -420,17 +420,9 @@ async def test_small_average_scales_its_host_copy_without_a_kernel(
     2 ranks (one addition): the reference's bits, every floating-point dtype, in place
     and not, with and without stream=; a larger call (past 64 KiB) still scales on the
     GPU."""
-    from acoll._memory import cuda as cuda_space
     for name in ("ACOLL_P2P_DISABLE", "ACOLL_SHM_DISABLE", "ACOLL_INPROC_DISABLE"):
         monkeypatch.setenv(name, "1")
-    launched: list[int] = []
-    real = cuda_space.launch_scale
-
-    def counted(*args: Any, **kw: Any) -> Any:
-        launched.append(args[2])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(cuda_space, "launch_scale", counted)
+    launched = count_scale_launches(monkeypatch)
     dtypes = [np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)]
 
     def inputs(rank: int, count: int, dt: Any) -> np.ndarray[Any, Any]:

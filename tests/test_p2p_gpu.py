@@ -27,7 +27,7 @@ import pytest
 import acoll
 from acoll._dtypes import BFLOAT16
 from collective_cases import ALL_DTYPES, ALL_OPS, check_all, reference
-from gpu_cases import NGPUS, NO_GPU_REASON, cp, to_device, to_host
+from gpu_cases import NGPUS, NO_GPU_REASON, count_scale_launches, cp, to_device, to_host
 
 HERE = Path(__file__).parent
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(NGPUS < 1, reason=NO_GPU_REASON)]
@@ -83,15 +83,7 @@ async def test_average_scales_each_operand_in_the_kernels(
     kernels sum), for all_reduce (one-shot and two-shot), reduce (root and not) and
     reduce_scatter, in place and not, first calls and prepared repeats; float16's 60000
     averages to a finite value."""
-    from acoll._memory import cuda as cuda_space
-    launched: list[int] = []
-    real = cuda_space.launch_scale
-
-    def counted(*args: Any, **kw: Any) -> Any:
-        launched.append(args[2])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(cuda_space, "launch_scale", counted)
+    launched = count_scale_launches(monkeypatch)
     comms = await _form(_devices(nranks))
     dtypes = [np.dtype(np.float16), BFLOAT16, np.dtype(np.float32), np.dtype(np.float64)]
 

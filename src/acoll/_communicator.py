@@ -986,16 +986,14 @@ class Communicator:
                 # the P2P kernels scale each operand as they load it)
                 s, scaling = self._scale_avg(s, r, stream)
             rop = ReduceOp.SUM
-        if via:
-            ex = self._exec
-            if ex.idle:
-                if s.nbytes <= _VIA_DIRECT_MAX:
-                    await self._via_host_direct(s, r, rop, stream, asked)
-                    return out
-                large = self._via_host_direct_large(s, r, rop, stream, asked)
-                if large is not None:
-                    await large
-                    return out
+        if via:  # (still idle: nothing above awaited)
+            if s.nbytes <= _VIA_DIRECT_MAX:
+                await self._via_host_direct(s, r, rop, stream, asked)
+                return out
+            large = self._via_host_direct_large(s, r, rop, stream, asked)
+            if large is not None:
+                await large
+                return out
         order = self.mem.order(stream)
         cls = algos.choose("all_reduce", s.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.ALL_REDUCE, s, asked, algo=cls)
