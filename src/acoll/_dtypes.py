@@ -203,11 +203,17 @@ def scale_into(dst: npt.NDArray[Any], src: npt.NDArray[Any], factor: Any) -> Non
     """``dst[:] = src * factor`` in ``dst``'s dtype (16-bit floats: the product of two
     16-bit values, exact in float32, rounded once). ``dst`` may be ``src``."""
     code = _HALF_CODES.get(dst.dtype)
+    if code is None:
+        np.multiply(src, factor, out=dst)
+        return
+    # 16-bit floats: the factor is rounded to the dtype first on both paths (ml_dtypes
+    # releases differ on whether bfloat16 * float promotes to float32).
+    factor = dst.dtype.type(factor)
     fn = _native_scale
-    if code is not None and fn is not None and dst.size >= _HALF_MIN[dst.dtype]:
+    if fn is not None and dst.size >= _HALF_MIN[dst.dtype]:
         addrs = _flat_addresses(dst, src)
-        if addrs is not None:  # (the factor rounded to the dtype, as NumPy rounds it)
-            fn(addrs[0], addrs[1], dst.size, code, float(dst.dtype.type(factor)))
+        if addrs is not None:
+            fn(addrs[0], addrs[1], dst.size, code, float(factor))
             return
     np.multiply(src, factor, out=dst)
 
