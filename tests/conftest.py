@@ -253,8 +253,6 @@ async def _with_deadline(run: Any, seconds: float | None) -> Any:
     if sys.version_info >= (3, 11):
         try:
             async with asyncio.timeout(seconds) as deadline:
-                # (marked: tests that look for the library's long timers leave it out)
-                deadline.acoll_test_deadline = True  # type: ignore[attr-defined]
                 return await run
         except TimeoutError:
             if deadline.expired():
