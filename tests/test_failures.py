@@ -275,6 +275,46 @@ async def test_a_rank_that_never_calls_is_the_one_every_timeout_names(
         assert f"waiting for rank {stalled}," in str(exc), f"rank {r}: {exc}"
 
 
+async def test_a_deadline_passing_between_two_waits_still_names_the_stalled_rank(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An op whose deadline passes while it waits for no peer (between two waits: a yield
+    on a loaded loop, a reduction) is looked at again a grace later, when it waits for the
+    rank that holds it up. It used to fail at once naming no one (seen with 8 ranks in one
+    loop on an overloaded machine). Here ranks 0 and 1 spend 1.2 s of their 1 s in a
+    sleep before connecting; rank 2 never calls."""
+    from acoll._coll.base import OpContext
+    real_connect = OpContext.connect
+
+    async def late_connect(self: OpContext, *peers: int) -> None:
+        await asyncio.sleep(1.2)  # (waiting for no peer when the deadline passes)
+        await real_connect(self, *peers)
+
+    monkeypatch.setattr(OpContext, "connect", late_connect)
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        comm.timeout = 1.0
+        comm._algo = "ring"
+        if comm.rank == 2:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 20)
+            return
+        try:
+            await comm.all_reduce(np.ones(3000, np.float32))
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == 2:
+            done.set()
+
+    await run_ranks(3, fn, together=True, timeout=30.0)
+    assert sorted(errors) == [0, 1]
+    for r, exc in errors.items():
+        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
+        assert exc.rank == 2, f"rank {r}: {exc!r}"
+        assert "waiting for rank 2," in str(exc), f"rank {r}: {exc}"
+
+
 @pytest.mark.parametrize(("field", "coll"), [
     ("count", "all_reduce"), ("dtype", "all_reduce"), ("op", "all_reduce"),
     ("count", "broadcast"), ("root", "broadcast"), ("root", "reduce"), ("op", "reduce"),

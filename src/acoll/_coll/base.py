@@ -199,7 +199,7 @@ class OpContext:
     """
 
     __slots__ = ("agree_on", "check", "chunk_bytes", "conns", "deadline", "desc", "grace_used",
-                 "hd_chunks", "heard", "host", "in_group", "mem", "n", "probed", "rank",
+                 "hd_chunks", "heard", "host", "in_group", "looked_again", "mem", "n", "probed", "rank",
                  "ring_chunk_max", "ring_chunks", "seq", "spin", "stage", "tag_base",
                  "waiting_on", "yield_at")
 
@@ -223,6 +223,8 @@ class OpContext:
         self.agree_on: int | None = None  # the peer its agreement exchange waits for now
         self.heard: set[int] = set()  # peers from which a message of this op arrived
         self.grace_used = False
+        #: its deadline passed while it waited for no peer (running): judged a grace later
+        self.looked_again = False
         #: what the peers asked when it timed out said (acoll._comm.probe): peer -> the
         #: rank that peer waits for (-1: not known); empty until then
         self.probed: dict[int, int] = {}

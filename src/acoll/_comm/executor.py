@@ -336,7 +336,9 @@ class Executor:
         has not, or does not answer within half the grace below, is named at once. A rank
         waiting only on peers that did send something, or that made the call, is blocked
         behind someone else: it waits a short grace first, so that the rank that found the
-        stalled one reports first and its cause is the one every rank sees.
+        stalled one reports first and its cause is the one every rank sees. An op waiting
+        for no peer at that instant (it was between two waits on a loaded loop) is looked
+        at again a grace later, once; only then does it fail naming no one.
         """
         host = self.host
         if host.error is not None or ctx not in self.running:
@@ -345,6 +347,13 @@ class Executor:
         waits = {(c, p) for c in ops if (p := _awaited(c)) is not None}
         peers = sorted({p for _, p in waits})
         silent = [p for p in peers if not any(p in c.heard for c in ops)]
+        if not peers and not ctx.looked_again:
+            # Waiting for no one at this instant: between two waits (a yield to the loop,
+            # a reduction), so still running. Look again a grace later, when it most
+            # likely waits for the rank that holds it up (or has finished).
+            ctx.looked_again = True
+            self._loop.call_later(self._grace(), self._timed_out, name, ctx)
+            return
         if silent and not ctx.grace_used and not ctx.probed:
             asks: dict[int, Awaitable[PeerState | None]] = {}
             for c, p in sorted(waits, key=lambda w: w[1]):
