@@ -199,9 +199,9 @@ class OpContext:
     """
 
     __slots__ = ("agree_on", "check", "chunk_bytes", "conns", "deadline", "desc", "grace_used",
-                 "hd_chunks", "heard", "host", "in_group", "looked_again", "mem", "n", "probed", "rank",
-                 "ring_chunk_max", "ring_chunks", "seq", "spin", "stage", "tag_base",
-                 "waiting_on", "yield_at")
+                 "hd_chunks", "heard", "host", "in_group", "looked_again", "mem", "n",
+                 "probed", "rank", "ring_chunk_max", "ring_chunks", "seq", "spin", "stage",
+                 "tag_base", "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
