@@ -238,7 +238,7 @@ def test_combiner_hands_large_contiguous_arrays_to_the_native_loops(
     assert np.array_equal(y.view(np.uint16), np.multiply(x, f).view(np.uint16))
     # A Python float is rounded to the dtype first, on the native path and on NumPy's
     # (below the threshold) alike: ml_dtypes releases differ on whether bfloat16 * float
-    # rounds the float to bfloat16 or promotes to float32 (0.6, on the GPU host, promotes; 0.7 here keeps bfloat16).
+    # rounds the float to bfloat16 (0.7, here) or promotes to float32 (0.6, the GPU host).
     small_x = x[: least - 1]
     small_y = np.empty_like(small_x)
     for plain in (1 / 3, 0.1):
