@@ -5,8 +5,12 @@ a call its peers did not make."""
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -49,6 +53,29 @@ async def test_counts_that_pick_different_algorithms() -> None:
     assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
     assert all("count 1000 vs 100000" in str(e) or "count 100000 vs 1000" in str(e)
                for e in out), out
+
+
+@pytest.mark.parametrize("native", ["-1", "0"])
+def test_counts_whose_algorithms_never_exchange_a_message(native: str) -> None:
+    """Separate processes over TCP: rank 1's count picks recursive doubling, the others'
+    the ring (the native one where it builds, ``ACOLL_NATIVE=-1``). Rank 1 first waits
+    for rank 0 and the ring ranks for their previous rank, so no message of the op reaches
+    a rank that could check it. Found by review: every rank waited for the deadline and
+    then raised TimeoutError. The waiting ranks now send their descriptor to the silent
+    peer after a second, and that peer names the difference."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    env.update(ACOLL_SHM_DISABLE="1", ACOLL_NET="socket", ACOLL_NATIVE=native)
+    proc = subprocess.run(
+        [sys.executable, "-m", "acoll.run", "-n", "3", "--", sys.executable,
+         str(Path(__file__).parent / "mp_mismatch.py")],
+        env=env, capture_output=True, text=True, timeout=90)
+    lines = [ln for ln in proc.stdout.splitlines() if " after " in ln]
+    assert len(lines) == 3, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for line in lines:
+        assert "InvalidUsage: all_reduce mismatch" in line, line
+        assert "count 16384 vs 204800" in line or "count 204800 vs 16384" in line, line
+        took = float(line.split(" after ")[1].split(" s:")[0])
+        assert took < QUICK, f"detected at the deadline, not within seconds: {line}"
 
 
 async def test_zero_elements_on_some_ranks() -> None:

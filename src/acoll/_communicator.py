@@ -83,7 +83,15 @@ from ._comm.native_ring import (
 )
 from ._comm.ordering import SEQ_MASK, OrderChecker, p2p_tag
 from ._comm.peers import PeerLinks, error_for_lost
-from ._comm.probe import PeerState, answer, ask, is_probe
+from ._comm.probe import (
+    PeerState,
+    answer,
+    ask,
+    is_desc_check,
+    is_probe,
+    send_desc_check,
+    take,
+)
 from ._comm.via_host import (
     STAGE_COUNTERS,
     STAGE_PIECE,
@@ -529,22 +537,36 @@ class Communicator:
     def _on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
         """A message came before its receive: a peer's probe is answered here (its op
         timed out waiting for us, see acoll._comm.probe); the rest goes to the checks."""
-        if is_probe(tag):
+        if is_probe(tag) or is_desc_check(tag):
             conn = self._links.conns.get(peer)
             if conn is not None and self._error is None and not self._closed:
-                answer(conn, tag, self._exec.probe_state((tag >> 32) & SEQ_MASK))
+                seq = (tag >> 32) & SEQ_MASK
+                if is_probe(tag):
+                    answer(conn, tag, self._exec.probe_state(seq))
+                else:
+                    take(conn, tag)
+                differs = self._exec.probe_mismatch(seq, peer, meta)
+                if differs is not None:
+                    # (the ranks chose different algorithms for different calls, so no
+                    # message of the op reached a rank that could check it)
+                    self.fail(InvalidUsage(differs))
             return
         self._checker.on_arrival(peer, tag, meta)
 
     def connected(self, peer: int) -> bool:
         return peer in self._links.conns
 
-    def probe_peer(self, peer: int, seq: int, wait: float
+    def send_desc_check(self, peer: int, seq: int, desc: bytes) -> None:
+        conn = self._links.conns.get(peer)
+        if conn is not None and conn.failed is None:
+            send_desc_check(conn, seq, desc)
+
+    def probe_peer(self, peer: int, seq: int, wait: float, desc: bytes
                    ) -> Awaitable[PeerState | None] | None:
         conn = self._links.conns.get(peer)
         if conn is None or conn.failed is not None:
             return None
-        return ask(conn, seq, wait)
+        return ask(conn, seq, wait, desc)
 
     def _on_conn_lost(self, peer: int, lost: ConnectionLost) -> None:
         if self._closed or self._error is not None:

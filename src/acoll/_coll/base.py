@@ -198,10 +198,11 @@ class OpContext:
     communicator's :class:`~acoll._memory.MemorySpace`), paced by the step bound.
     """
 
-    __slots__ = ("agree_on", "check", "chunk_bytes", "conns", "deadline", "desc", "grace_used",
-                 "hd_chunks", "heard", "host", "in_group", "looked_again", "mem", "n",
-                 "probed", "rank", "ring_chunk_max", "ring_chunks", "seq", "spin", "stage",
-                 "tag_base", "waiting_on", "yield_at")
+    __slots__ = ("agree_on", "check", "check_at", "check_gap", "chunk_bytes", "conns",
+                 "deadline", "desc", "grace_used", "hd_chunks", "heard", "host", "in_group",
+                 "looked_again", "mem", "n", "probed", "rank", "ring_chunk_max",
+                 "ring_chunks", "seq", "spin", "stage", "tag_base", "waiting_on",
+                 "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -229,6 +230,9 @@ class OpContext:
         #: rank that peer waits for (-1: not known); empty until then
         self.probed: dict[int, int] = {}
         self.deadline = float("inf")  # loop time at which the executor fails it
+        #: loop time of its next descriptor check (acoll._comm.probe), and the gap after it
+        self.check_at = float("inf")
+        self.check_gap = 0.0
         #: copies pipelined with the algorithm (a device op run on a host copy: see
         #: acoll._comm.via_host.RingStaging); algorithms that support it call
         #: ``await stage.ready(start, count)`` before first reading those elements of

@@ -63,10 +63,15 @@ class ExecHost(OpHost, Protocol):
     def connected(self, peer: int) -> bool:
         """Whether a connection to ``peer`` is made."""
 
-    def probe_peer(self, peer: int, seq: int, wait: float
+    def send_desc_check(self, peer: int, seq: int, desc: bytes) -> None:
+        """Send ``peer`` this rank's descriptor of collective ``seq`` (``desc``, packed)
+        to compare with its own (:func:`.probe.send_desc_check`); nothing without a
+        connection."""
+
+    def probe_peer(self, peer: int, seq: int, wait: float, desc: bytes
                    ) -> Awaitable[PeerState | None] | None:
-        """Ask ``peer`` about collective ``seq`` (:func:`.probe.ask`); ``None`` when there
-        is no connection to ask over."""
+        """Ask ``peer`` about collective ``seq``, described here by ``desc`` (packed)
+        (:func:`.probe.ask`); ``None`` when there is no connection to ask over."""
 
 
 class _Failing(Protocol):
@@ -258,14 +263,19 @@ class Executor:
         if (self.announce is not None and not self_checked
                 and ctx.desc.coll != Coll.SEND_RECV):
             self.announce(full, ctx.desc)
-        ctx.deadline = self._loop.time() + host.timeout
+        now = self._loop.time()
+        ctx.deadline = now + host.timeout
+        if ctx.check and host.size > 1 and ctx.desc.coll != Coll.SEND_RECV:
+            ctx.check_gap = min(DESC_CHECK_S, host.timeout / 4)
+            ctx.check_at = now + ctx.check_gap
         self.running.add(ctx)
         watchdog = self._watchdog
-        if watchdog is None or ctx.deadline < watchdog.when():
-            # (an earlier deadline than the armed one: the timeout was lowered since)
+        first = min(ctx.deadline, ctx.check_at)
+        if watchdog is None or first < watchdog.when():
+            # (an earlier time than the armed one: a check, or a lowered timeout)
             if watchdog is not None:
                 watchdog.cancel()
-            self._watchdog = self._loop.call_at(ctx.deadline, _watch, weakref.ref(self))
+            self._watchdog = self._loop.call_at(first, _watch, weakref.ref(self))
         check: asyncio.Task[None] | None = None
         try:
             if not self_checked and ctx.check and host.size > 1 and (
@@ -297,15 +307,31 @@ class Executor:
                 check.exception()  # already raised through fail(); mark it retrieved
 
     def _watch(self) -> None:
-        """Fail the running ops whose deadline passed; re-arm for the next deadline."""
+        """Fail the running ops whose deadline passed, and send the descriptor checks
+        that are due; re-arm for the next deadline or check."""
         self._watchdog = None
         now = self._loop.time() + 1e-3  # (a timer may fire up to the clock's resolution early)
         for ctx in [c for c in self.running if c.deadline <= now]:
             ctx.deadline = float("inf")  # handled here once (a grace wait has its own timer)
+            ctx.check_at = float("inf")
             self._timed_out(ctx.desc.coll.name.lower(), ctx)
-        later = [c.deadline for c in self.running if c.deadline != float("inf")]
+        for ctx in [c for c in self.running if c.check_at <= now]:
+            self._check_descriptor(ctx)
+            ctx.check_gap *= 2
+            ctx.check_at = now + ctx.check_gap
+            if ctx.check_at >= ctx.deadline:
+                ctx.check_at = float("inf")  # (the deadline's probe compares them too)
+        later = [t for c in self.running if (t := min(c.deadline, c.check_at)) != float("inf")]
         if later:
             self._watchdog = self._loop.call_at(min(later), _watch, weakref.ref(self))
+
+    def _check_descriptor(self, ctx: OpContext) -> None:
+        """``ctx`` is still waiting: send the silent peer it waits for (if any) its
+        descriptor, for that peer to compare once it runs the call (ranks whose counts
+        differ may have picked algorithms that never send each other a message)."""
+        peer = _awaited(ctx)
+        if peer is not None and peer != ctx.rank and peer not in ctx.heard:
+            self.host.send_desc_check(peer, ctx.seq, ctx.desc.packed)
 
     def stop_watchdog(self) -> None:
         """Disarm the deadline timer (the communicator is closed or aborted)."""
@@ -324,6 +350,19 @@ class Executor:
         # number is a call still to come)
         ahead = (seq - self.seq) & SEQ_MASK
         return PeerState(ahead >= 1 << 30, None, self.seq)
+
+    def probe_mismatch(self, seq: int, peer: int, meta: bytes) -> str | None:
+        """What differs between op ``seq`` as this rank runs it and ``peer``'s descriptor
+        ``meta`` of it (sent with its probe); ``None``: the same, not running here, no
+        descriptor (zero bytes), or descriptors unchecked."""
+        if not any(meta):
+            return None
+        for c in self.running:
+            if c.seq == seq and c.check and c.desc.coll != Coll.SEND_RECV:
+                if c.desc.matches(meta):
+                    return None
+                return c.desc.describe_difference(Descriptor.unpack(meta), c.rank, peer)
+        return None
 
     def _grace(self) -> float:
         return min(5.0, self.host.timeout / 10 + 0.2)
@@ -358,7 +397,7 @@ class Executor:
             asks: dict[int, Awaitable[PeerState | None]] = {}
             for c, p in sorted(waits, key=lambda w: w[1]):
                 if p in silent and p not in asks and c.desc.coll != Coll.SEND_RECV:
-                    ask = host.probe_peer(p, c.seq, self._grace() / 2)
+                    ask = host.probe_peer(p, c.seq, self._grace() / 2, c.desc.packed)
                     if ask is not None:
                         asks[p] = ask
             if asks:
@@ -573,6 +612,11 @@ def _settle_callers(ops: list[GroupOp], results: list[BaseException | None]) -> 
                 done.set_exception(res)
             else:
                 done.set_result(None)
+
+
+#: Seconds an op waits for a silent peer before sending it its descriptor to compare
+#: (then twice as long before the next, and so on; a quarter of the timeout if less).
+DESC_CHECK_S = 1.0
 
 
 def _awaited(ctx: OpContext) -> int | None:

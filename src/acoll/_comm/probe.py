@@ -10,11 +10,21 @@ answered by a *reply* (step :data:`REPLY_STEP`) whose 16-byte meta says::
     i state (1: has not made the call, 2: has made it) | i rank it waits for (-1: none
     known) | q the number of calls it has made on the communicator
 
+The probe's own meta is the asking rank's descriptor of the call (16 zero bytes: none).
+A probed rank running that call with another descriptor (the ranks' counts, dtypes or
+ops differ, and so did the algorithms they chose, so that neither sent the other a
+message to check) fails with :class:`~acoll.InvalidUsage` naming the difference, after
+answering.
+
 A rank whose peer has not made the call, or does not answer within the probe's wait,
 names that peer at once; a rank whose peer made the call waits a grace period for the
 cause to arrive from the rank that found it, so that every rank reports the same cause.
-Probes are answered from the connection's arrival callback, outside any op, and never
-reach the order checks. The steps lie in the range data steps never use (see
+A rank whose op has waited a while for a silent peer (one second, then two, four, ...)
+also sends it a *descriptor check* (an empty message under step :data:`DESC_STEP`, its
+meta the rank's descriptor), which gets no reply: the peer, once it runs that call,
+compares as for a probe. So such a disagreement ends in about a second, not at the
+deadline. Probes and checks are answered from the connection's arrival callback, outside
+any op, and never reach the order checks. The steps lie in the range data steps never use (see
 ``acoll._coll.algorithms._STEPS``), below the agreement's.
 """
 
@@ -29,11 +39,13 @@ from .._memory import host_buffer
 from .._transport.base import META_SIZE, Connection
 from .ordering import P2P_TAG
 
-__all__ = ["PROBE_STEP", "REPLY_STEP", "PeerState", "answer", "ask", "is_probe",
-           "pack_state", "unpack_state"]
+__all__ = ["DESC_STEP", "PROBE_STEP", "REPLY_STEP", "PeerState", "answer", "ask",
+           "is_desc_check", "is_probe", "pack_state", "send_desc_check", "take",
+           "unpack_state"]
 
 PROBE_STEP = 0xFFFFFFC0
 REPLY_STEP = 0xFFFFFFC1
+DESC_STEP = 0xFFFFFFC2
 _STEP_MASK = 0xFFFFFFFF
 _NOT_CALLED, _CALLED = 1, 2
 _STATE = struct.Struct("<iiq")
@@ -69,13 +81,32 @@ def is_probe(tag: int) -> bool:
     return not tag & P2P_TAG and tag & _STEP_MASK == PROBE_STEP
 
 
-async def ask(conn: Connection, seq: int, wait: float) -> PeerState | None:
-    """Probe the peer at the other end of ``conn`` about collective ``seq``: its state, or
-    ``None`` when no valid reply came within ``wait`` seconds (or the connection broke)."""
+def is_desc_check(tag: int) -> bool:
+    """Whether a message's tag is a descriptor check's (step DESC_STEP)."""
+    return not tag & P2P_TAG and tag & _STEP_MASK == DESC_STEP
+
+
+def send_desc_check(conn: Connection, seq: int, desc: bytes) -> None:
+    """Send the peer at the other end of ``conn`` this rank's descriptor ``desc`` of
+    collective ``seq`` (no reply comes)."""
+    conn.isend(host_buffer(bytearray(0)), (seq << 32) | DESC_STEP,
+               desc).add_done_callback(consume)
+
+
+def take(conn: Connection, tag: int) -> None:
+    """Take the empty message that arrived under ``tag`` off ``conn``."""
+    conn.irecv(host_buffer(bytearray(0)), tag).add_done_callback(consume)
+
+
+async def ask(conn: Connection, seq: int, wait: float, desc: bytes = bytes(META_SIZE)
+              ) -> PeerState | None:
+    """Probe the peer at the other end of ``conn`` about collective ``seq`` (``desc``: this
+    rank's packed descriptor of it): its state, or ``None`` when no valid reply came within
+    ``wait`` seconds (or the connection broke)."""
     tag = seq << 32
     reply = conn.irecv(host_buffer(bytearray(0)), tag | REPLY_STEP)
     reply.add_done_callback(consume)  # (however this ends: abandoned, it must not log)
-    sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, bytes(META_SIZE))
+    sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, desc)
     sent.add_done_callback(consume)
     try:
         meta = await asyncio.wait_for(asyncio.shield(reply), wait)
@@ -86,7 +117,7 @@ async def ask(conn: Connection, seq: int, wait: float) -> PeerState | None:
 
 def answer(conn: Connection, probe_tag: int, state: PeerState) -> None:
     """Take the probe that arrived under ``probe_tag`` off ``conn`` and send the reply."""
-    conn.irecv(host_buffer(bytearray(0)), probe_tag).add_done_callback(consume)
+    take(conn, probe_tag)
     base = probe_tag & ~_STEP_MASK
     conn.isend(host_buffer(bytearray(0)), base | REPLY_STEP,
                pack_state(state)).add_done_callback(consume)
