@@ -7,6 +7,7 @@ calls inside groups are in ``test_p2p_gpu.py``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import time
 from collections.abc import AsyncIterator
@@ -716,3 +717,50 @@ async def test_a_call_inside_a_group_on_a_communicator_another_group_holds_is_re
     assert len(caught) == 1
     assert isinstance(caught[0], acoll.InvalidUsage)
     assert "another task's group" in str(caught[0])
+
+
+@pytest.mark.parametrize("kind", ["comm", "acoll"])
+@pytest.mark.parametrize("steps", [1, 2])
+async def test_a_group_exit_cancelled_before_its_ops_step_fails_the_communicator(
+        kind: str, steps: int) -> None:
+    """Found by review: a cancellation that reached a group's exit after it took the lock
+    but before its ops took their first step (the gather's tasks never ran a line) left
+    the communicator healthy, its numbers spent, and the peers waiting in the group until
+    the deadline. Now it fails, and the peers hear at once."""
+    n, timeout = 3, 20.0
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(n, uid, r, timeout=timeout)
+                                   for r in range(n)))
+    subs = await asyncio.gather(*(c.split(0) for c in comms))
+
+    async def op(comm: acoll.Communicator, sub: acoll.Communicator) -> None:
+        x, y = np.ones(1 << 12, np.float32), np.ones(1 << 12, np.float32)
+        if kind == "comm":
+            async with comm.group():
+                await comm.all_reduce(x)
+                await comm.all_reduce(y)
+        else:
+            async with acoll.group():
+                await comm.all_reduce(x)
+                await sub.all_reduce(y)
+
+    async def one(comm: acoll.Communicator, sub: acoll.Communicator) -> float:
+        task = asyncio.ensure_future(op(comm, sub))
+        if comm.rank == 0:
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            task.cancel()
+        start = time.monotonic()
+        with contextlib.suppress(BaseException):
+            await task
+        return time.monotonic() - start
+
+    try:
+        waited = await asyncio.gather(*(one(c, s) for c, s in zip(comms, subs, strict=True)))
+        if comms[0].error is None:  # (the ops ran before the cancel landed: nothing to see)
+            assert all(c.error is None for c in comms)
+            pytest.skip(f"the group's ops had run after {steps} steps")
+        assert max(waited) < timeout / 4, waited
+    finally:
+        for c in comms + subs:
+            c.abort()

@@ -592,6 +592,10 @@ class Executor:
                 *(self._run(OpContext(self.host, seq, desc, True, tag), make, checked, full)
                   for seq, desc, tag, make, checked, full, _ in ops), return_exceptions=True)
         except BaseException:  # (cancelled, or failed before: the ops failed it)
+            if self.host.error is None and ops:
+                # Cancelled before any op took its first step (none of them ran a line,
+                # so none reported it): their numbers were promised to the peers.
+                self.cancelled("group", ops[0][0])
             self._fail_callers(ops)
             raise
         finally:
