@@ -259,6 +259,32 @@ async def test_buffers_other_than_numpy() -> None:
     await run_ranks(2, fn)
 
 
+@pytest.mark.filterwarnings("ignore:the matrix subclass:PendingDeprecationWarning")
+@pytest.mark.parametrize("nranks", [2, 3])
+async def test_ndarray_subclasses_are_taken_as_flat_arrays(nranks: int) -> None:
+    """Found by review: an np.matrix kept its 2-D shape when flattened, so all_gather
+    failed to broadcast a row into a block, and a ring's segments were empty or whole
+    (peers blamed for sending 0 bytes)."""
+    async def fn(comm: acoll.Communicator) -> None:
+        n, r = comm.size, comm.rank
+        m = np.matrix(np.arange(6, dtype=np.float32) + r)
+        out = np.matrix(np.zeros((1, 6 * n), np.float32))
+        await comm.all_gather(m, out)
+        assert np.array_equal(np.asarray(out).ravel(),
+                              np.concatenate([np.arange(6, dtype=np.float32) + p
+                                              for p in range(n)]))
+        big = np.matrix(np.full((1, 100_000), r + 1.0, np.float32))
+        await comm.all_reduce(big)  # (the ring's segments: slices of a flat view)
+        assert np.all(np.asarray(big) == n * (n + 1) / 2)
+        a2a = np.matrix(np.arange(3 * n, dtype=np.float32) + 100 * r)
+        got = np.matrix(np.zeros((1, 3 * n), np.float32))
+        await comm.all_to_all(a2a, got)
+        assert np.array_equal(np.asarray(got).ravel(), np.concatenate(
+            [np.arange(3 * r, 3 * r + 3, dtype=np.float32) + 100 * p for p in range(n)]))
+
+    await run_ranks(nranks, fn)
+
+
 @pytest.mark.parametrize("nranks", [2, 3, 5])
 async def test_full_matrix_one_loop_over_tcp(nranks: int, monkeypatch: pytest.MonkeyPatch
                                              ) -> None:

@@ -35,7 +35,15 @@ async def test_reduce_scatter_size_message_names_the_send() -> None:
     assert "recv must hold" not in msgs[0]
 
 
-@pytest.mark.parametrize("op", [True, False])
+def test_numpy_integers_are_reduction_ops() -> None:
+    """Found by review: op=np.int64(2) was refused while op=2 was taken."""
+    assert acoll.ReduceOp.coerce(np.int64(2)) is acoll.ReduceOp(2)
+    assert acoll.ReduceOp.coerce(np.uint8(0)) is acoll.ReduceOp(0)
+    with pytest.raises(acoll.InvalidUsage, match="unknown reduction op"):
+        acoll.ReduceOp.coerce(np.int32(99))
+
+
+@pytest.mark.parametrize("op", [True, False, np.bool_(True)])
 def test_a_bool_is_not_a_reduction_op(op: bool) -> None:
     """Found by review: op=True was taken as PROD (bool is an int)."""
     with pytest.raises(acoll.InvalidUsage, match="unknown reduction op"):

@@ -57,9 +57,9 @@ class ReduceOp(enum.IntEnum):
                 return cls[op.strip().upper()]
             except KeyError:
                 pass
-        elif isinstance(op, int) and not isinstance(op, bool):
+        elif isinstance(op, int | np.integer) and not isinstance(op, bool):
             try:
-                return cls(op)
+                return cls(int(op))
             except ValueError:
                 pass
         raise InvalidUsage(f"unknown reduction op {op!r}: use SUM, PROD, MAX, MIN or AVG")
@@ -266,7 +266,9 @@ def as_host_array(obj: Any, what: str, *, writable: bool = False) -> npt.NDArray
             unsupported dtype; the message names the argument (``what``).
     """
     if isinstance(obj, np.ndarray):
-        arr = obj
+        # (a subclass as a plain array: np.matrix stays 2-D when reshaped, and its rows
+        # would be sliced as blocks)
+        arr = obj if type(obj) is np.ndarray else obj.view(np.ndarray)
     elif hasattr(obj, "__cuda_array_interface__"):
         raise InvalidUsage(f"{what} is a GPU buffer; this communicator moves host memory "
                            "(GPU buffers need a communicator created with device=...)")
