@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
@@ -31,6 +32,17 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
+async def wait_for(aw: Awaitable[T], seconds: float | None) -> T:
+    """``asyncio.wait_for`` without its Python 3.11 flaw: there it returns the result,
+    swallowing a cancellation of the caller, when the awaited task finished in the same
+    loop iteration as the cancel (CPython gh-86296), so that init_rank() or split() could
+    outlive an ``asyncio.timeout`` around them. Raises the builtin TimeoutError."""
+    if sys.version_info >= (3, 11):
+        async with asyncio.timeout(seconds):
+            return await aw
+    return await asyncio.wait_for(aw, seconds)  # pragma: no cover (3.10)
+
+
 def remaining(deadline: float) -> float:
     """Seconds left until ``deadline`` (never negative)."""
     return max(0.0, deadline - asyncio.get_running_loop().time())
@@ -45,7 +57,7 @@ async def wait_until(aw: Awaitable[T], deadline: float, what: str) -> T:
     if asyncio.isfuture(aw):  # (a gather, say: see outcome_dropped_if_cancelled)
         outcome_dropped_if_cancelled(aw)
     try:
-        return await asyncio.wait_for(aw, remaining(deadline))
+        return await wait_for(aw, remaining(deadline))
     except asyncio.TimeoutError as exc:
         # asyncio.TimeoutError is the builtin TimeoutError on 3.11+; ours subclasses it,
         # so check we do not re-wrap our own deadline errors raised further down.

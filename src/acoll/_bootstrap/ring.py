@@ -31,7 +31,7 @@ import msgpack
 from .. import _auth
 from .. import _topology as topo
 from .._config import Setting, get_logger
-from .._deadline import deadline_after, remaining, wait_until
+from .._deadline import deadline_after, remaining, wait_for, wait_until
 from ..errors import (
     AcollError,
     BootstrapError,
@@ -118,7 +118,7 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
             raise stopped
         attempts += 1
         try:
-            return await asyncio.wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
+            return await wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
         except (OSError, asyncio.TimeoutError) as exc:
             last = exc if isinstance(exc, OSError) else OSError(f"connect timed out: {exc}")
         waited = loop.time() - start
@@ -540,7 +540,7 @@ class Bootstrap:
         if self._server is not None:
             # Python >= 3.12.1 waits here for every accepted connection: bound it.
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._server.wait_closed(), 5.0)
+                await wait_for(self._server.wait_closed(), 5.0)
 
     def abort(self) -> None:
         """Close everything now, without telling peers (they see closed connections)."""

@@ -32,7 +32,7 @@ from typing import Any
 from .. import _auth, _forkguard
 from .. import _topology as topo
 from .._config import Setting, get_logger
-from .._deadline import deadline_after, wait_until
+from .._deadline import deadline_after, wait_for, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
 from .stream import FramedConnection, close_if_cancelled, evict, leave_gate, serve_stream
@@ -106,7 +106,7 @@ class RootServer:
             if self.failure is not None:
                 # Keep answering late ranks with the error for the rest of the timeout.
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(asyncio.Event().wait(), self.timeout)
+                    await wait_for(asyncio.Event().wait(), self.timeout)
         finally:
             # Also reached when the loop shuts down and cancels this task: release every
             # socket before returning so nothing outlives the loop. Not ``async with
@@ -120,7 +120,7 @@ class RootServer:
             for conn in self.conns.values():
                 conn.close()
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(server.wait_closed(), 1.0)
+                await wait_for(server.wait_closed(), 1.0)
             log.info("root %s stopped", self.where)
 
     def stop(self) -> None:
@@ -226,7 +226,7 @@ class RootServer:
         finally:
             conn.close()
             with contextlib.suppress(Exception, asyncio.CancelledError):
-                await asyncio.wait_for(conn.writer.wait_closed(), 1.0)
+                await wait_for(conn.writer.wait_closed(), 1.0)
 
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.timeout)

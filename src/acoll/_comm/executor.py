@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
+from .._deadline import wait_for
 from ..errors import AcollError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 from .agreement import start_agreement
@@ -539,7 +540,7 @@ class Executor:
             if not self._block_exited.is_set():
                 wait = self.host.timeout
                 try:  # (set by the failure too: :meth:`fail_waiting`)
-                    await asyncio.wait_for(self._block_exited.wait(), wait)
+                    await wait_for(self._block_exited.wait(), wait)
                 except asyncio.TimeoutError:
                     raise AcollTimeoutError(
                         f"rank {self.host.rank} waited {wait:g} s for the group block of "

@@ -27,7 +27,7 @@ import msgpack
 from .._bootstrap.ring import error_from_wire
 from .._bootstrap.wire import Error as WireError
 from .._config import get_logger
-from .._deadline import deadline_after, outcome_dropped_if_cancelled
+from .._deadline import deadline_after, outcome_dropped_if_cancelled, wait_for
 from .._memory import Staging
 from .._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from .._transport.staged import staged
@@ -308,7 +308,7 @@ class PeerLinks:
         waits = [conn.wait_closed() for conn in self.conns.values()]
         if waits:
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(outcome_dropped_if_cancelled(asyncio.gather(*waits)),
+                await wait_for(outcome_dropped_if_cancelled(asyncio.gather(*waits)),
                                        linger)
         self.abort_all()
 

@@ -35,6 +35,7 @@ import struct
 from dataclasses import dataclass
 
 from .._coll.base import consume
+from .._deadline import wait_for
 from .._memory import host_buffer
 from .._transport.base import META_SIZE, Connection
 from .ordering import P2P_TAG
@@ -109,7 +110,7 @@ async def ask(conn: Connection, seq: int, wait: float, desc: bytes = bytes(META_
     sent = conn.isend(host_buffer(bytearray(0)), tag | PROBE_STEP, desc)
     sent.add_done_callback(consume)
     try:
-        meta = await asyncio.wait_for(asyncio.shield(reply), wait)
+        meta = await wait_for(asyncio.shield(reply), wait)
     except Exception:  # (timed out, or the connection broke)
         return None
     return unpack_state(meta)

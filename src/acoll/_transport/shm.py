@@ -74,7 +74,7 @@ from collections.abc import Callable
 
 from .. import _auth, _forkguard
 from .._config import Setting, get_logger, parse_bool, parse_size
-from .._deadline import wait_until
+from .._deadline import wait_for, wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
@@ -870,16 +870,16 @@ class ShmListener(HandshakeListener):
         deadline = self._handshake_deadline()
         try:
             nonce_a = _auth.new_nonce()
-            await asyncio.wait_for(_send_all(loop, sock, _CHAL.pack(_MAGIC, _VERSION, nonce_a)),
+            await wait_for(_send_all(loop, sock, _CHAL.pack(_MAGIC, _VERSION, nonce_a)),
                                    self._left(deadline))
-            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size),
+            head = await wait_for(_recv_exactly(loop, sock, _HS.size),
                                           self._left(deadline))
             magic, version, nonce_c, hello_len = _HS.unpack(head)
             if magic != _MAGIC or version != _VERSION:
                 raise ProtocolError("not an acoll shared-memory connection")
             if hello_len > _MAX_HELLO:
                 raise ProtocolError(f"hello of {hello_len} bytes")
-            rest = await asyncio.wait_for(
+            rest = await wait_for(
                 _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._left(deadline))
             hello, proof = rest[:hello_len], rest[hello_len:]
             if not _auth.verify(proof, self._key, _auth.CONNECT, _CONTEXT, nonce_a, nonce_c,
@@ -897,7 +897,7 @@ class ShmListener(HandshakeListener):
                 capacity = lane = 0
             ack = _ACK.pack(_auth.prove(self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c,
                                         _ack_claims(hello, capacity, lane)), capacity, lane)
-            await asyncio.wait_for(_send_all(loop, sock, ack, fd if fd >= 0 else None),
+            await wait_for(_send_all(loop, sock, ack, fd if fd >= 0 else None),
                                    self._left(deadline))
             if mm is None:
                 sock.close()

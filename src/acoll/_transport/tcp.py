@@ -94,7 +94,7 @@ import msgpack
 
 from .. import _auth, _forkguard
 from .._config import Setting, get_logger, parse_size
-from .._deadline import wait_until
+from .._deadline import wait_for, wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
 from ..errors import AcollError, ProtocolError, TransportError
@@ -1120,9 +1120,9 @@ class TcpListener(HandshakeListener):
         try:
             _tune(sock, self._bufsize, self._congestion)
             nonce_a = _auth.new_nonce()
-            await asyncio.wait_for(loop.sock_sendall(
+            await wait_for(loop.sock_sendall(
                 sock, _CHAL.pack(_HS_MAGIC, _HS_VERSION, nonce_a)), self._left(deadline))
-            head = await asyncio.wait_for(_recv_exactly(loop, sock, _HS.size),
+            head = await wait_for(_recv_exactly(loop, sock, _HS.size),
                                           self._left(deadline))
             magic, version, index, nsocks, conn_id, nonce_c, hello_len = _HS.unpack(head)
             if magic != _HS_MAGIC or version != _HS_VERSION:
@@ -1134,7 +1134,7 @@ class TcpListener(HandshakeListener):
                     or hello_len > _MAX_HELLO or (split and count % 2)
                     or (raw and (split or count != 1))):
                 raise ProtocolError("bad handshake fields")
-            rest = await asyncio.wait_for(
+            rest = await wait_for(
                 _recv_exactly(loop, sock, hello_len + _auth.PROOF_SIZE), self._left(deadline))
             hello, proof = rest[:hello_len], rest[hello_len:]
             claims = _claims(index, nsocks, conn_id, hello)
@@ -1144,7 +1144,7 @@ class TcpListener(HandshakeListener):
                 with contextlib.suppress(OSError):
                     sock.send(_REFUSED)
                 raise ProtocolError("the connector does not hold this job's key")
-            await asyncio.wait_for(loop.sock_sendall(sock, _auth.prove(
+            await wait_for(loop.sock_sendall(sock, _auth.prove(
                 self._key, _auth.ACCEPT, _CONTEXT, nonce_a, nonce_c, claims)),
                 self._left(deadline))
         except (OSError, asyncio.TimeoutError, ProtocolError) as exc:
