@@ -535,8 +535,9 @@ class Communicator:
         return err
 
     def _on_arrival(self, peer: int, tag: int, meta: bytes) -> None:
-        """A message came before its receive: a peer's probe is answered here (its op
-        timed out waiting for us, see acoll._comm.probe); the rest goes to the checks."""
+        """A message came before its receive: a peer's probe (its op timed out waiting
+        for us) is answered here, and a probe's or descriptor check's descriptor compared
+        with the op this rank runs (see acoll._comm.probe); the rest goes to the checks."""
         if is_probe(tag) or is_desc_check(tag):
             conn = self._links.conns.get(peer)
             if conn is not None and self._error is None and not self._closed:
