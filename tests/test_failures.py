@@ -855,3 +855,50 @@ async def test_a_cancelled_init_or_split_never_returns_a_communicator(call: str)
             c.abort()
         if accepted:
             assert isinstance(results[0], asyncio.CancelledError), (steps, results)
+
+
+async def test_the_net_plugin_scan_runs_once_and_off_the_loop(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review: every init_rank() and split() read every installed distribution's
+    metadata on the loop (4 to 35 ms a rank). The scan is made once per process, on a
+    worker thread; here it is made to take 0.3 s."""
+    import threading
+
+    from acoll._transport import select
+
+    threads: list[str] = []
+
+    def slow_scan(group: str) -> list[Any]:
+        threads.append(threading.current_thread().name)
+        time.sleep(0.3)
+        return []
+
+    monkeypatch.setattr(select, "entry_points", slow_scan)
+    select.plugins.cache_clear()
+    loop = asyncio.get_running_loop()
+    worst = 0.0
+    stop = False
+
+    async def ticker() -> None:
+        nonlocal worst
+        last = loop.time()
+        while not stop:
+            await asyncio.sleep(0.005)
+            now = loop.time()
+            worst, last = max(worst, now - last), now
+
+    tick = asyncio.create_task(ticker())
+    try:
+        uid = acoll.get_unique_id(ifname="=lo")
+        comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=30)
+                                       for r in range(2)))
+        subs = await asyncio.gather(*(c.split(0) for c in comms))
+        await asyncio.gather(*(c.close() for c in subs))
+        await asyncio.gather(*(c.close() for c in comms))
+    finally:
+        stop = True
+        await tick
+        select.plugins.cache_clear()
+    assert threads and threading.main_thread().name not in threads, threads
+    assert len(threads) <= 2, threads  # (two ranks may both start it before it is cached)
+    assert worst < 0.2, worst

@@ -134,6 +134,7 @@ from ._native import load_async as load_native
 from ._net.interfaces import find_interfaces
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
+from ._transport.select import plugins as net_plugins
 from ._transport.select import select_transports
 from ._transport.tcp import TcpTransport
 from ._uid import UniqueId
@@ -438,6 +439,8 @@ class Communicator:
         (from the root's table, or an all-gather); ``make_info(boot_addr)`` builds ours.
         """
         endpoints: list[tuple[Transport, Listener]] = []
+        if not net_plugins.cache_info().currsize:
+            await asyncio.to_thread(net_plugins)  # (the once-per-process scan, off the loop)
         try:
             for transport in select_transports(sockaddr, family, timeout=timeout, key=key,
                                                net=net, nranks=nranks):

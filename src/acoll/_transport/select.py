@@ -23,6 +23,7 @@ chosen in NCCL's ``initNet`` order:
 
 from __future__ import annotations
 
+import functools
 import socket
 from importlib.metadata import entry_points
 from typing import Any
@@ -35,7 +36,7 @@ from .rdma import make_rdma, rdma_ports
 from .shm import make_shm
 from .tcp import TcpTransport
 
-__all__ = ["NET", "ib_devices", "select_transport", "select_transports"]
+__all__ = ["NET", "ib_devices", "plugins", "select_transport", "select_transports"]
 
 log = get_logger("NET")
 
@@ -55,15 +56,20 @@ def ib_devices(hca_spec: str = "") -> tuple[list[tuple[str, int]], str]:
     return [(port.device, port.port) for port, _gid in found], why
 
 
-def _plugins() -> list[tuple[str, Any]]:
-    return [(ep.name, ep) for ep in entry_points(group="acoll.net")]
+@functools.cache
+def plugins() -> tuple[tuple[str, Any], ...]:
+    """The installed ``acoll.net`` entry points, scanned once per process (reading every
+    installed distribution's metadata takes milliseconds, tens of them in large
+    environments: formation calls this on a worker thread first, see
+    ``Communicator._form``)."""
+    return tuple((ep.name, ep) for ep in entry_points(group="acoll.net"))
 
 
 def select_transport(sockaddr: tuple[Any, ...], family: socket.AddressFamily, *,
                      timeout: float, key: bytes, net: str | None = None) -> Transport:
     """Return the data transport for this rank (see the module docstring)."""
     forced = NET.resolve(net).strip().lower()
-    for name, ep in _plugins():
+    for name, ep in plugins():
         if forced and forced != name.lower():
             continue
         try:
