@@ -541,11 +541,12 @@ class Communicator:
         """A message came before its receive: a peer's probe (its op timed out waiting
         for us) is answered here, and a probe's or descriptor check's descriptor compared
         with the op this rank runs (see acoll._comm.probe); the rest goes to the checks."""
-        if is_probe(tag) or is_desc_check(tag):
+        probe = is_probe(tag)
+        if probe or is_desc_check(tag):
             conn = self._links.conns.get(peer)
             if conn is not None and self._error is None and not self._closed:
                 seq = (tag >> 32) & SEQ_MASK
-                if is_probe(tag):
+                if probe:
                     answer(conn, tag, self._exec.probe_state(seq))
                 else:
                     take(conn, tag)
