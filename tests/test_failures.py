@@ -903,3 +903,112 @@ async def test_the_net_plugin_scan_runs_once_and_off_the_loop(
     assert threading.main_thread().name not in threads, threads
     assert len(threads) <= 2, threads  # (two ranks may both start it before it is cached)
     assert worst < 0.2, worst
+
+
+async def test_a_split_cancelled_in_its_exchange_fails_the_parent() -> None:
+    """Found by review: rank 0's split() cancelled while the parent's ranks exchanged
+    colors left the parent healthy; ranks 1 and 2 waited in that exchange until their
+    deadline (20 s here), and a later call on the parent named the wrong rank. A cancelled
+    split() now fails the parent, as a cancelled collective does: the peers' split()
+    raises RemoteError naming rank 0 at once, and rank 0's parent is unusable."""
+    n = 3
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = list(await asyncio.gather(*(acoll.init_rank(n, uid, r, timeout=20)
+                                        for r in range(n))))
+    try:
+        async def split_later(comm: acoll.Communicator) -> acoll.Communicator | None:
+            await asyncio.sleep(0.4)
+            return await comm.split(0)
+
+        late = [asyncio.ensure_future(split_later(c)) for c in comms[1:]]
+        start = time.monotonic()
+        with pytest.raises(TimeoutError):
+            async with asyncio.timeout(0.2):
+                await comms[0].split(0)  # (alone in the exchange: its peers come later)
+        results = await asyncio.gather(*late, return_exceptions=True)
+        took = time.monotonic() - start
+        for r in results:
+            assert isinstance(r, acoll.RemoteError), results
+            assert r.rank == 0, results
+        assert took < 10, took
+        assert isinstance(comms[0].error, acoll.RemoteError)
+        assert "cancelled split" in str(comms[0].error)
+        with pytest.raises(acoll.RemoteError, match="cancelled split"):
+            await comms[0].barrier()
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_a_rank_held_in_an_earlier_call_is_not_the_one_named(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (4 processes, one SIGSTOPped): a rank whose op waited for a peer
+    still inside an earlier call, itself waiting for the stalled rank, named that peer.
+    Here rank 3 never calls; rank 1 (late by 0.5 s) waits for it in reduce(root=1), while
+    rank 2, done with that reduce, waits for rank 1 in the next all_reduce and its
+    deadline comes first. Rank 1 answers the probe with the rank its earlier call waits
+    for, and every rank names rank 3 (rank 2 named rank 1)."""
+    from acoll._comm.executor import Executor
+    monkeypatch.setattr(Executor, "_grace", lambda self: 0.3)
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        comm.timeout = 1.0
+        comm._algo = "tree"
+        if comm.rank == 3:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 20)
+            return
+        if comm.rank == 1:
+            await asyncio.sleep(0.5)
+        x = np.ones(3000, np.float32)
+        try:
+            await comm.reduce(x, root=1)
+            comm._algo = "ring"
+            await comm.all_reduce(x)
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == 3:
+            done.set()
+
+    # (without the call checks: the rooted ops' agreement would hold ranks 0 and 2 in
+    # the reduce too)
+    await run_ranks(4, fn, together=True, timeout=30.0, check=False)
+    assert sorted(errors) == [0, 1, 2]
+    for r, exc in errors.items():
+        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
+        assert exc.rank == 3, f"rank {r}: {exc!r}"
+
+
+async def test_a_peer_waiting_in_the_call_points_to_the_rank_it_waits_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 2 never calls; in a ring all_reduce rank 0 waits for it and rank 1 for rank 0,
+    which started 0.5 s late, so that rank 1's deadline and grace end before rank 0's
+    deadline. Rank 1 names rank 2, the rank rank 0 said it waits for (it named rank 0)."""
+    from acoll._comm.executor import Executor
+    monkeypatch.setattr(Executor, "_grace", lambda self: 0.3)
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        comm.timeout = 1.0
+        comm._algo = "ring"
+        if comm.rank == 2:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 20)
+            return
+        if comm.rank == 0:
+            await asyncio.sleep(0.5)
+        try:
+            await comm.all_reduce(np.ones(3000, np.float32))
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == 2:
+            done.set()
+
+    await run_ranks(3, fn, together=True, timeout=30.0)
+    assert sorted(errors) == [0, 1]
+    for r, exc in errors.items():
+        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
+        assert exc.rank == 2, f"rank {r}: {exc!r}"

@@ -615,8 +615,8 @@ class _StagedListener(Listener):
         hello, conn = await self.inner.accept()
         return hello, _Labelled(conn, FakeDeviceSpace(0))
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, notice: bytes = b"") -> None:
+        self.inner.close(notice)
 
 
 class _StagedTransport(Transport):

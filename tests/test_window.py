@@ -29,8 +29,8 @@ class _CappedListener(Listener):
         hello, conn = await self.inner.accept()
         return hello, WindowedConnection(conn, self.limit)
 
-    def close(self) -> None:
-        self.inner.close()
+    def close(self, notice: bytes = b"") -> None:
+        self.inner.close(notice)
 
 
 class _CappedTransport(Transport):

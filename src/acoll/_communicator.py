@@ -1535,7 +1535,9 @@ class Communicator:
         """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
 
         Ranks are ordered by ``key`` (then by parent rank). ``color=None`` joins none and
-        returns ``None``. Every rank of this communicator must call it.
+        returns ``None``. Every rank of this communicator must call it. Cancelled while
+        the ranks exchange colors, it fails this communicator (as a cancelled collective
+        does): the other ranks' split() raises RemoteError naming this rank.
         """
         self._not_in_group("split()")
         self.check_usable()
@@ -1559,9 +1561,13 @@ class Communicator:
         try:
             async with self._exec.exclusive():
                 items = await self._boot.allgather(msgpack.packb([color, key, addr]))
-        except BaseException:
+        except BaseException as exc:
             if sock is not None:
                 sock.close()
+            if isinstance(exc, asyncio.CancelledError):
+                # The peers are in (or on their way to) the same exchange and cannot finish
+                # it: fail the parent, as a cancelled collective does, so that they hear.
+                self._exec.cancelled("split", self._split_seq)
             raise
         if color is None:
             return None
@@ -1573,11 +1579,14 @@ class Communicator:
                                digest_size=16).digest()
         peer_addrs: list[Address] = [(a[0], a[1], a[2]) for _, _, a in members]
 
+        served: list[Bootstrap] = []  # (once made, the bootstrap owns ``sock``)
+
         async def join(make_info: Callable[[Address], bytes]
                        ) -> tuple[Bootstrap, list[bytes]]:
             boot = await Bootstrap.from_peers(rank=new_rank, nranks=len(members), key=nkey,
                                               sock=sock, peer_addrs=peer_addrs,
                                               timeout=self.timeout)
+            served.append(boot)
             try:
                 return boot, await boot.allgather(make_info(boot.addr))
             except BaseException:
@@ -1590,7 +1599,8 @@ class Communicator:
                                             net=None, check=self.check, mem=mem,
                                             nranks=len(members))
         except BaseException:
-            sock.close()  # harmless if the bootstrap server already owns and closed it
+            if not served:  # (else its server closes it: closed here first, that close
+                sock.close()  # would find no descriptor)
             raise
 
 

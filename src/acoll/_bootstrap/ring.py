@@ -46,6 +46,7 @@ from .stream import (
     FramedConnection,
     PeerClosed,
     close_if_cancelled,
+    close_server,
     evict,
     leave_gate,
     serve_stream,
@@ -293,6 +294,9 @@ class Bootstrap:
 
     # ------------------------------------------------------------------ incoming
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.closing or self.error is not None:  # (accepted as the server closed)
+            writer.transport.abort()
+            return
         holder: list[int] = []  # the gate token, set before the task first runs
         task = asyncio.get_running_loop().create_task(self._read_peer(reader, writer, holder))
         self._readers.add(task)
@@ -509,7 +513,7 @@ class Bootstrap:
     def _close_all(self) -> None:
         # FramedConnection.close flushes frames already queued (an error or close notice).
         if self._server is not None:
-            self._server.close()
+            close_server(self._server)
         for conn in list(self._out.values()):
             conn.close()
         self._out.clear()

@@ -35,7 +35,14 @@ from .._config import Setting, get_logger
 from .._deadline import deadline_after, wait_for, wait_until
 from ..errors import AcollError
 from ..errors import TimeoutError as AcollTimeoutError
-from .stream import FramedConnection, close_if_cancelled, evict, leave_gate, serve_stream
+from .stream import (
+    FramedConnection,
+    close_if_cancelled,
+    close_server,
+    evict,
+    leave_gate,
+    serve_stream,
+)
 from .wire import Error, Hello, RingInfo
 
 __all__ = ["RootServer", "listen_socket", "start_root"]
@@ -88,6 +95,7 @@ class RootServer:
         self.failure: Error | None = None
         self._done = asyncio.Event()
         self._handlers: set[asyncio.Task[None]] = set()
+        self._stopped = False
         self._gate = _auth.PreAuthGate()
         self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
@@ -112,7 +120,8 @@ class RootServer:
             # socket before returning so nothing outlives the loop. Not ``async with
             # server``: from Python 3.12.1 its exit waits, without bound, for every
             # connection it accepted to be closed, and ours are closed only below.
-            server.close()
+            self._stopped = True
+            close_server(server)
             for task in list(self._handlers):
                 task.cancel()
             if self._handlers:
@@ -128,6 +137,9 @@ class RootServer:
         self._done.set()
 
     def _on_connect(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self._stopped:  # (accepted as the server closed)
+            writer.transport.abort()
+            return
         task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)

@@ -23,8 +23,8 @@ from .wire import (
     encode,
 )
 
-__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "close_if_cancelled", "evict",
-           "leave_gate", "serve_stream", "set_nodelay"]
+__all__ = ["AuthFailed", "FramedConnection", "PeerClosed", "close_if_cancelled",
+           "close_server", "evict", "leave_gate", "serve_stream", "set_nodelay"]
 
 _READ_SIZE = 1 << 15
 #: StreamReader buffer limit of bootstrap connections (what a peer can make us hold
@@ -48,6 +48,34 @@ async def serve_stream(on_connect: Callable[[asyncio.StreamReader, asyncio.Strea
     with contextlib.suppress(OSError):  # start_server re-listened with the batch size
         sock.listen(socket.SOMAXCONN)
     return server
+
+
+def close_server(server: asyncio.base_events.Server) -> None:
+    """Stop accepting now and close ``server`` on the loop's next step.
+
+    asyncio's own close() races with a connection accepted in the same loop step: that
+    connection's transport is made a step later, finds the server gone (an AssertionError
+    that debug mode reports to the loop's exception handler) and its socket is left open.
+    Here the listening sockets stop being watched at once (plain asyncio: the loop's
+    reader; uvloop accepts on its own and has no such race), and the close waits for the
+    step in which such a transport is made; its handler sees the owner closed and ends
+    it.
+    """
+    loop = server.get_loop()
+    for sock in server.sockets:
+        with contextlib.suppress(Exception):  # (a loop that does not own such a reader)
+            loop.remove_reader(sock.fileno())
+    if loop.is_closed():
+        _close_now(server)
+    else:
+        loop.call_soon(_close_now, server)
+
+
+def _close_now(server: asyncio.base_events.Server) -> None:
+    # (a listening socket closed under the server by its owner makes asyncio's close
+    # raise ValueError for its descriptor, -1; the server is shut all the same)
+    with contextlib.suppress(ValueError):
+        server.close()
 
 
 def evict(writer: asyncio.StreamWriter, task: asyncio.Task[None]) -> None:

@@ -350,7 +350,15 @@ class Executor:
         # (sequence numbers wrap at SEQ_MASK: one less than half a cycle ahead of our next
         # number is a call still to come)
         ahead = (seq - self.seq) & SEQ_MASK
-        return PeerState(ahead >= 1 << 30, None, self.seq)
+        called = ahead >= 1 << 30
+        # Still in an earlier call (the asked one queued behind it, or not made yet)? The
+        # rank that call waits for holds the asked one up as well.
+        earlier = [(((seq - c.seq) & SEQ_MASK), c) for c in self.running
+                   if 0 < (seq - c.seq) & SEQ_MASK < 1 << 30]
+        if earlier:
+            oldest = max(earlier, key=lambda e: e[0])[1]
+            return PeerState(called, _awaited(oldest), self.seq, earlier=True)
+        return PeerState(called, None, self.seq)
 
     def probe_mismatch(self, seq: int, peer: int, meta: bytes) -> str | None:
         """What differs between op ``seq`` as this rank runs it and ``peer``'s descriptor
@@ -394,16 +402,17 @@ class Executor:
             ctx.looked_again = True
             self._loop.call_later(self._grace(), self._timed_out, name, ctx)
             return
-        if silent and not ctx.grace_used and not ctx.probed:
+        if peers and not ctx.grace_used and not ctx.probed:
+            # (the peers that sent something are asked too: where they wait themselves)
             asks: dict[int, Awaitable[PeerState | None]] = {}
             for c, p in sorted(waits, key=lambda w: w[1]):
-                if p in silent and p not in asks and c.desc.coll != Coll.SEND_RECV:
+                if p not in asks and c.desc.coll != Coll.SEND_RECV:
                     ask = host.probe_peer(p, c.seq, self._grace() / 2, c.desc.packed)
                     if ask is not None:
                         asks[p] = ask
             if asks:
                 ctx.probed = {p: -1 for p in asks}
-                task = self._loop.create_task(self._judge(name, ctx, asks))
+                task = self._loop.create_task(self._judge(name, ctx, asks, set(silent)))
                 self._probes.add(task)
                 task.add_done_callback(self._probes.discard)
                 return
@@ -411,16 +420,25 @@ class Executor:
             ctx.grace_used = True
             self._loop.call_later(self._grace(), self._timed_out, name, ctx)
             return
-        blamed = silent or peers
+        blamed = list(dict.fromkeys(self._culprit(ctx, p) for p in silent or peers))
         if not blamed:
             waited = ""
         elif silent:
             waited = "; it was waiting for " + "; ".join(
                 self._silent(ctx, p) for p in silent)
         else:
+            behind = [f"rank {p} was waiting for rank {w}" for p in peers
+                      if (w := ctx.probed.get(p, -1)) >= 0]
             waited = (f"; it was waiting for rank{'s' if len(peers) > 1 else ''} "
-                      f"{', '.join(map(str, peers))}, which had started this call")
+                      f"{', '.join(map(str, peers))}, which had started this call"
+                      + (f" ({'; '.join(behind)})" if behind else ""))
         self._fail_timeout(name, ctx, waited, blamed)
+
+    def _culprit(self, ctx: OpContext, peer: int) -> int:
+        """The rank to name for ``peer``, which sent nothing in ``ctx``: the rank it said
+        it waits for (when asked, and that is neither this rank nor itself), else itself."""
+        behind = ctx.probed.get(peer, -1)
+        return behind if behind >= 0 and behind not in (self.host.rank, peer) else peer
 
     def _silent(self, ctx: OpContext, peer: int) -> str:
         """What the report says of ``peer``, which sent nothing in ``ctx``."""
@@ -432,24 +450,33 @@ class Executor:
         return f"rank {peer}, which sent nothing in this call{how} (stalled, or not in this call)"
 
     async def _judge(self, name: str, ctx: OpContext,
-                     asks: dict[int, Awaitable[PeerState | None]]) -> None:
-        """Fail naming the asked peers that have not made the call or did not answer, or,
-        when every one made it, wait the grace (see :meth:`_timed_out`)."""
+                     asks: dict[int, Awaitable[PeerState | None]], silent: set[int]
+                     ) -> None:
+        """Fail naming the asked ``silent`` peers that have not made the call or did not
+        answer, or, when every one made it, wait the grace (see :meth:`_timed_out`). (A peer
+        that sent something in the call made it; its answer may be queued behind its data,
+        so its silence blames no one.)"""
         states = dict(zip(asks, await asyncio.gather(*asks.values()), strict=True))
         if self.host.error is not None or ctx not in self.running:
             return
         parts, blamed = [], []
         for p, st in states.items():
-            if st is None:
+            if p not in silent:
+                ctx.probed[p] = -1 if st is None or st.waiting_on is None else st.waiting_on
+            elif st is None:
                 blamed.append(p)
                 parts.append(f"rank {p}, which sent nothing in this call and did not answer "
                              f"within {self._grace() / 2:g} s whether it made it (stalled, "
                              "or its event loop is blocked)")
             elif not st.called:
-                blamed.append(p)
+                held = (st.earlier and st.waiting_on is not None
+                        and st.waiting_on not in (self.host.rank, p))
+                blamed.append(st.waiting_on if held and st.waiting_on is not None else p)
                 parts.append(f"rank {p}, which has not made this call (it has made "
                              f"{st.calls} call{'s' if st.calls != 1 else ''} on this "
-                             "communicator)")
+                             "communicator" + (f" and is still in an earlier one, waiting "
+                                               f"for rank {st.waiting_on}" if held else "")
+                             + ")")
             else:
                 ctx.probed[p] = -1 if st.waiting_on is None else st.waiting_on
         if blamed:

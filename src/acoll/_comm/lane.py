@@ -71,6 +71,7 @@ from .._dtypes import ReduceOp, combiner, finish_avg, scale_into
 from .._memory import Buffer, shared
 from .._memory.host import data_address, paced
 from .._memory.shared import SharedBlock, open_shared
+from .._offloop import in_thread
 from .._transport.base import Connection, PeerInfo
 from .._transport.shmlane import (
     Board,
@@ -168,6 +169,28 @@ def open_board(pid: int, fd: int, span: int) -> mmap.mmap:
         return mmap.mmap(bfd, span)
     finally:
         os.close(bfd)
+
+
+def _open_boards(records: Sequence[dict[str, Any]], rank: int, span: int
+                 ) -> tuple[dict[int, mmap.mmap], str]:
+    """Map every other rank's board (``records``: their all-gathered records): the maps,
+    and why not all of them could be mapped ("" when they could). Raises nothing."""
+    maps: dict[int, mmap.mmap] = {}
+    for k, rec in enumerate(records):
+        if k == rank:
+            continue
+        try:
+            maps[k] = open_board(rec["pid"], rec["fd"], span)
+            if maps[k][:16] != rec["token"]:
+                return maps, f"rank {rank} mapped a stranger's board for rank {k}"
+        except Exception as exc:  # (every rank must reach the second all-gather)
+            return maps, f"rank {rank} cannot map rank {k}'s board: {exc}"
+    return maps, ""
+
+
+def _close_board(made: tuple[int, mmap.mmap]) -> None:
+    os.close(made[0])
+    _close_maps([made[1]])
 
 
 def _close_maps(maps: Any) -> None:
@@ -318,7 +341,8 @@ class Lane:
         maps: dict[int, mmap.mmap] = {}
         try:
             try:
-                fd, maps[self.rank] = _new_board(span)
+                # (reserving the pages takes a millisecond or more: not on the loop)
+                fd, maps[self.rank] = await in_thread(lambda: _new_board(span), _close_board)
                 maps[self.rank][:16] = token
             except Exception as exc:  # (every rank must reach the all-gathers)
                 why = f"rank {self.rank} cannot make its board: {exc}"
@@ -329,15 +353,11 @@ class Lane:
             # (the one-shot steps run on boards only; every rank must cut them alike, and
             # each read its own cache sizes: the smallest step wins)
             self.pair_step = min(int(r["pair"]) for r in records)
-            for k, rec in enumerate(records):
-                if why or k == self.rank:
-                    continue
-                try:
-                    maps[k] = open_board(rec["pid"], rec["fd"], span)
-                    if maps[k][:16] != rec["token"]:
-                        why = f"rank {self.rank} mapped a stranger's board for rank {k}"
-                except Exception as exc:  # (as above)
-                    why = f"rank {self.rank} cannot map rank {k}'s board: {exc}"
+            if not why:
+                opened, why = await in_thread(
+                    lambda: _open_boards(records, self.rank, span),
+                    lambda made: _close_maps(made[0].values()))
+                maps.update(opened)
             verdicts = [msgpack.unpackb(v) for v in await boot.allgather(msgpack.packb(why))]
             why = next((v for v in verdicts if v), "")
         except BaseException:

@@ -36,6 +36,11 @@ from .._transport.window import windowed
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError
 from ..errors import TimeoutError as AcollTimeoutError
 
+#: Seconds a rank whose dial was refused waits for a failure notice before it reports
+#: the refusal: a peer that stopped listening failed (or closed), and its notice, which
+#: names the cause every rank should report, is usually a few milliseconds behind.
+REFUSED_GRACE_S = 0.5
+
 __all__ = ["PeerLinks", "choose_transport", "error_for_lost"]
 
 log = get_logger("INIT")
@@ -111,6 +116,7 @@ class PeerLinks:
         self._loop = asyncio.get_running_loop()
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopped = False
+        self._stop_seen = asyncio.Event()
         # Why this rank failed (fail_all's notice), and the connections made after that,
         # which carry it too (a dial begun before the failure that ended after it).
         self._notice = b""
@@ -215,6 +221,11 @@ class PeerLinks:
             err = exc if isinstance(exc, AcollTimeoutError) else RemoteError(
                 f"rank {self.rank} cannot connect to rank {peer} over {transport.name}: "
                 f"{exc}", peer)
+            if err is not exc and not self._stopped:
+                # (a stop() meanwhile fails ``fut`` with the communicator's error instead)
+                with contextlib.suppress(TimeoutError):
+                    await wait_for(self._stop_seen.wait(),
+                                   min(REFUSED_GRACE_S, self.timeout / 4))
             if not fut.done():
                 fut.set_exception(err)
             self._on_error(err)
@@ -276,6 +287,7 @@ class PeerLinks:
     def stop(self, error: AcollError | None) -> None:
         """Stop accepting; fail waiters for connections not made yet with ``error``."""
         self._stopped = True
+        self._stop_seen.set()
         err = self._stop_error = error or ClosedError("the communicator is closed")
         for fut in self._connecting.values():
             if not fut.done():
@@ -287,7 +299,7 @@ class PeerLinks:
                 raw.set_exception(err)
                 raw.exception()
         for _, listener in self._endpoints:
-            listener.close()
+            listener.close(self._notice)  # (fail_all's, when failing)
 
     def fail_all(self, notice: bytes) -> None:
         """Tell every connected peer why we failed (dropping queued sends), then stop."""

@@ -7,8 +7,9 @@ that rank knows, so the waiting rank asks it, once per op and peer, over their d
 connection: a *probe* (an empty message under step :data:`PROBE_STEP` of the op's tag)
 answered by a *reply* (step :data:`REPLY_STEP`) whose 16-byte meta says::
 
-    i state (1: has not made the call, 2: has made it) | i rank it waits for (-1: none
-    known) | q the number of calls it has made on the communicator
+    i state (1: has not made the call, 2: has made it; +4: it is not running the call
+      but is still in an earlier one) | i rank it waits for, in the call or else in the
+      earlier one (-1: none known) | q the number of calls it has made on the communicator
 
 The probe's own meta is the asking rank's descriptor of the call (16 zero bytes: none).
 A probed rank running that call with another descriptor (the ranks' counts, dtypes or
@@ -17,8 +18,11 @@ message to check) fails with :class:`~acoll.InvalidUsage` naming the difference,
 answering.
 
 A rank whose peer has not made the call, or does not answer within the probe's wait,
-names that peer at once; a rank whose peer made the call waits a grace period for the
-cause to arrive from the rank that found it, so that every rank reports the same cause.
+names that peer at once, unless the peer is held in an earlier call waiting for a third
+rank: that rank is named (the peer waits for it too). A rank whose peer made the call
+waits a grace period for the cause to arrive from the rank that found it, so that every
+rank reports the same cause; if none comes it names the rank the peer waits for, where
+the peer said, else the peer.
 A rank whose op has waited a while for a silent peer (one second, then two, four, ...)
 also sends it a *descriptor check* (an empty message under step :data:`DESC_STEP`, its
 meta the rank's descriptor), which gets no reply: the peer, once it runs that call,
@@ -48,7 +52,7 @@ PROBE_STEP = 0xFFFFFFC0
 REPLY_STEP = 0xFFFFFFC1
 DESC_STEP = 0xFFFFFFC2
 _STEP_MASK = 0xFFFFFFFF
-_NOT_CALLED, _CALLED = 1, 2
+_NOT_CALLED, _CALLED, _EARLIER = 1, 2, 4
 _STATE = struct.Struct("<iiq")
 
 
@@ -57,14 +61,16 @@ class PeerState:
     """Where a probed rank stood in the probed call."""
 
     called: bool  #: it has made the call (it may be running it, or queued behind another)
-    waiting_on: int | None  #: the rank it waits for in that call, where known
+    waiting_on: int | None  #: the rank it waits for (in ``earlier``'s call if set), if known
     calls: int  #: calls it has made on the communicator
+    earlier: bool = False  #: not running the call: still in an earlier one
 
 
 def pack_state(state: PeerState) -> bytes:
     """The reply's meta for ``state``."""
     waiting = -1 if state.waiting_on is None else state.waiting_on
-    return _STATE.pack(_CALLED if state.called else _NOT_CALLED, waiting, state.calls)
+    code = (_CALLED if state.called else _NOT_CALLED) | (_EARLIER if state.earlier else 0)
+    return _STATE.pack(code, waiting, state.calls)
 
 
 def unpack_state(meta: bytes) -> PeerState | None:
@@ -72,9 +78,10 @@ def unpack_state(meta: bytes) -> PeerState | None:
     if len(meta) != _STATE.size:
         return None
     code, waiting, calls = _STATE.unpack(meta)
-    if code not in (_NOT_CALLED, _CALLED) or waiting < -1 or calls < 0:
+    if code & ~_EARLIER not in (_NOT_CALLED, _CALLED) or waiting < -1 or calls < 0:
         return None
-    return PeerState(code == _CALLED, None if waiting < 0 else waiting, calls)
+    return PeerState(code & ~_EARLIER == _CALLED, None if waiting < 0 else waiting, calls,
+                     bool(code & _EARLIER))
 
 
 def is_probe(tag: int) -> bool:

@@ -118,7 +118,7 @@ class HandshakeListener(QueuedListener):
         """On close, after the handshakes are cancelled: release what a subclass holds
         between handshake and connection (nothing by default)."""
 
-    def close(self) -> None:
+    def close(self, notice: bytes = b"") -> None:
         if self._closed:
             return
         self._closed = True
@@ -127,4 +127,4 @@ class HandshakeListener(QueuedListener):
             task.cancel()
         self._close_pending()
         self._sock.close()
-        self._close_queue()
+        self._close_queue(notice)

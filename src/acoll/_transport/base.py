@@ -244,15 +244,18 @@ class Listener(ABC):
         """
 
     @abstractmethod
-    def close(self) -> None:
-        """Stop accepting (idempotent). Connections already returned stay open."""
+    def close(self, notice: bytes = b"") -> None:
+        """Stop accepting (idempotent). Connections already returned stay open; those made
+        but never returned end, with ``notice`` for their connectors when one is given
+        (why this rank stopped: a connector then learns the cause, not a crash)."""
 
 
 class QueuedListener(Listener):
     """A listener whose made connections wait in a queue for :meth:`accept`.
 
     Implementations call :meth:`_offer` for each authenticated connection and
-    :meth:`_close_queue` when closing (connections never accepted are aborted).
+    :meth:`_close_queue` when closing (connections never accepted are closed with the
+    notice, aborted without one).
     """
 
     def __init__(self) -> None:
@@ -271,10 +274,14 @@ class QueuedListener(Listener):
             raise ClosedError("listener is closed")
         return item
 
-    def _close_queue(self) -> None:
+    def _close_queue(self, notice: bytes = b"") -> None:
         while not self._ready.empty():  # made but never accepted: nobody owns them
             item = self._ready.get_nowait()
-            if item is not None:
+            if item is None:
+                continue
+            if notice:
+                item[1].close(notice, drop_queued=True)
+            else:
                 item[1].abort()
         self._ready.put_nowait(None)
 

@@ -441,13 +441,13 @@ class InprocListener(QueuedListener):
     def offer(self, hello: bytes, conn: InprocConnection) -> None:
         self._offer(hello, conn)
 
-    def close(self) -> None:
+    def close(self, notice: bytes = b"") -> None:
         if self._closed:
             return
         self._closed = True
         if _listeners.get(self.handle) is self:
             del _listeners[self.handle]
-        self._close_queue()
+        self._close_queue(notice)
 
 
 def _parse_handle(handle: bytes) -> tuple[bytes, int] | None:

@@ -77,6 +77,7 @@ from .._config import Setting, get_logger, parse_bool, parse_size
 from .._deadline import wait_for, wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
+from .._offloop import in_thread
 from ..errors import AcollError, ProtocolError, TransportError
 from . import shmlane, shmring
 from .accepting import Evicted, HandshakeListener
@@ -321,8 +322,7 @@ class ShmConnection(FutureConnection):
         """Unmap the segment if the connection is released and nothing maps it any more
         (the lane released its mailboxes after the connection closed)."""
         if self._fd < 0:
-            with contextlib.suppress(BufferError):
-                self._mm.close()
+            _unmap_soon(self._loop, self._mm)
 
     def isend(self, buffer: Buffer, tag: int, meta: bytes = bytes(META_SIZE)
               ) -> asyncio.Future[None]:
@@ -452,10 +452,17 @@ class ShmConnection(FutureConnection):
             self._rx_ring.release()
             self._tx_ring.release()
             self._mem.release()
-            with contextlib.suppress(BufferError):  # a view still alive: unmapped by GC
-                self._mm.close()
+            unmapped = _unmap_soon(self._loop, self._mm)
+        else:
+            unmapped = None
         if self._failed is None:
             self._failed = ConnectionLost("the connection was closed locally", orderly=True)
+        if unmapped is not None:  # (wait_closed() returns once the segment is unmapped)
+            unmapped.add_done_callback(lambda _: self._set_released())
+        else:
+            self._set_released()
+
+    def _set_released(self) -> None:
         if not self._released.done():
             self._released.set_result(None)
 
@@ -792,6 +799,29 @@ def _new_segment(layout: shmring.SegmentLayout) -> tuple[int, mmap.mmap]:
     return fd, mm
 
 
+def _close_segment(made: tuple[int, mmap.mmap]) -> None:
+    os.close(made[0])
+    _unmap(made[1])
+
+
+def _unmap(mm: mmap.mmap) -> None:
+    with contextlib.suppress(BufferError):
+        mm.close()
+
+
+def _unmap_soon(loop: asyncio.AbstractEventLoop, mm: mmap.mmap) -> asyncio.Future[None] | None:
+    """Unmap ``mm`` (unless a view of it is still alive: then the collector does), on a
+    worker thread while ``loop`` runs (munmap of a 32 MiB ring pair takes 12 ms); the
+    thread's future, or None when it was done here."""
+    if loop.is_running() and not loop.is_closed():
+        try:
+            return loop.run_in_executor(None, _unmap, mm)
+        except RuntimeError:  # (the executor is shut down: the interpreter is ending)
+            pass
+    _unmap(mm)
+    return None
+
+
 def _map(fd: int, size: int) -> mmap.mmap:
     # MAP_POPULATE: fault the pages in now, not in the first messages' copies
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
@@ -831,6 +861,13 @@ def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
         mm.close()
         raise
     return mm
+
+
+def _map_and_close(fd: int, capacity: int, lane: int) -> mmap.mmap:
+    try:
+        return _map_peer_segment(fd, capacity, lane)
+    finally:
+        os.close(fd)
 
 
 def _drop(sock: socket.socket, mm: mmap.mmap) -> None:
@@ -889,7 +926,10 @@ class ShmListener(HandshakeListener):
                 raise ProtocolError("the connector does not hold this job's key")
             try:
                 layout = shmring.SegmentLayout(self._capacity, self._lane)
-                fd, mm = _new_segment(layout)
+                # (reserving and faulting in the pages: 10 ms for the default ring, 60 ms
+                # for 32 MiB; not on the loop's thread)
+                made = await in_thread(lambda: _new_segment(layout), _close_segment)
+                fd, mm = made
                 capacity, lane = self._capacity, self._lane
             except OSError as exc:  # out of memory (or memfd refused): say so, no segment
                 log.warning("cannot make a shared segment of %d bytes for %s: %s",
@@ -1059,7 +1099,9 @@ class ShmTransport(Transport):
                                      "(out of memory?); ACOLL_SHM_RING_SIZE sets its size")
             if len(fds) != 1:
                 raise ProtocolError(f"the listener sent {len(fds)} descriptors, not one")
-            return _map_peer_segment(fds[0], capacity, lane)
+            # (the descriptor is the thread's to close, even if this task is cancelled)
+            segment = fds.pop()
+            return await in_thread(lambda: _map_and_close(segment, capacity, lane), _unmap)
         finally:
             for fd in fds:
                 os.close(fd)

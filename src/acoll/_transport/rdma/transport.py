@@ -807,7 +807,7 @@ class RdmaListener(QueuedListener):
             return
         self._offer(hello, conn)
 
-    def close(self) -> None:
+    def close(self, notice: bytes = b"") -> None:
         if self._closed:
             return
         self._closed = True
@@ -815,7 +815,7 @@ class RdmaListener(QueuedListener):
         for task in self._tasks:
             task.cancel()
         self._tcp.close()
-        self._close_queue()
+        self._close_queue(notice)
 
 
 # ---------------------------------------------------------------------------- connection

@@ -1,0 +1,70 @@
+"""acoll._offloop.in_thread: blocking work off the loop, its result never lost to a cancel."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from acoll._offloop import in_thread
+
+
+async def test_the_work_runs_on_another_thread() -> None:
+    names: list[str] = []
+
+    def work() -> int:
+        names.append(threading.current_thread().name)
+        return 7
+
+    assert await in_thread(work) == 7
+    assert names
+    assert names[0] != threading.current_thread().name
+
+
+async def test_an_error_reaches_the_caller() -> None:
+    def work() -> None:
+        raise OSError("no memory")
+
+    with pytest.raises(OSError, match="no memory"):
+        await in_thread(work, lambda _: None)
+
+
+async def _cancel_while_running(work_result: object, fail: bool) -> list[object]:
+    gate, finished = threading.Event(), threading.Event()
+    discarded: list[object] = []
+
+    def work() -> object:
+        try:
+            gate.wait(10)
+            if fail:
+                raise OSError("late failure")
+            return work_result
+        finally:
+            finished.set()
+
+    task = asyncio.ensure_future(in_thread(work, discarded.append))
+    await asyncio.sleep(0.05)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert discarded == []  # (the thread is still in work())
+    gate.set()
+    for _ in range(200):
+        if finished.is_set():
+            break
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.05)  # (the loop runs the thread's done callback)
+    return discarded
+
+
+async def test_a_cancelled_caller_hands_the_result_to_discard() -> None:
+    """The result (a descriptor, a mapping) is handed to ``discard`` when the thread ends:
+    nothing it owns is left for the collector."""
+    result = object()
+    assert await _cancel_while_running(result, fail=False) == [result]
+
+
+async def test_a_late_error_after_a_cancel_is_dropped_quietly() -> None:
+    """(The test harness fails on anything reaching the loop's exception handler.)"""
+    assert await _cancel_while_running(None, fail=True) == []
