@@ -1012,3 +1012,34 @@ async def test_a_peer_waiting_in_the_call_points_to_the_rank_it_waits_for(
     for r, exc in errors.items():
         assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
         assert exc.rank == 2, f"rank {r}: {exc!r}"
+
+
+async def test_a_split_cancelled_at_any_step_ends_every_peer_quickly() -> None:
+    """Rank 0's split() is cancelled after 1, 4, 7, ... loop iterations, in the color
+    exchange or while the child forms. Its parent fails (a cancelled call fails the
+    communicator), and the peers' split() ends at once: with RemoteError, or with a child
+    formed before the cancel (whose first call then fails). Before, a cancel during the
+    formation left them waiting for the deadline (20 s here); and one that came inside
+    the child's server start closed its socket under the loop's watch, so that a later
+    server of the loop, given that descriptor number, never accepted (the next
+    init_rank() timed out)."""
+    n = 3
+    for steps in range(1, 80, 3):
+        uid = acoll.get_unique_id(ifname="=lo")
+        comms = list(await asyncio.gather(*(acoll.init_rank(n, uid, r, timeout=20)
+                                            for r in range(n))))
+        tasks = [asyncio.ensure_future(c.split(0)) for c in comms]
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        accepted = tasks[0].cancel()
+        start = time.monotonic()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        took = time.monotonic() - start
+        for c in [*comms, *(r for r in results if isinstance(r, acoll.Communicator))]:
+            c.abort()
+        assert took < 5, (steps, took, results)
+        if accepted:
+            assert isinstance(results[0], asyncio.CancelledError), (steps, results)
+            assert isinstance(comms[0].error, acoll.RemoteError), (steps, comms[0].error)
+            for r in results[1:]:
+                assert isinstance(r, acoll.RemoteError | acoll.Communicator), (steps, results)

@@ -393,6 +393,8 @@ class Communicator:
         self._error: AcollError | None = None
         self._closed = False
         self._closing: asyncio.Future[None] | None = None  # set while close() runs
+        #: futures set once it fails or is aborted (a split() forming a child waits on one)
+        self._ended: list[asyncio.Future[None]] = []
         self._split_seq = 0
         self._p2p: P2PDomain | None = None  # the intra-host GPU path, if formed
         self._prepared: PreparedCalls | None = None  # its prepared calls (_p2p/fast.py)
@@ -595,6 +597,7 @@ class Communicator:
         if self._error is not None or self._closed:
             return
         self._error = error
+        self._wake_ended()
         self._lane_plans.clear()
         self._avg_spares.clear()
         lane = getattr(self, "_lane", None)  # (None before the lane is made)
@@ -634,6 +637,7 @@ class Communicator:
             lane.abandon()
         if self._error is None:
             self._error = ClosedError("the communicator was aborted")
+        self._wake_ended()
         self._p2p_seq.fail(self._error)
         if self._p2p is not None:
             self._p2p.abort(self._error)
@@ -648,6 +652,12 @@ class Communicator:
         self._exec.stop_watchdog()
         self._exec.fail_waiting()
         self._release_lane()
+
+    def _wake_ended(self) -> None:
+        ended, self._ended = self._ended, []
+        for fut in ended:
+            if not fut.done():
+                fut.set_result(None)
 
     def _drop_via_plans(self) -> None:
         """Give the direct calls' page-locked blocks back to the staging pool, each reused
@@ -1535,9 +1545,10 @@ class Communicator:
         """Make sub-communicators of the ranks passing the same ``color`` (``ncclCommSplit``).
 
         Ranks are ordered by ``key`` (then by parent rank). ``color=None`` joins none and
-        returns ``None``. Every rank of this communicator must call it. Cancelled while
-        the ranks exchange colors, it fails this communicator (as a cancelled collective
-        does): the other ranks' split() raises RemoteError naming this rank.
+        returns ``None``. Every rank of this communicator must call it. Cancelled before it
+        returns, it fails this communicator (as a cancelled collective does): the other
+        ranks' split() raises RemoteError naming this rank, at once (or returned a child
+        already, whose first call then fails).
         """
         self._not_in_group("split()")
         self.check_usable()
@@ -1579,14 +1590,14 @@ class Communicator:
                                digest_size=16).digest()
         peer_addrs: list[Address] = [(a[0], a[1], a[2]) for _, _, a in members]
 
-        served: list[Bootstrap] = []  # (once made, the bootstrap owns ``sock``)
+        handed: list[bool] = []  # (from_peers owns ``sock`` from its call on)
 
         async def join(make_info: Callable[[Address], bytes]
                        ) -> tuple[Bootstrap, list[bytes]]:
+            handed.append(True)
             boot = await Bootstrap.from_peers(rank=new_rank, nranks=len(members), key=nkey,
                                               sock=sock, peer_addrs=peer_addrs,
                                               timeout=self.timeout)
-            served.append(boot)
             try:
                 return boot, await boot.allgather(make_info(boot.addr))
             except BaseException:
@@ -1595,13 +1606,48 @@ class Communicator:
 
         try:
             mem = HostSpace() if self.device is None else device_space(self.device)
-            return await Communicator._form(join, sockaddr, fam, self.timeout, key=nkey,
-                                            net=None, check=self.check, mem=mem,
-                                            nranks=len(members))
-        except BaseException:
-            if not served:  # (else its server closes it: closed here first, that close
-                sock.close()  # would find no descriptor)
+            return await self._unless_ended(Communicator._form(
+                join, sockaddr, fam, self.timeout, key=nkey, net=None, check=self.check,
+                mem=mem, nranks=len(members)))
+        except BaseException as exc:
+            if not handed:  # (else the bootstrap's server closes it, off the loop's
+                sock.close()  # watch first: see stream.serve_stream)
+            if isinstance(exc, asyncio.CancelledError):
+                # (the other members are forming the child with this rank: they hear
+                # through this communicator, whose failure ends their formation too)
+                self._exec.cancelled("split", self._split_seq)
             raise
+
+    async def _unless_ended(self, forming: Coroutine[Any, Any, Communicator]
+                            ) -> Communicator:
+        """Await ``forming`` (a child's formation), unless this communicator fails or is
+        aborted first: then the formation is cancelled and its error raised (a member
+        that left the split, cancelled, fails this communicator: its peers learn it here
+        instead of at the child's deadline)."""
+        task = asyncio.ensure_future(forming)
+        ended = asyncio.get_running_loop().create_future()
+        self._ended.append(ended)
+        if self._error is not None or self._closed:  # (ended before this call got here)
+            ended.set_result(None)
+        try:
+            await asyncio.wait({task, ended}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            if not task.cancelled() and task.exception() is None:
+                task.result().abort()  # (formed as the cancel came: nobody gets it)
+            raise
+        finally:
+            if ended in self._ended:
+                self._ended.remove(ended)
+        if task.done():
+            return task.result()
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if not task.cancelled() and task.exception() is None:
+            task.result().abort()  # (formed as the failure came: dropped)
+        self.check_usable()
+        raise AssertionError("unreachable: the communicator ended without an error")
 
 
 class Registration:

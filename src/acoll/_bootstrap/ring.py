@@ -274,7 +274,8 @@ class Bootstrap:
                          peer_addrs: list[Address], timeout: float) -> Bootstrap:
         """A bootstrap whose members already know each other (``split``): no root.
 
-        ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``.
+        ``sock`` is this rank's listening socket, whose address is ``peer_addrs[rank]``;
+        it is the bootstrap's from the call on (closed by it, also if this raises).
         """
         self = cls(rank, nranks, key, timeout)
         self._server = await serve_stream(self._on_connect, sock)

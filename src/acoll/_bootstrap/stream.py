@@ -42,9 +42,24 @@ async def serve_stream(on_connect: Callable[[asyncio.StreamReader, asyncio.Strea
                        sock: socket.socket) -> asyncio.base_events.Server:
     """``asyncio.start_server`` on a listening ``sock``, accepting :data:`ACCEPT_BATCH`
     connections per wake-up while the kernel still queues ``SOMAXCONN`` (bursts of
-    hundreds of ranks connecting at once are not dropped)."""
-    server = await asyncio.start_server(on_connect, sock=sock, backlog=ACCEPT_BATCH,
-                                        limit=READ_LIMIT)
+    hundreds of ranks connecting at once are not dropped).
+
+    ``sock`` is the server's from the call on: if this raises (or is cancelled), the
+    socket is closed here, its reader removed from the loop first. (Closed by a caller
+    while the loop still watched it, its descriptor number, reused by the next socket,
+    would never be watched again: a later server of that loop accepted nothing.)
+    """
+    try:
+        server = await asyncio.start_server(on_connect, sock=sock, backlog=ACCEPT_BATCH,
+                                            limit=READ_LIMIT, start_serving=False)
+    except BaseException:
+        sock.close()
+        raise
+    try:
+        await server.start_serving()
+    except BaseException:
+        close_server(server)
+        raise
     with contextlib.suppress(OSError):  # start_server re-listened with the batch size
         sock.listen(socket.SOMAXCONN)
     return server
