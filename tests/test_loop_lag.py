@@ -264,42 +264,68 @@ async def test_no_long_loop_step_with_the_native_ring(monkeypatch: pytest.Monkey
                             f"(limit {limit} ms) by {what}")
 
 
+#: Wall-clock bound of the forming test below: far above what acoll holds the loop for
+#: (5 ms measured), far below what it held it for with a page-populating mmap() in the
+#: loop's thread or holding the GIL (90 ms at 32 MiB, 165 ms at 64 MiB).
+WALL_LIMIT_MS = 40.0
+
+
 @pytest.mark.skipif(bool(shm.unsupported()), reason=shm.unsupported() or "-")
 async def test_forming_over_shm_keeps_the_loop_free(monkeypatch: pytest.MonkeyPatch) -> None:
     """Found by review: the shared segment of each shm connection was made (its pages
     reserved and faulted in) and the peer's mapped on the loop's thread, 10 ms a handshake
-    with the default ring and 60-80 ms with ``ACOLL_SHM_RING_SIZE=32M``. Here the whole of
-    init_rank(), a barrier and close() is measured, with 32 MiB rings."""
+    with the default ring and 60-80 ms with 32 MiB rings; moved to a worker thread, the
+    faulting-in still held the GIL on Python 3.11 (mmap's MAP_POPULATE), which CPU time
+    does not show. Here the whole of init_rank(), a barrier and close() is measured, with
+    64 MiB rings: the CPU time of each loop step (as in the cases above) and the longest
+    wall-clock gap between two turns of a ticker task."""
     monkeypatch.setenv("ACOLL_INPROC_DISABLE", "1")
-    monkeypatch.setenv("ACOLL_SHM_RING_SIZE", "32M")
+    monkeypatch.setenv("ACOLL_SHM_RING_SIZE", "64M")
     monkeypatch.setattr(shm.ShmTransport, "can_connect",
                         lambda self, mine, theirs: mine.same_host(theirs))
+    loop = asyncio.get_running_loop()
 
     async def formed(comm: acoll.Communicator, meter: Meter) -> None:
         assert comm.transport_name(1 - comm.rank) == "shm"
         await comm.barrier()
 
-    async def whole(fn: Callable[[acoll.Communicator, Meter], Awaitable[None]],
-                    monkeypatch: pytest.MonkeyPatch) -> tuple[float, float, str]:
+    async def whole() -> tuple[float, float, str, float]:
         async def measured(comm: acoll.Communicator, meter: Meter) -> None:
-            await fn(comm, meter)
+            await formed(comm, meter)
         meter = Meter()
         meter.active = 1  # (from the first step of init_rank() to the end of close())
-        loop = asyncio.get_running_loop()
+        gap, stop = 0.0, False
+
+        async def wall_ticker() -> None:
+            nonlocal gap
+            last = time.perf_counter()
+            while not stop:
+                await asyncio.sleep(0.001)
+                now = time.perf_counter()
+                gap, last = max(gap, now - last), now
+
         gc.collect()
         gc.freeze()
         debug = loop.get_debug()
         loop.set_debug(False)
+        ticker = asyncio.ensure_future(wall_ticker())
         try:
-            return await _measure_in(measured, monkeypatch, meter, loop)
+            worst, limit, what = await _measure_in(measured, monkeypatch, meter, loop)
         finally:
+            stop = True
+            await ticker
             loop.set_debug(debug)
             gc.unfreeze()
+        return worst, limit, what, gap * 1e3
 
-    worst, limit, what = await whole(formed, monkeypatch)
-    if worst > limit:
-        print(f"first run: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}; again")
-        worst, limit, what = await whole(formed, monkeypatch)
-    print(f"forming over shm: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}")
+    worst, limit, what, gap = await whole()
+    if worst > limit or gap > WALL_LIMIT_MS:
+        print(f"first run: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}, "
+              f"longest gap {gap:.1f} ms; again")
+        worst, limit, what, gap = await whole()
+    print(f"forming over shm: worst {worst:.2f} ms of CPU (limit {limit} ms) by {what}, "
+          f"longest wall-clock gap {gap:.1f} ms")
     assert worst <= limit, (f"forming over shm: the loop was held for {worst:.1f} ms of CPU "
                             f"(limit {limit} ms) by {what}")
+    assert gap <= WALL_LIMIT_MS, (f"forming over shm: the loop did not turn for {gap:.1f} ms "
+                                  f"(limit {WALL_LIMIT_MS} ms)")

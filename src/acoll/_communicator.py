@@ -132,6 +132,7 @@ from ._memory import (
 from ._native import NativeLib
 from ._native import load_async as load_native
 from ._net.interfaces import find_interfaces
+from ._offloop import in_thread
 from ._p2p.ops import P2POp, Sequencer
 from ._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
 from ._transport.select import plugins as net_plugins
@@ -148,6 +149,7 @@ from .errors import (
     ClosedError,
     InvalidUsage,
     RemoteError,
+    again,
 )
 
 __all__ = ["Communicator", "Registration", "get_unique_id", "init_rank"]
@@ -442,7 +444,7 @@ class Communicator:
         """
         endpoints: list[tuple[Transport, Listener]] = []
         if not net_plugins.cache_info().currsize:
-            await asyncio.to_thread(net_plugins)  # (the once-per-process scan, off the loop)
+            await in_thread(net_plugins)  # (the once-per-process scan, off the loop)
         try:
             for transport in select_transports(sockaddr, family, timeout=timeout, key=key,
                                                net=net, nranks=nranks):
@@ -588,7 +590,7 @@ class Communicator:
     def check_usable(self) -> None:
         """Raise the error that failed the communicator, or ClosedError once closed."""
         if self._error is not None:
-            raise self._error
+            raise again(self._error)
         if self._closed:
             raise ClosedError("the communicator is closed")
 

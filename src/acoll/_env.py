@@ -40,7 +40,7 @@ appears on a command line; ``MASTER_ADDR``/``MASTER_PORT`` work too.)
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import os
 import re
@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ._config import get_logger
+from ._offloop import in_thread
 from ._uid import UniqueId, parse_host_port
 from .errors import InvalidUsage
 
@@ -436,7 +437,7 @@ async def init_from_env(*, device: int | str | None = None, **init_kw: Any) -> C
               info.local_size if info.local_size is not None else "?", info.comm_id,
               info.comm_id_from)
     # from_address may resolve a host name: keep the blocking lookup off the loop.
-    uid = await asyncio.to_thread(UniqueId.from_address, info.comm_id)
+    uid = await in_thread(functools.partial(UniqueId.from_address, info.comm_id))
     if device is not None:
         init_kw["device"] = device
     return await init_rank(info.world_size, uid, info.rank, **init_kw)

@@ -1,24 +1,57 @@
-"""Blocking system work (mapping, reserving pages) moved off the event loop's thread.
+"""Blocking system work (mapping, reserving pages, loading libraries) off the event loop.
 
-:func:`in_thread` is ``asyncio.to_thread`` for work whose result owns a resource (a file
-descriptor, a mapping): a caller cancelled while the thread runs cannot receive the
-result, so it is handed to ``discard`` when it comes instead of being left to the
-collector.
+acoll's own worker threads do it, never the loop's default executor: that pool is the
+application's (``asyncio.to_thread``), and an application that keeps it busy, or blocks
+its workers on acoll calls, would stall or deadlock acoll's formation (found by review:
+6 ranks driven from default-executor workers never formed their shared-memory links).
+
+:func:`in_thread` is ``asyncio.to_thread`` for such work, and for work whose result owns
+a resource (a file descriptor, a mapping): a caller cancelled while the thread runs
+cannot receive the result, so it is handed to ``discard`` when it comes instead of being
+left to the collector. :func:`submit` starts work nobody awaits (an unmap).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextvars
 import functools
+import os
+import threading
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
+#: Threads of acoll's pool: the work is short (milliseconds) and never waits for a loop.
+WORKERS = 4
+
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(
+                WORKERS, thread_name_prefix="acoll-offloop")
+        return _pool
+
+
+def _forget_pool() -> None:
+    """In a forked child the parent's threads are gone: start a new pool on demand."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
 
 async def in_thread(fn: Callable[[], T], discard: Callable[[T], object] | None = None) -> T:
-    """``fn()`` run on the loop's default executor.
+    """``fn()`` run on acoll's worker threads.
 
     If the awaiting task is cancelled before ``fn`` returns, ``fn`` still runs to its end
     (a thread cannot be stopped) and its result, if any, is passed to ``discard`` on the
@@ -26,12 +59,17 @@ async def in_thread(fn: Callable[[], T], discard: Callable[[T], object] | None =
     """
     loop = asyncio.get_running_loop()
     call = functools.partial(contextvars.copy_context().run, fn)
-    fut = loop.run_in_executor(None, call)
+    fut = loop.run_in_executor(_executor(), call)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
         fut.add_done_callback(functools.partial(_late, discard))
         raise
+
+
+def submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+    """Start ``fn(*args)`` on acoll's worker threads (no loop needed)."""
+    return _executor().submit(fn, *args)
 
 
 def _late(discard: Callable[[T], object] | None, fut: asyncio.Future[T]) -> None:

@@ -39,6 +39,7 @@ from ..errors import (
     InvalidUsage,
     ProtocolError,
     RemoteError,
+    again,
 )
 from ..errors import TimeoutError as AcollTimeoutError
 from .stream import (
@@ -398,7 +399,7 @@ class Bootstrap:
 
     def _check(self) -> None:
         if self.error is not None:
-            raise self.error
+            raise again(self.error)
         if self.closing:
             raise ClosedError("the bootstrap network is closed")
 
@@ -548,6 +549,12 @@ class Bootstrap:
                 await wait_for(self._server.wait_closed(), 5.0)
 
     def abort(self) -> None:
-        """Close everything now, without telling peers (they see closed connections)."""
+        """Close everything now, without telling peers (they see closed connections);
+        pending operations raise ClosedError at once."""
         self.closing = True
         self._close_all()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(ClosedError("the bootstrap network was aborted"))
+                fut.exception()  # (abandoned by an aborted caller, it must not log)
+        self._waiters.clear()

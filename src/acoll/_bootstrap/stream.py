@@ -74,16 +74,16 @@ def close_server(server: asyncio.base_events.Server) -> None:
     Here the listening sockets stop being watched at once (plain asyncio: the loop's
     reader; uvloop accepts on its own and has no such race), and the close waits for the
     step in which such a transport is made; its handler sees the owner closed and ends
-    it.
+    it. On a loop that is not running it closes at once.
     """
     loop = server.get_loop()
     for sock in server.sockets:
         with contextlib.suppress(Exception):  # (a loop that does not own such a reader)
             loop.remove_reader(sock.fileno())
-    if loop.is_closed():
-        _close_now(server)
-    else:
+    if loop.is_running():
         loop.call_soon(_close_now, server)
+    else:  # (no accept can be in flight; a step scheduled now might never run: abort()
+        _close_now(server)  # after run_until_complete() returned)
 
 
 def _close_now(server: asyncio.base_events.Server) -> None:

@@ -199,10 +199,10 @@ class OpContext:
     """
 
     __slots__ = ("agree_on", "check", "check_at", "check_gap", "chunk_bytes", "conns",
-                 "deadline", "desc", "grace_used", "hd_chunks", "heard", "host", "in_group",
-                 "looked_again", "mem", "n", "probed", "rank", "ring_chunk_max",
-                 "ring_chunks", "seq", "spin", "stage", "tag_base", "waiting_on",
-                 "yield_at")
+                 "deadline", "desc", "followed", "grace_used", "hd_chunks", "heard", "host",
+                 "in_group", "looked_again", "mem", "n", "probed", "probed_held", "rank",
+                 "ring_chunk_max", "ring_chunks", "seq", "spin", "stage", "tag_base",
+                 "waiting_on", "yield_at")
 
     def __init__(self, host: OpHost, seq: int, desc: Descriptor, in_group: bool,
                  tag_base: int) -> None:
@@ -229,6 +229,9 @@ class OpContext:
         #: what the peers asked when it timed out said (acoll._comm.probe): peer -> the
         #: rank that peer waits for (-1: not known); empty until then
         self.probed: dict[int, int] = {}
+        #: the asked peers that had not made the call, held in an earlier one
+        self.probed_held: set[int] = set()
+        self.followed = False  #: the chain of waits behind a named peer was followed
         self.deadline = float("inf")  # loop time at which the executor fails it
         #: loop time of its next descriptor check (acoll._comm.probe), and the gap after it
         self.check_at = float("inf")

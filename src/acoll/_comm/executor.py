@@ -26,7 +26,7 @@ from typing import NoReturn, Protocol
 
 from .._coll.base import ANY_SEQ, Coll, Descriptor, OpContext, OpHost
 from .._deadline import wait_for
-from ..errors import AcollError, InvalidUsage, RemoteError
+from ..errors import AcollError, InvalidUsage, RemoteError, again
 from ..errors import TimeoutError as AcollTimeoutError
 from .agreement import start_agreement
 from .groups import Group
@@ -90,7 +90,7 @@ def fail_and_raise(host: _Failing, exc: AcollError) -> NoReturn:
     host.fail(exc)
     if first is None:
         raise exc
-    raise first from None
+    raise again(first) from None
 
 
 class Executor:
@@ -289,7 +289,7 @@ class Executor:
             if host.error is not None:
                 # A disagreement found while this op ran (by a message check that ran
                 # after the op's own last receive): do not report success.
-                raise host.error
+                raise again(host.error)
         except asyncio.CancelledError:
             self.cancelled(ctx.desc.coll.name.lower(), ctx.seq)
             raise
@@ -421,6 +421,13 @@ class Executor:
             self._loop.call_later(self._grace(), self._timed_out, name, ctx)
             return
         blamed = list(dict.fromkeys(self._culprit(ctx, p) for p in silent or peers))
+        if len(blamed) == 1 and blamed[0] not in (silent or peers) and not ctx.followed:
+            # Named through a peer's answer: that rank may be waiting for another in turn
+            ctx.followed = True
+            task = self._loop.create_task(self._follow(name, ctx, blamed[0]))
+            self._probes.add(task)
+            task.add_done_callback(self._probes.discard)
+            return
         if not blamed:
             waited = ""
         elif silent:
@@ -442,12 +449,42 @@ class Executor:
 
     def _silent(self, ctx: OpContext, peer: int) -> str:
         """What the report says of ``peer``, which sent nothing in ``ctx``."""
+        if peer in ctx.probed_held:  # (asked: it was still in an earlier call)
+            return (f"rank {peer}, which has not made this call: it is still in an earlier "
+                    f"one, waiting for rank {ctx.probed[peer]}")
         if peer in ctx.probed:  # (asked: it answered that it made the call)
             behind = ctx.probed[peer]
             return (f"rank {peer}, which had made this call but sent nothing in it"
                     + (f" (it was waiting for rank {behind})" if behind >= 0 else ""))
         how = "" if self.host.connected(peer) else " and has not connected to this rank"
         return f"rank {peer}, which sent nothing in this call{how} (stalled, or not in this call)"
+
+    async def _follow(self, name: str, ctx: OpContext, rank: int) -> None:
+        """Ask ``rank`` (named by a peer as the rank it waits for), then the rank it names,
+        and so on (at most every rank once), about this op: the first that has not made
+        it and waits for no one, does not answer, or cannot be asked, is the one
+        reported (see :meth:`_timed_out`)."""
+        seen = {self.host.rank, *ctx.probed}
+        chain: list[str] = []
+        while rank not in seen:
+            seen.add(rank)
+            ask = self.host.probe_peer(rank, ctx.seq, self._grace() / 2, ctx.desc.packed)
+            st = None if ask is None else await ask
+            if self.host.error is not None or ctx not in self.running:
+                return
+            if st is None or st.waiting_on is None or st.waiting_on in seen:
+                break
+            chain.append(f"rank {rank} waits for rank {st.waiting_on}")
+            rank = st.waiting_on
+        if self.host.error is not None or ctx not in self.running:
+            return
+        ops = tuple(self.running)
+        silent = sorted({p for c in ops if (p := _awaited(c)) is not None
+                         and not any(p in o.heard for o in ops)})
+        waited = ("; it was waiting for " + "; ".join(self._silent(ctx, p) for p in silent)
+                  if silent else "")
+        self._fail_timeout(name, ctx, waited + (f"; {', '.join(chain)}" if chain else ""),
+                           [rank])
 
     async def _judge(self, name: str, ctx: OpContext,
                      asks: dict[int, Awaitable[PeerState | None]], silent: set[int]
@@ -468,17 +505,16 @@ class Executor:
                 parts.append(f"rank {p}, which sent nothing in this call and did not answer "
                              f"within {self._grace() / 2:g} s whether it made it (stalled, "
                              "or its event loop is blocked)")
-            elif not st.called:
-                held = (st.earlier and st.waiting_on is not None
-                        and st.waiting_on not in (self.host.rank, p))
-                blamed.append(st.waiting_on if held and st.waiting_on is not None else p)
+            elif not st.called and not (st.earlier and st.waiting_on is not None
+                                        and st.waiting_on not in (self.host.rank, p)):
+                blamed.append(p)
                 parts.append(f"rank {p}, which has not made this call (it has made "
                              f"{st.calls} call{'s' if st.calls != 1 else ''} on this "
-                             "communicator" + (f" and is still in an earlier one, waiting "
-                                               f"for rank {st.waiting_on}" if held else "")
-                             + ")")
-            else:
+                             "communicator)")
+            else:  # (made the call, or held in an earlier one: the grace first)
                 ctx.probed[p] = -1 if st.waiting_on is None else st.waiting_on
+                if not st.called:
+                    ctx.probed_held.add(p)
         if blamed:
             self._fail_timeout(name, ctx, "; it was waiting for " + "; ".join(parts), blamed)
             return

@@ -32,12 +32,12 @@ switch interval to get it back) and :class:`ctypes.CDLL` for :meth:`Launcher.run
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
 import threading
 from typing import Any
 
 from .._config import Setting, get_logger, parse_bool
+from .._offloop import in_thread
 
 __all__ = ["AT", "AT_RECORD", "AT_THEN", "NATIVE", "Copy", "Job", "Launcher", "Step", "load",
            "load_async"]
@@ -181,5 +181,5 @@ async def load_async() -> Launcher | None:
     """:func:`load` on a worker thread."""
     if _loaded:
         return _loaded[0]
-    return await asyncio.to_thread(load)
+    return await in_thread(load)
 

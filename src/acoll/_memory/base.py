@@ -25,8 +25,8 @@ runs for long whatever the size.
 
 from __future__ import annotations
 
-import asyncio
 import enum
+import functools
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -35,6 +35,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .._dtypes import ReduceOp
+from .._offloop import in_thread
 from ..errors import InvalidUsage
 
 __all__ = ["BYTE", "Buffer", "CopySignals", "DType", "Fence", "MemoryKind", "MemorySpace",
@@ -337,7 +338,7 @@ class Staging(ABC):
         size = _size_class(nbytes)
         block = self._reuse(size)
         if block is None and size >= ALLOCATE_IN_THREAD:
-            block = await asyncio.to_thread(self._allocate, size)
+            block = await in_thread(functools.partial(self._allocate, size))
         return self._lent(nbytes, self._allocate(size) if block is None else block)
 
     def lease_now(self, nbytes: int) -> tuple[Buffer, Buffer] | None:

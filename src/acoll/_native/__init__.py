@@ -20,8 +20,8 @@ Python ring then does the work, with the same results.
 
 from __future__ import annotations
 
-import asyncio
 import ctypes
+import functools
 import hashlib
 import os
 import shlex
@@ -33,6 +33,7 @@ from pathlib import Path
 
 from .._config import Setting, get_logger, parse_bool
 from .._dtypes import use_native_halves
+from .._offloop import in_thread
 
 __all__ = ["NR", "NativeLib", "Stage", "State", "load", "load_async"]
 
@@ -239,4 +240,4 @@ async def load_async(cc: str | None = None) -> NativeLib | None:
     key = (cc if cc is not None else CC.resolve(), str(_cache_dir()))
     if key in _loaded:  # (read without the lock: a finished entry never changes)
         return _loaded[key]
-    return await asyncio.to_thread(load, cc)
+    return await in_thread(functools.partial(load, cc))

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Awaitable, Callable
@@ -67,6 +68,7 @@ from .._cuda.p2p_kernels import (
     reduce_source,
 )
 from .._dtypes import DTYPE_NAMES, ReduceOp
+from .._offloop import in_thread
 from ..errors import AcollError, ClosedError, InvalidUsage, RemoteError, TransportError
 from ..errors import TimeoutError as AcollTimeoutError
 from .plan import Step, describe, plan
@@ -526,7 +528,7 @@ class P2PDomain:
         """The kernel of ``src`` for this device (compiled off the loop thread once)."""
         kern = _kernels.get((src.name, self.device))
         if kern is None:
-            kern = await asyncio.to_thread(_compile, src, self.device)
+            kern = await in_thread(functools.partial(_compile, src, self.device))
         return kern
 
     def source(self, op: ReduceOp | None, dtype: Any) -> P2PSource:

@@ -17,6 +17,7 @@ from typing import Any
 
 from .._cuda.p2p_kernels import Mode, P2PSource
 from .._memory.base import Buffer, StreamOrder
+from ..errors import again
 from .domain import P2PDomain
 from .plan import Step, pack_sig
 
@@ -48,7 +49,7 @@ class Sequencer:
     def ready(self, ticket: int) -> bool:
         """True when ``ticket`` may go now (no earlier ticket is pending)."""
         if self._error is not None:
-            raise self._error
+            raise again(self._error)
         return ticket == self._served
 
     async def turn(self, ticket: int) -> None:

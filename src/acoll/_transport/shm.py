@@ -61,6 +61,7 @@ from __future__ import annotations
 import array
 import asyncio
 import contextlib
+import ctypes
 import fcntl
 import mmap
 import os
@@ -77,7 +78,7 @@ from .._config import Setting, get_logger, parse_bool, parse_size
 from .._deadline import wait_for, wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
-from .._offloop import in_thread
+from .._offloop import in_thread, submit
 from ..errors import AcollError, ProtocolError, TransportError
 from . import shmlane, shmring
 from .accepting import Evicted, HandshakeListener
@@ -815,17 +816,46 @@ def _unmap_soon(loop: asyncio.AbstractEventLoop, mm: mmap.mmap) -> asyncio.Futur
     thread's future, or None when it was done here."""
     if loop.is_running() and not loop.is_closed():
         try:
-            return loop.run_in_executor(None, _unmap, mm)
-        except RuntimeError:  # (the executor is shut down: the interpreter is ending)
+            return asyncio.wrap_future(submit(_unmap, mm), loop=loop)
+        except RuntimeError:  # (the pool is shut down: the interpreter is ending)
             pass
     _unmap(mm)
     return None
 
 
 def _map(fd: int, size: int) -> mmap.mmap:
-    # MAP_POPULATE: fault the pages in now, not in the first messages' copies
-    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-    return mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    """``fd``'s first ``size`` bytes, mapped shared and faulted in (:func:`_populate`)."""
+    mm = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    _populate(mm)
+    return mm
+
+
+_MADV_POPULATE_WRITE = 23  # (Linux 5.14)
+_libc: ctypes.CDLL | None = None
+
+
+def _populate(mm: mmap.mmap) -> bool:
+    """Fault ``mm``'s pages in now, not in the first messages' copies; False where the
+    kernel cannot (before Linux 5.14: they fault in on first use).
+
+    Through ctypes, which lets go of the GIL for the call: Python 3.11's mmap() holds it
+    while MAP_POPULATE faults the pages in (48 ms for a 32 MiB ring, found by review),
+    and the loop's thread waited for it although this runs on a worker thread.
+    """
+    global _libc
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            _libc.madvise.restype = ctypes.c_int
+        view = ctypes.c_char.from_buffer(mm)
+        try:
+            return int(_libc.madvise(ctypes.addressof(view), len(mm),
+                                     _MADV_POPULATE_WRITE)) == 0
+        finally:
+            del view  # (an export of the mapping: it could not be closed while alive)
+    except (OSError, AttributeError, TypeError, ValueError):
+        return False
 
 
 def _map_peer_segment(fd: int, capacity: int, lane: int) -> mmap.mmap:
