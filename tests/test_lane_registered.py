@@ -323,6 +323,8 @@ def test_empty_shared_refuses_dtypes_and_sizes_it_cannot_share_and_leaks_nothing
         acoll.empty_shared((2, True))
     with pytest.raises(acoll.InvalidUsage, match="sub-array"):
         acoll.empty_shared(4, ("f4", (3,)))
+    with pytest.raises(acoll.InvalidUsage, match="not a dtype"):  # (was NumPy's TypeError)
+        acoll.empty_shared(4, "foo")
     assert acoll.empty_shared(np.int64(4), np.int16).shape == (4,)  # (NumPy integers)
     assert acoll.empty_shared([2, np.int32(3)]).shape == (2, 3)
     assert memfds() == before

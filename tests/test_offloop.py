@@ -68,3 +68,47 @@ async def test_a_cancelled_caller_hands_the_result_to_discard() -> None:
 async def test_a_late_error_after_a_cancel_is_dropped_quietly() -> None:
     """(The test harness fails on anything reaching the loop's exception handler.)"""
     assert await _cancel_while_running(None, fail=True) == []
+
+
+async def test_the_work_does_not_wait_for_the_loops_default_executor() -> None:
+    """Found by review: with the loop's default executor (the application's pool) busy or
+    its workers blocked on acoll calls, acoll's set-up waited for them (a deadlock when
+    the workers drove the very communicators being formed)."""
+    import concurrent.futures
+
+    loop = asyncio.get_running_loop()
+    busy = concurrent.futures.ThreadPoolExecutor(1)
+    release = threading.Event()
+    loop.set_default_executor(busy)
+    try:
+        blocked = loop.run_in_executor(None, release.wait, 10)
+        assert await asyncio.wait_for(in_thread(lambda: 5), 5) == 5
+    finally:
+        release.set()
+        await blocked
+        busy.shutdown()
+
+
+def test_unmap_drops_a_mapping_and_keeps_its_data() -> None:
+    import mmap
+    import os
+
+    from acoll._offloop import DROP_STEP, unmap
+
+    size = 2 * DROP_STEP + 4096
+    fd = os.memfd_create("acoll-test")
+    try:
+        os.ftruncate(fd, size)
+        first = mmap.mmap(fd, size)
+        other = mmap.mmap(fd, size)
+        first[-1:] = b"\x07"
+        unmap(first)
+        assert first.closed
+        assert other[-1:] == b"\x07"  # (the shared file keeps the data)
+        view = memoryview(other)
+        unmap(other)  # (exported: left to the collector, as close() would)
+        assert not other.closed
+        view.release()
+        other.close()
+    finally:
+        os.close(fd)

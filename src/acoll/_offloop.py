@@ -15,10 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import contextvars
 import functools
+import mmap
 import os
 import threading
+import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -77,3 +80,24 @@ def _late(discard: Callable[[T], object] | None, fut: asyncio.Future[T]) -> None
         return
     if discard is not None:
         discard(fut.result())
+
+
+#: Bytes of a mapping dropped per step by :func:`unmap`.
+DROP_STEP = 32 << 20
+
+
+def unmap(mm: mmap.mmap) -> None:
+    """Unmap ``mm`` (on a worker thread) without holding the process's memory map lock for
+    long: its pages are dropped first in steps of :data:`DROP_STEP` (``MADV_DONTNEED``:
+    the data stays in the shared file), then the mapping is closed. One munmap of 512 MiB
+    held that lock for about 60 ms, during which the loop's thread waited in any page fault
+    or allocation (found by review). A mapping still exported (a view alive) is left to
+    the collector, as ``mm.close()`` would."""
+    try:
+        for offset in range(0, len(mm), DROP_STEP):
+            mm.madvise(mmap.MADV_DONTNEED, offset, min(DROP_STEP, len(mm) - offset))
+            time.sleep(0)  # (lets the loop's thread take the GIL between steps)
+    except (ValueError, OSError, AttributeError):  # (closed already; no madvise here)
+        pass
+    with contextlib.suppress(BufferError):
+        mm.close()

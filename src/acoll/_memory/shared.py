@@ -91,13 +91,16 @@ def empty_shared(shape: int | tuple[int, ...] | list[int], dtype: Any = np.float
     each peer that maps it once registered holds one more (none on 3.13+).
 
     Raises:
-        InvalidUsage: a negative or non-integer size, a size over 2**62 bytes, or a
-        dtype without fixed-size items (object, void of size 0). OSError: the system
+        InvalidUsage: a negative or non-integer size, a size over 2**62 bytes, not a
+        dtype, or a dtype without fixed-size items (object, void of size 0). OSError: the system
         has no memfd, or too little memory.
     """
     from ..errors import InvalidUsage
 
-    dt = np.dtype(dtype)
+    try:
+        dt = np.dtype(dtype)
+    except TypeError as exc:
+        raise InvalidUsage(f"empty_shared: {dtype!r} is not a dtype: {exc}") from None
     if dt.hasobject or dt.itemsize == 0 or dt.subdtype is not None:
         raise InvalidUsage(f"empty_shared: dtype {dt} has no fixed-size scalar items to "
                            "share (object, empty or sub-array dtypes)")

@@ -78,7 +78,7 @@ from .._config import Setting, get_logger, parse_bool, parse_size
 from .._deadline import wait_for, wait_until
 from .._dtypes import empty_bytes
 from .._memory import Buffer
-from .._offloop import in_thread, submit
+from .._offloop import in_thread, submit, unmap
 from ..errors import AcollError, ProtocolError, TransportError
 from . import shmlane, shmring
 from .accepting import Evicted, HandshakeListener
@@ -816,7 +816,7 @@ def _unmap_soon(loop: asyncio.AbstractEventLoop, mm: mmap.mmap) -> asyncio.Futur
     thread's future, or None when it was done here."""
     if loop.is_running() and not loop.is_closed():
         try:
-            return asyncio.wrap_future(submit(_unmap, mm), loop=loop)
+            return asyncio.wrap_future(submit(unmap, mm), loop=loop)
         except RuntimeError:  # (the pool is shut down: the interpreter is ending)
             pass
     _unmap(mm)
