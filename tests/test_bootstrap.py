@@ -283,6 +283,7 @@ async def test_a_server_closed_right_after_an_accept(closer: str) -> None:
     loop = asyncio.get_running_loop()
     handled: list[asyncio.StreamWriter] = []
     seen: list[dict[str, Any]] = []
+    previous = loop.get_exception_handler()
     sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
     server = await serve_stream(lambda _r, w: (handled.append(w), w.close()), sock)
     client = socket.create_connection(sock.getsockname()[:2])  # (queued by the kernel)
@@ -293,14 +294,14 @@ async def test_a_server_closed_right_after_an_accept(closer: str) -> None:
         loop.set_exception_handler(lambda _loop, context: seen.append(context))
         for _ in range(20):
             await asyncio.sleep(0.01)
-        if closer == "plain" and isinstance(loop, asyncio.BaseEventLoop):
-            assert seen, "the race did not happen: this test no longer shows it"
+        if closer == "plain" and isinstance(loop, asyncio.BaseEventLoop) and not seen:
+            pytest.skip("this Python's asyncio has not the race (or runs without asserts)")
         elif closer == "close_server":
             assert not seen, seen
             client.settimeout(5)
             assert client.recv(1) == b""  # (the handler closed it)
     finally:
-        loop.set_exception_handler(None)
+        loop.set_exception_handler(previous)
         client.close()
         server.close()
         seen.clear()  # (its records hold the leaked socket of the plain close: reported

@@ -112,3 +112,31 @@ def test_unmap_drops_a_mapping_and_keeps_its_data() -> None:
         other.close()
     finally:
         os.close(fd)
+
+
+def test_a_result_is_discarded_even_after_the_loop_closed() -> None:
+    """(Found by review: the clean-up ran from a loop callback, which never comes once
+    the loop is closed: a segment's descriptor made for a cancelled caller leaked.) The
+    worker thread hands the result to ``discard`` itself."""
+    gate, discarded = threading.Event(), threading.Event()
+    got: list[object] = []
+
+    def work() -> str:
+        gate.wait(10)
+        return "fd"
+
+    def discard(result: str) -> None:
+        got.append(result)
+        discarded.set()
+
+    async def main() -> None:
+        task = asyncio.ensure_future(in_thread(work, discard))
+        await asyncio.sleep(0.02)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())  # (the loop is closed when this returns; the worker still waits)
+    gate.set()
+    assert discarded.wait(10)
+    assert got == ["fd"]

@@ -1608,24 +1608,25 @@ class Communicator:
 
         try:
             mem = HostSpace() if self.device is None else device_space(self.device)
+            # (cancelled, this rank fails this communicator before it drops the child's
+            # formation: the other members hear that cause, which ends their formation
+            # too, rather than of the child's sockets closing)
             return await self._unless_ended(Communicator._form(
                 join, sockaddr, fam, self.timeout, key=nkey, net=None, check=self.check,
-                mem=mem, nranks=len(members)))
-        except BaseException as exc:
+                mem=mem, nranks=len(members)),
+                lambda: self._exec.cancelled("split", self._split_seq))
+        except BaseException:
             if not handed:  # (else the bootstrap's server closes it, off the loop's
                 sock.close()  # watch first: see stream.serve_stream)
-            if isinstance(exc, asyncio.CancelledError):
-                # (the other members are forming the child with this rank: they hear
-                # through this communicator, whose failure ends their formation too)
-                self._exec.cancelled("split", self._split_seq)
             raise
 
-    async def _unless_ended(self, forming: Coroutine[Any, Any, Communicator]
-                            ) -> Communicator:
+    async def _unless_ended(self, forming: Coroutine[Any, Any, Communicator],
+                            on_cancel: Callable[[], None]) -> Communicator:
         """Await ``forming`` (a child's formation), unless this communicator fails or is
         aborted first: then the formation is cancelled and its error raised (a member
         that left the split, cancelled, fails this communicator: its peers learn it here
-        instead of at the child's deadline)."""
+        instead of at the child's deadline). Cancelled itself, it calls ``on_cancel``
+        first, then drops the formation."""
         task = asyncio.ensure_future(forming)
         ended = asyncio.get_running_loop().create_future()
         self._ended.append(ended)
@@ -1634,6 +1635,7 @@ class Communicator:
         try:
             await asyncio.wait({task, ended}, return_when=asyncio.FIRST_COMPLETED)
         except asyncio.CancelledError:
+            on_cancel()
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             if not task.cancelled() and task.exception() is None:

@@ -17,7 +17,6 @@ import asyncio
 import concurrent.futures
 import contextlib
 import contextvars
-import functools
 import mmap
 import os
 import threading
@@ -57,17 +56,55 @@ async def in_thread(fn: Callable[[], T], discard: Callable[[T], object] | None =
     """``fn()`` run on acoll's worker threads.
 
     If the awaiting task is cancelled before ``fn`` returns, ``fn`` still runs to its end
-    (a thread cannot be stopped) and its result, if any, is passed to ``discard`` on the
-    loop's thread; an exception it raises then is dropped (the caller is gone).
+    (a thread cannot be stopped) and its result, if any, is passed to ``discard`` (on the
+    worker thread, whether or not the loop still runs); an exception it raises then is
+    dropped (the caller is gone).
     """
     loop = asyncio.get_running_loop()
-    call = functools.partial(contextvars.copy_context().run, fn)
-    fut = loop.run_in_executor(_executor(), call)
+    handoff = _Handoff(fn, discard)
+    fut = loop.run_in_executor(_executor(), contextvars.copy_context().run, handoff.run)
     try:
         return await asyncio.shield(fut)
     except asyncio.CancelledError:
-        fut.add_done_callback(functools.partial(_late, discard))
+        fut.add_done_callback(_drop_outcome)  # (a late error: nobody is left to read it)
+        late = handoff.abandon()
+        if late is not None and discard is not None:  # (done as the cancel came)
+            discard(late[0])
         raise
+
+
+def _drop_outcome(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class _Handoff:
+    """``fn``'s result goes to the awaiting caller, or, once the caller is gone, to
+    ``discard``: whichever side comes second hands it over (under a lock)."""
+
+    def __init__(self, fn: Callable[[], Any], discard: Callable[[Any], object] | None
+                 ) -> None:
+        self._fn, self._discard = fn, discard
+        self._lock = threading.Lock()
+        self._abandoned = False
+        self._done: tuple[Any] | None = None
+
+    def run(self) -> Any:
+        result = self._fn()
+        with self._lock:
+            abandoned = self._abandoned
+            if not abandoned:
+                self._done = (result,)
+        if abandoned and self._discard is not None:
+            self._discard(result)
+        return result
+
+    def abandon(self) -> tuple[Any] | None:
+        """Mark the caller gone; the result if it was already there (then it is the
+        caller's to discard), else None (the worker discards it)."""
+        with self._lock:
+            self._abandoned = True
+            return self._done
 
 
 def submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
@@ -75,11 +112,6 @@ def submit(fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]
     return _executor().submit(fn, *args)
 
 
-def _late(discard: Callable[[T], object] | None, fut: asyncio.Future[T]) -> None:
-    if fut.cancelled() or fut.exception() is not None:
-        return
-    if discard is not None:
-        discard(fut.result())
 
 
 #: Bytes of a mapping dropped per step by :func:`unmap`.

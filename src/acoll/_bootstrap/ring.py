@@ -544,6 +544,9 @@ class Bootstrap:
         if self._readers:
             await asyncio.gather(*self._readers, return_exceptions=True)
         if self._server is not None:
+            # (close_server closes it a loop step later: until then 3.11's wait_closed
+            # would wait for the accepted connections too)
+            await asyncio.sleep(0)
             # Python >= 3.12.1 waits here for every accepted connection: bound it.
             with contextlib.suppress(asyncio.TimeoutError):
                 await wait_for(self._server.wait_closed(), 5.0)

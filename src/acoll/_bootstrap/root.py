@@ -129,6 +129,7 @@ class RootServer:
             for conn in self.conns.values():
                 conn.close()
             with contextlib.suppress(Exception, asyncio.CancelledError):
+                await asyncio.sleep(0)  # (close_server closes it a step later: see ring)
                 await wait_for(server.wait_closed(), 1.0)
             log.info("root %s stopped", self.where)
 

@@ -90,7 +90,7 @@ def fail_and_raise(host: _Failing, exc: AcollError) -> NoReturn:
     host.fail(exc)
     if first is None:
         raise exc
-    raise again(first) from None
+    raise again(first)  # (its context suppressed, its cause kept: see errors.again)
 
 
 class Executor:
@@ -421,7 +421,8 @@ class Executor:
             self._loop.call_later(self._grace(), self._timed_out, name, ctx)
             return
         blamed = list(dict.fromkeys(self._culprit(ctx, p) for p in silent or peers))
-        if len(blamed) == 1 and blamed[0] not in (silent or peers) and not ctx.followed:
+        if (len(blamed) == 1 and blamed[0] not in (silent or peers) and not ctx.followed
+                and ctx.desc.coll != Coll.SEND_RECV):
             # Named through a peer's answer: that rank may be waiting for another in turn
             ctx.followed = True
             task = self._loop.create_task(self._follow(name, ctx, blamed[0]))
@@ -461,21 +462,28 @@ class Executor:
 
     async def _follow(self, name: str, ctx: OpContext, rank: int) -> None:
         """Ask ``rank`` (named by a peer as the rank it waits for), then the rank it names,
-        and so on (at most every rank once), about this op: the first that has not made
-        it and waits for no one, does not answer, or cannot be asked, is the one
-        reported (see :meth:`_timed_out`)."""
+        and so on (at most every rank once), about this op. Reported: the first that does
+        not answer (or cannot be asked), or has not made the call and waits for no one;
+        where one that made the call waits for no one known (between two waits, or done),
+        the rank before it in the chain (see :meth:`_timed_out`)."""
         seen = {self.host.rank, *ctx.probed}
         chain: list[str] = []
+        before = rank
         while rank not in seen:
             seen.add(rank)
             ask = self.host.probe_peer(rank, ctx.seq, self._grace() / 2, ctx.desc.packed)
             st = None if ask is None else await ask
             if self.host.error is not None or ctx not in self.running:
                 return
+            if st is not None and st.called and st.waiting_on is None:
+                rank = before
+                if chain:
+                    chain.pop()
+                break
             if st is None or st.waiting_on is None or st.waiting_on in seen:
                 break
             chain.append(f"rank {rank} waits for rank {st.waiting_on}")
-            rank = st.waiting_on
+            before, rank = rank, st.waiting_on
         if self.host.error is not None or ctx not in self.running:
             return
         ops = tuple(self.running)

@@ -29,7 +29,14 @@ from .._bootstrap.wire import Error as WireError
 from .._config import get_logger
 from .._deadline import deadline_after, outcome_dropped_if_cancelled, wait_for
 from .._memory import Staging
-from .._transport.base import Connection, ConnectionLost, Listener, PeerInfo, Transport
+from .._transport.base import (
+    Connection,
+    ConnectionLost,
+    Listener,
+    PeerInfo,
+    QueuedListener,
+    Transport,
+)
 from .._transport.staged import staged
 from .._transport.tcp import RawLink, TcpTransport
 from .._transport.window import windowed
@@ -223,7 +230,7 @@ class PeerLinks:
                 f"{exc}", peer)
             if err is not exc and not self._stopped:
                 # (a stop() meanwhile fails ``fut`` with the communicator's error instead)
-                with contextlib.suppress(TimeoutError):
+                with contextlib.suppress(asyncio.TimeoutError):  # (3.10: not the builtin)
                     await wait_for(self._stop_seen.wait(),
                                    min(REFUSED_GRACE_S, self.timeout / 4))
             if not fut.done():
@@ -299,7 +306,10 @@ class PeerLinks:
                 raw.set_exception(err)
                 raw.exception()
         for _, listener in self._endpoints:
-            listener.close(self._notice)  # (fail_all's, when failing)
+            if self._notice and isinstance(listener, QueuedListener):
+                listener.close(self._notice)  # (fail_all's: see QueuedListener)
+            else:  # (a plugin's listener may take no notice)
+                listener.close()
 
     def fail_all(self, notice: bytes) -> None:
         """Tell every connected peer why we failed (dropping queued sends), then stop."""

@@ -254,8 +254,8 @@ class QueuedListener(Listener):
     """A listener whose made connections wait in a queue for :meth:`accept`.
 
     Implementations call :meth:`_offer` for each authenticated connection and
-    :meth:`_close_queue` when closing (connections never accepted are closed with the
-    notice, aborted without one).
+    :meth:`_close_queue` when closing (connections never accepted are aborted, after
+    their notice, if any, was handed to the peer).
     """
 
     def __init__(self) -> None:
@@ -279,10 +279,9 @@ class QueuedListener(Listener):
             item = self._ready.get_nowait()
             if item is None:
                 continue
-            if notice:
-                item[1].close(notice, drop_queued=True)
-            else:
-                item[1].abort()
+            if notice:  # (the notice gets one non-blocking chance to leave, then release:
+                item[1].close(notice, drop_queued=True)  # nobody would abort it later)
+            item[1].abort()
         self._ready.put_nowait(None)
 
 
