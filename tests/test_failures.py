@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -231,6 +232,39 @@ _STALL_CALLS = {
 }
 
 
+async def _stalled_rank_named(
+        n: int, stalled: int, calls: Callable[[acoll.Communicator], Awaitable[None]], *,
+        before: Callable[[acoll.Communicator], Awaitable[None]] | None = None,
+        check: bool = True) -> dict[int, BaseException]:
+    """Run ``n`` ranks in this loop: each runs ``before`` (if any), takes a 1 s timeout,
+    then every rank but ``stalled`` runs ``calls`` while ``stalled`` makes no call; assert
+    that every other rank timed out naming ``stalled``. Returns their errors."""
+    errors: dict[int, BaseException] = {}
+    done = asyncio.Event()
+
+    async def fn(comm: acoll.Communicator) -> None:
+        if before is not None:
+            await before(comm)
+        comm.timeout = 1.0  # (formed with more: many ranks in one loop on a slow machine)
+        if comm.rank == stalled:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(done.wait(), 30)
+            return
+        try:
+            await calls(comm)
+        except acoll.AcollError as exc:
+            errors[comm.rank] = exc
+        if len(errors) == n - 1:
+            done.set()
+
+    await run_ranks(n, fn, together=True, timeout=30.0, check=check)
+    assert sorted(errors) == [r for r in range(n) if r != stalled]
+    for r, exc in errors.items():
+        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
+        assert exc.rank == stalled, f"rank {r}: {exc!r}"
+    return errors
+
+
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize(("nranks", "stalled", "call"), [
     *((8, 5, call) for call in _STALL_CALLS),
@@ -249,29 +283,14 @@ async def test_a_rank_that_never_calls_is_the_one_every_timeout_names(
     # this test is not about; the order of the reports is)
     from acoll._comm.executor import Executor
     monkeypatch.setattr(Executor, "_grace", lambda self: 3.0)
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
 
-    async def fn(comm: acoll.Communicator) -> None:
-        comm.timeout = 1.0  # (formed with more: 8 ranks in one loop on a slow machine)
+    async def calls(comm: acoll.Communicator) -> None:
         if ":" in call:
             comm._algo = call
-        if comm.rank == stalled:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 30)
-            return
-        try:
-            await _STALL_CALLS[call](comm, np.ones(1000 * nranks, np.float32), nranks)
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == nranks - 1:
-            done.set()
+        await _STALL_CALLS[call](comm, np.ones(1000 * nranks, np.float32), nranks)
 
-    await run_ranks(nranks, fn, together=True, timeout=30.0)
-    assert sorted(errors) == [r for r in range(nranks) if r != stalled]
+    errors = await _stalled_rank_named(nranks, stalled, calls)
     for r, exc in errors.items():
-        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
-        assert exc.rank == stalled, f"rank {r}: {exc!r}"
         assert f"waiting for rank {stalled}," in str(exc), f"rank {r}: {exc}"
 
 
@@ -290,28 +309,13 @@ async def test_a_deadline_passing_between_two_waits_still_names_the_stalled_rank
         await real_connect(self, *peers)
 
     monkeypatch.setattr(OpContext, "connect", late_connect)
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
 
-    async def fn(comm: acoll.Communicator) -> None:
-        comm.timeout = 1.0
+    async def calls(comm: acoll.Communicator) -> None:
         comm._algo = "ring"
-        if comm.rank == 2:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 20)
-            return
-        try:
-            await comm.all_reduce(np.ones(3000, np.float32))
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == 2:
-            done.set()
+        await comm.all_reduce(np.ones(3000, np.float32))
 
-    await run_ranks(3, fn, together=True, timeout=30.0)
-    assert sorted(errors) == [0, 1]
+    errors = await _stalled_rank_named(3, 2, calls)
     for r, exc in errors.items():
-        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
-        assert exc.rank == 2, f"rank {r}: {exc!r}"
         assert "waiting for rank 2," in str(exc), f"rank {r}: {exc}"
 
 
@@ -949,35 +953,19 @@ async def test_a_rank_held_in_an_earlier_call_is_not_the_one_named(
     for, and every rank names rank 3 (rank 2 named rank 1)."""
     from acoll._comm.executor import Executor
     monkeypatch.setattr(Executor, "_grace", lambda self: 0.3)
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
 
-    async def fn(comm: acoll.Communicator) -> None:
-        comm.timeout = 1.0
-        comm._algo = "tree"
-        if comm.rank == 3:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 20)
-            return
+    async def calls(comm: acoll.Communicator) -> None:
         if comm.rank == 1:
             await asyncio.sleep(0.5)
         x = np.ones(3000, np.float32)
-        try:
-            await comm.reduce(x, root=1)
-            comm._algo = "ring"
-            await comm.all_reduce(x)
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == 3:
-            done.set()
+        comm._algo = "tree"
+        await comm.reduce(x, root=1)
+        comm._algo = "ring"
+        await comm.all_reduce(x)
 
     # (without the call checks: the rooted ops' agreement would hold ranks 0 and 2 in
     # the reduce too)
-    await run_ranks(4, fn, together=True, timeout=30.0, check=False)
-    assert sorted(errors) == [0, 1, 2]
-    for r, exc in errors.items():
-        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
-        assert exc.rank == 3, f"rank {r}: {exc!r}"
+    await _stalled_rank_named(4, 3, calls, check=False)
 
 
 async def test_a_peer_waiting_in_the_call_points_to_the_rank_it_waits_for(
@@ -987,30 +975,14 @@ async def test_a_peer_waiting_in_the_call_points_to_the_rank_it_waits_for(
     deadline. Rank 1 names rank 2, the rank rank 0 said it waits for (it named rank 0)."""
     from acoll._comm.executor import Executor
     monkeypatch.setattr(Executor, "_grace", lambda self: 0.3)
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
 
-    async def fn(comm: acoll.Communicator) -> None:
-        comm.timeout = 1.0
+    async def calls(comm: acoll.Communicator) -> None:
         comm._algo = "ring"
-        if comm.rank == 2:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 20)
-            return
         if comm.rank == 0:
             await asyncio.sleep(0.5)
-        try:
-            await comm.all_reduce(np.ones(3000, np.float32))
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == 2:
-            done.set()
+        await comm.all_reduce(np.ones(3000, np.float32))
 
-    await run_ranks(3, fn, together=True, timeout=30.0)
-    assert sorted(errors) == [0, 1]
-    for r, exc in errors.items():
-        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
-        assert exc.rank == 2, f"rank {r}: {exc!r}"
+    await _stalled_rank_named(3, 2, calls)
 
 
 async def test_a_split_cancelled_at_any_step_ends_every_peer_quickly() -> None:
@@ -1095,36 +1067,21 @@ async def test_a_chain_of_waits_is_followed_to_the_rank_that_never_called(
     every rank. The timeout now asks along the chain (4, then 3, then 2)."""
     from acoll._comm.executor import Executor
     monkeypatch.setattr(Executor, "_grace", lambda self: 0.3)
-    stalled = 2
-    errors: dict[int, BaseException] = {}
-    done = asyncio.Event()
 
-    async def fn(comm: acoll.Communicator) -> None:
+    async def warm(comm: acoll.Communicator) -> None:
         await comm.barrier()  # (the connections are made)
         await comm.all_reduce(np.ones(8, np.float32))
-        comm.timeout = 1.0
-        if comm.rank == stalled:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(done.wait(), 20)
-            return
+
+    async def calls(comm: acoll.Communicator) -> None:
         if comm.rank in (0, 3, 4):
             await asyncio.sleep(0.5)
         x = np.ones(3000, np.float32)
-        try:
-            comm._algo = "chain"
-            await comm.reduce(x, root=0)
-            comm._algo = "ring"
-            await comm.all_reduce(x)
-        except acoll.AcollError as exc:
-            errors[comm.rank] = exc
-        if len(errors) == 4:
-            done.set()
+        comm._algo = "chain"
+        await comm.reduce(x, root=0)
+        comm._algo = "ring"
+        await comm.all_reduce(x)
 
-    await run_ranks(5, fn, together=True, timeout=30.0, check=False)
-    assert sorted(errors) == [0, 1, 3, 4]
-    for r, exc in errors.items():
-        assert isinstance(exc, acoll.TimeoutError), f"rank {r}: {exc!r}"
-        assert exc.rank == stalled, f"rank {r}: {exc!r}"
+    await _stalled_rank_named(5, 2, calls, before=warm, check=False)
 
 
 async def test_abort_ends_a_pending_split_at_once() -> None:

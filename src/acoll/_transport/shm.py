@@ -802,12 +802,7 @@ def _new_segment(layout: shmring.SegmentLayout) -> tuple[int, mmap.mmap]:
 
 def _close_segment(made: tuple[int, mmap.mmap]) -> None:
     os.close(made[0])
-    _unmap(made[1])
-
-
-def _unmap(mm: mmap.mmap) -> None:
-    with contextlib.suppress(BufferError):
-        mm.close()
+    unmap(made[1])
 
 
 def _unmap_soon(loop: asyncio.AbstractEventLoop, mm: mmap.mmap) -> asyncio.Future[None] | None:
@@ -819,7 +814,7 @@ def _unmap_soon(loop: asyncio.AbstractEventLoop, mm: mmap.mmap) -> asyncio.Futur
             return asyncio.wrap_future(submit(unmap, mm), loop=loop)
         except RuntimeError:  # (the pool is shut down: the interpreter is ending)
             pass
-    _unmap(mm)
+    unmap(mm)
     return None
 
 
@@ -1131,7 +1126,7 @@ class ShmTransport(Transport):
                 raise ProtocolError(f"the listener sent {len(fds)} descriptors, not one")
             # (the descriptor is the thread's to close, even if this task is cancelled)
             segment = fds.pop()
-            return await in_thread(lambda: _map_and_close(segment, capacity, lane), _unmap)
+            return await in_thread(lambda: _map_and_close(segment, capacity, lane), unmap)
         finally:
             for fd in fds:
                 os.close(fd)
