@@ -152,6 +152,23 @@ async def test_bad_arguments() -> None:
         await acoll.init_rank(2, "not an id", 0)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("timeout", [0, -1, float("nan"), "5", True])
+async def test_a_bad_timeout_is_named(timeout: object) -> None:
+    """Found in session 56: a timeout of 0, -1 or NaN reached the root dial and was reported
+    as "the root ... unreachable after 0 attempts ... started late, or twice?"; a string
+    failed with a TypeError from a comparison."""
+    uid = acoll.get_unique_id()
+    with pytest.raises(acoll.InvalidUsage, match="timeout must be a positive number"):
+        await acoll.init_rank(1, uid, 0, timeout=timeout)  # type: ignore[arg-type]
+    comm = await acoll.init_rank(1, uid, 0, timeout=5)
+    try:
+        with pytest.raises(acoll.InvalidUsage, match="timeout must be a positive number"):
+            comm.timeout = timeout  # type: ignore[assignment]
+        assert comm.timeout == 5.0
+    finally:
+        await comm.close()
+
+
 def test_get_unique_id_from_sync_code_uses_a_background_root() -> None:
     uid = acoll.get_unique_id()  # no running loop here
     assert any(t.name == "acoll-root" for t in threading.enumerate())

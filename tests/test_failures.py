@@ -1084,6 +1084,65 @@ async def test_a_chain_of_waits_is_followed_to_the_rank_that_never_called(
     await _stalled_rank_named(5, 2, calls, before=warm, check=False)
 
 
+def test_a_copy_for_another_caller_keeps_notes_and_attributes() -> None:
+    """errors.again: RemoteError and TimeoutError pickle as (message, rank), so the copies
+    lost notes and any attribute set on the error (session 55's note)."""
+    from acoll.errors import again
+
+    cause = OSError("reset")
+    for err in (acoll.RemoteError("rank 3 is gone", 3), acoll.TimeoutError("late", 2),
+                acoll.InvalidUsage("bad")):
+        err.add_note("while calling all_reduce #7")
+        err.hint = "see the root's log"  # type: ignore[attr-defined]
+        err.__cause__ = cause
+        fresh = again(err)
+        assert fresh is not err
+        assert type(fresh) is type(err)
+        assert str(fresh) == str(err)
+        assert fresh.__notes__ == ["while calling all_reduce #7"]
+        assert fresh.hint == "see the root's log"  # type: ignore[attr-defined]
+        assert getattr(fresh, "rank", None) == getattr(err, "rank", None)
+        assert fresh.__cause__ is cause
+        assert fresh.__traceback__ is None
+        fresh.add_note("only on the copy")
+        assert err.__notes__ == ["while calling all_reduce #7"]
+
+
+async def test_pending_bootstrap_waits_each_get_an_error_of_their_own() -> None:
+    """Bootstrap.fail handed every pending wait one exception object, whose traceback then
+    grew with each waiter's frames (session 55's note)."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=10) for r in range(2)))
+    try:
+        boot = comms[0]._boot
+        waits = [asyncio.ensure_future(boot.recv(1, tag)) for tag in (90001, 90002)]
+        await asyncio.sleep(0.05)
+        boot.fail(acoll.RemoteError("rank 1 stopped", 1), propagate=False)
+        got = await asyncio.gather(*waits, return_exceptions=True)
+        assert all(isinstance(e, acoll.RemoteError) for e in got), got
+        assert got[0] is not got[1]
+        assert got[0] is not boot.error
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_a_lowered_timeout_bounds_a_later_split() -> None:
+    """Found by session 55's review: split() and register() exchanges kept the deadline the
+    communicator was formed with (30 s here), not a later ``comm.timeout``."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=30) for r in range(2)))
+    try:
+        comms[0].timeout = 0.5
+        start = time.monotonic()
+        with pytest.raises(acoll.TimeoutError):
+            await comms[0].split(0)  # rank 1 never calls it
+        assert time.monotonic() - start < 5
+    finally:
+        for c in comms:
+            c.abort()
+
+
 async def test_abort_ends_a_pending_split_at_once() -> None:
     """Found by review: abort() while rank 0 waited in split() (or, across processes,
     register(): the same bootstrap exchange) for a rank that had not called it yet left the

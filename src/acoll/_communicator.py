@@ -105,7 +105,14 @@ from ._comm.via_host import (
     native_pipelines,
     pipelines,
 )
-from ._config import TIMEOUT, Setting, get_logger, parse_bool, parse_size
+from ._config import (
+    TIMEOUT,
+    Setting,
+    get_logger,
+    parse_bool,
+    parse_size,
+    seconds_argument,
+)
 from ._cuda.p2p_kernels import Mode
 from ._deadline import deadline_after, wait_until
 from ._dtypes import (
@@ -318,7 +325,7 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
                                or device < 0):
         raise InvalidUsage(f"device must be a CUDA device number or None, got {device!r}")
     mem = HostSpace() if device is None else device_space(device)
-    timeout = TIMEOUT.resolve(timeout)
+    timeout = TIMEOUT.resolve(None if timeout is None else seconds_argument(timeout))
     start = time.perf_counter()
     iface = find_interfaces(ifname, uid.family, uid.host if uid.from_env else None)[0]
     root: RootServer | None = None
@@ -373,7 +380,7 @@ class Communicator:
         self.size = boot.nranks
         self.mem: MemorySpace = HostSpace() if mem is None else mem
         self.device: int | None = self.mem.device
-        self.timeout = timeout
+        self._timeout = timeout
         self.check = check
         hosts = [info.host_hash for info in infos]
         self.local_rank = hosts[: self.rank].count(hosts[self.rank])
@@ -618,6 +625,26 @@ class Communicator:
         self._links.fail_all(notice)
         self._links.stop(error)
         self._boot.fail(error)
+
+    @property
+    def timeout(self) -> float:
+        """The deadline in seconds of each network wait this communicator makes.
+
+        Settable: a new value applies to calls and connections started afterwards,
+        ``split()`` and ``register()`` exchanges included (a call already running keeps
+        its deadline; so do the GPU peer-to-peer kernels' own timers, fixed when the
+        intra-host path formed). Raises InvalidUsage unless a positive number.
+        """
+        return self._timeout
+
+    @timeout.setter
+    def timeout(self, value: float) -> None:
+        value = seconds_argument(value)
+        self._timeout = value
+        self._boot.timeout = value
+        self._links.timeout = value
+        if self._native is not None:
+            self._native.timeout = value
 
     @property
     def error(self) -> AcollError | None:

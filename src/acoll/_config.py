@@ -135,6 +135,17 @@ def parse_seconds(text: str) -> float:
     return value
 
 
+def seconds_argument(value: object, name: str = "timeout") -> float:
+    """``value`` as a positive number of seconds (``inf``: no deadline).
+
+    Raises:
+        InvalidUsage: ``value`` is not an int or float, or not > 0 (NaN included).
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise InvalidUsage(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
 def parse_size(text: str) -> int:
     """Parse a byte size such as ``4096``, ``64K``, ``8M``, ``1G``."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")

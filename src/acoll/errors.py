@@ -96,14 +96,19 @@ _E = TypeVar("_E", bound=BaseException)
 
 
 def again(error: _E) -> _E:
-    """A copy of ``error`` (same type, message and rank, the same ``__cause__``) to raise
-    for one more caller of a failed communicator. Raising the stored error itself would
+    """A copy of ``error`` (same type, message, rank, attributes, notes and ``__cause__``)
+    to raise for one more caller of a failed communicator. Raising the stored error itself would
     add every such caller's frames to its one traceback, keeping their arrays alive for as
     long as the communicator lives (found by review: 800 MiB after 50 calls)."""
     try:
         fresh = copy.copy(error)
     except Exception:  # (an error that cannot be copied: raised as it is)
         return error
+    for name, value in vars(error).items():  # (attributes __reduce__ leaves out)
+        vars(fresh).setdefault(name, value)
+    notes = getattr(error, "__notes__", None)
+    if isinstance(notes, list):
+        fresh.__notes__ = list(notes)  # (a note added to the copy stays on the copy)
     fresh.__cause__ = error.__cause__
     fresh.__suppress_context__ = True
     fresh.__traceback__ = None

@@ -360,7 +360,7 @@ class Bootstrap:
         err = RemoteError(f"rank {peer} closed the communicator", peer)
         for key, fut in list(self._waiters.items()):
             if key[0] == peer and not fut.done():
-                fut.set_exception(err)
+                fut.set_exception(again(err))
 
     def _deliver(self, peer: int, tag: int, payload: bytes) -> None:
         key = (peer, tag)
@@ -501,7 +501,7 @@ class Bootstrap:
         log.info("rank %d: bootstrap failed: %s", self.rank, error)
         for fut in self._waiters.values():
             if not fut.done():
-                fut.set_exception(error)
+                fut.set_exception(again(error))  # (a copy each: tracebacks of their own)
         self._waiters.clear()
         if self.on_failure is not None:
             self.on_failure(error)
