@@ -108,7 +108,7 @@ def again(error: _E) -> _E:
         vars(fresh).setdefault(name, value)
     notes = getattr(error, "__notes__", None)
     if isinstance(notes, list):
-        fresh.__notes__ = list(notes)  # (a note added to the copy stays on the copy)
+        vars(fresh)["__notes__"] = list(notes)  # (a note added to the copy stays there)
     fresh.__cause__ = error.__cause__
     fresh.__suppress_context__ = True
     fresh.__traceback__ = None
