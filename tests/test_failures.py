@@ -1161,3 +1161,40 @@ async def test_abort_ends_a_pending_split_at_once() -> None:
     finally:
         for c in comms:
             c.abort()
+
+
+@pytest.mark.parametrize("kind", ["asyncio", "uvloop"])
+def test_abort_after_the_loop_stopped_needs_one_more_step(
+        kind: str, caplog: pytest.LogCaptureFixture) -> None:
+    """README: abort() may be called after the loop stopped; one more loop step then closes
+    everything (no unclosed transport, no task destroyed pending, nothing left to log)."""
+    import warnings
+
+    if kind == "uvloop":
+        uvloop = pytest.importorskip("uvloop")
+        loop = uvloop.new_event_loop()
+    else:
+        loop = asyncio.new_event_loop()
+
+    async def form() -> list[acoll.Communicator]:
+        uid = acoll.get_unique_id(ifname="=lo")
+        comms = await asyncio.gather(*(acoll.init_rank(3, uid, r, timeout=10)
+                                       for r in range(3)))
+        await asyncio.gather(*(c.all_reduce(np.ones(1 << 16, np.float32)) for c in comms))
+        subs = await asyncio.gather(*(c.split(0) for c in comms))
+        await asyncio.gather(*(s.barrier() for s in subs if s is not None))
+        return [*comms, *(s for s in subs if s is not None)]
+
+    try:
+        comms = loop.run_until_complete(form())
+        for c in comms:
+            c.abort()
+        loop.run_until_complete(asyncio.sleep(0))
+    finally:
+        loop.close()
+    with warnings.catch_warnings(record=True) as caught, caplog.at_level("ERROR", "asyncio"):
+        warnings.simplefilter("always")
+        del comms
+        gc.collect()
+    assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
+    assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
