@@ -140,6 +140,19 @@ async def test_missing_rank_times_out_everywhere() -> None:
     assert elapsed < 5
 
 
+async def test_the_ranks_that_never_came_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 56): the waiting ranks' own deadlines came first and they
+    raised a bare "timed out waiting for the root's ring info"; they now wait a moment
+    past it for the root's answer, which names the ranks that never arrived."""
+    monkeypatch.setenv("ACOLL_TIMEOUT", "1.5")  # (the root's deadline, as the ranks')
+    uid = acoll.get_unique_id()
+    results = await _gather_all([acoll.init_rank(3, uid, r) for r in (0, 2)])
+    assert all(isinstance(r, acoll.TimeoutError) for r in results), results
+    for r in results:
+        assert "ranks [1] of 3 never reached the root" in str(r), results
+        assert r.rank == 1  # type: ignore[union-attr]
+
+
 async def test_bad_arguments() -> None:
     uid = acoll.get_unique_id()
     with pytest.raises(acoll.InvalidUsage, match="rank must be"):
@@ -323,3 +336,17 @@ async def test_a_server_closed_right_after_an_accept(closer: str) -> None:
         server.close()
         seen.clear()  # (its records hold the leaked socket of the plain close: reported
         gc.collect()  # here, not in a later test)
+
+
+async def test_a_deadline_too_short_to_try_says_so() -> None:
+    """Found by review (session 56): ACOLL_TIMEOUT=0.0001 reported "the root ...
+    unreachable after 0 attempts over 0.0 s: None (... started late, or twice?)"."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    with pytest.raises(acoll.TimeoutError, match="deadline passed before the root"):
+        await acoll.init_rank(2, uid, 1, timeout=1e-6)
+
+
+def test_a_bad_comm_id_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_COMM_ID", "garbage")
+    with pytest.raises(acoll.InvalidUsage, match="ACOLL_COMM_ID"):
+        acoll.get_unique_id()

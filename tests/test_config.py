@@ -133,3 +133,49 @@ def test_socket_family_setting_overridden_by_the_id_is_said(
         find_interfaces("=lo", socket.AF_INET)
     assert "(environment)" in caplog.text
     assert "ACOLL_SOCKET_FAMILY=AF_INET6 not used: the caller needs AF_INET" in caplog.text
+
+
+# Found by review (session 56): values that passed the parsers and then hung a job, blamed
+# a peer, or escaped as a raw OverflowError/ValueError without naming the variable.
+@pytest.mark.parametrize(("name", "text", "says"), [
+    ("SOCKET_BUFSIZE", "2G", "out of range"),  # (setsockopt's TypeError in a task: a hang)
+    ("SOCKET_BUFSIZE", "-1", "out of range"),
+    ("PREAUTH_TIMEOUT", "0", "> 0 seconds"),  # (every connection refused: a hang)
+    ("PREAUTH_TIMEOUT", "nan", "> 0 seconds"),
+    ("SOCKET_MAX_EARLY", "-1", "out of range"),  # (blamed the peer for "breaking" it)
+    ("SHM_MAX_EARLY", "-1", "out of range"),
+    ("CONNECT_RETRIES", "0", "out of range"),  # ("the root kept closing connections")
+    ("SPIN_US", "nan", "out of range"),  # (a raw ValueError later)
+    ("SPIN_US", "inf", "out of range"),
+    ("SPIN_US", "-5", "out of range"),
+    ("CHUNK_SIZE", "inf", "whole number of bytes"),  # (a raw OverflowError)
+    ("SHM_RING_SIZE", "1e400", "whole number of bytes"),
+    ("SMALL_MSG", "1.5", "whole number of bytes"),  # (was 1 byte)
+    ("NATIVE", "7", "out of range"),
+    ("SOCKET_SPLIT", "5", "out of range"),
+    ("IB_SL", "16", "out of range"),
+    ("IB_RETRY_CNT", "8", "out of range"),
+    ("PREAUTH_LIMIT", "0", "out of range"),
+    ("RING_CHUNKS", "0", "out of range"),
+])
+def test_a_bad_setting_is_named(monkeypatch: pytest.MonkeyPatch, name: str, text: str,
+                                says: str) -> None:
+    import acoll._communicator
+    import acoll._transport.rdma.transport  # (every module that declares a setting)
+
+    setting = Setting.registry[name]
+    monkeypatch.setenv(setting.env_name, text)
+    with pytest.raises(acoll.InvalidUsage, match=re.escape(setting.env_name)) as err:
+        setting.resolve()
+    assert says in str(err.value)
+
+
+def test_in_range_and_blank_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("ACOLL_SOCKET_BUFSIZE", "4M")
+    assert Setting.registry["SOCKET_BUFSIZE"].resolve() == 4 << 20
+    monkeypatch.setenv("ACOLL_SMALL_MSG", "1.5K")
+    assert Setting.registry["SMALL_MSG"].resolve() == 1536
+    monkeypatch.setenv("ACOLL_CHECK", "  ")  # (blank is unset: the default, True)
+    assert Setting.registry["CHECK"].resolve() is True
+    monkeypatch.setenv("ACOLL_SPIN_US", "0")
+    assert Setting.registry["SPIN_US"].resolve() == 0.0

@@ -1198,3 +1198,109 @@ def test_abort_after_the_loop_stopped_needs_one_more_step(
         gc.collect()
     assert [str(w.message) for w in caught if w.category is ResourceWarning] == []
     assert not [r for r in caplog.records if r.name == "asyncio"], caplog.text
+
+
+async def test_a_call_from_another_event_loop_is_refused_and_fails_nothing() -> None:
+    """Found by review (session 56): a call from another loop failed with asyncio's
+    RuntimeError ("attached to a different loop") and failed the communicator, or, in
+    debug mode, ran part way; now it is InvalidUsage before anything happens."""
+    import threading
+
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=10) for r in range(2)))
+    try:
+        caught: list[BaseException] = []
+
+        def elsewhere() -> None:
+            for call in (lambda: comms[0].all_reduce(np.ones(4, np.float32)),
+                         lambda: comms[0].send(np.ones(4, np.float32), 1),
+                         lambda: comms[0].split(0), lambda: comms[0].close()):
+                try:
+                    asyncio.run(call())
+                except BaseException as exc:
+                    caught.append(exc)
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        await asyncio.to_thread(thread.join)
+        assert len(caught) == 4
+        for exc in caught:
+            assert isinstance(exc, acoll.InvalidUsage), repr(exc)
+            assert "another event loop" in str(exc)
+        x = [np.full(4, r + 1, np.float32) for r in range(2)]
+        await asyncio.gather(*(c.all_reduce(b) for c, b in zip(comms, x, strict=True)))
+        assert all((b == 3).all() for b in x)
+        await asyncio.gather(*(c.close() for c in comms))
+    finally:
+        for c in comms:
+            c.abort()
+
+
+class _FailingIndex:
+    def __index__(self) -> int:
+        raise ArithmeticError("index exploded")
+
+
+class _FailingInterface:
+    @property
+    def __array_interface__(self) -> dict[str, Any]:
+        raise ZeroDivisionError("buffer exploded")
+
+
+@pytest.mark.parametrize("bad", ["root", "buffer", "peer"])
+async def test_an_argument_that_raises_is_announced_to_every_rank(bad: str) -> None:
+    """Found by review (session 56): a root, color or peer whose __index__ raised, or a
+    buffer whose interface raised, escaped as that exception on its rank and was never
+    announced; the peers waited for the deadline and then blamed a rank that "has not
+    made this call"."""
+    uid = acoll.get_unique_id(ifname="=lo")
+    comms = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=30) for r in range(2)))
+
+    async def call(c: acoll.Communicator) -> None:
+        x = np.ones(4, np.float32)
+        wrong = c.rank == 0
+        if bad == "root":
+            await c.broadcast(x, _FailingIndex() if wrong else 0)  # type: ignore[arg-type]
+        elif bad == "buffer":
+            await c.all_reduce(_FailingInterface() if wrong else x)
+        elif wrong:
+            await c.send(x, _FailingIndex())  # type: ignore[arg-type]
+        else:
+            await c.recv(x, 0)
+
+    try:
+        start = time.monotonic()
+        got = await asyncio.gather(*(call(c) for c in comms), return_exceptions=True)
+        assert time.monotonic() - start < 5, got
+        assert all(isinstance(e, acoll.InvalidUsage) for e in got), got
+        assert "exploded" in str(got[0])
+        assert "rank 0" in str(got[1])
+    finally:
+        for c in comms:
+            c.abort()
+
+
+async def test_a_connection_task_failing_outside_acoll_fails_the_formation_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 56): ACOLL_SOCKET_BUFSIZE=2G made setsockopt raise a
+    TypeError inside a connection task; it was only logged, and init_rank() waited for the
+    ring connections until its deadline. Any failure of such a task now fails the
+    communicator at once (here: a TypeError planted where a connection is registered)."""
+    from acoll._comm import peers
+
+    def broken(self: Any, peer: int, conn: Any) -> None:
+        raise TypeError("planted")
+
+    monkeypatch.setattr(peers.PeerLinks, "_register", broken)
+    uid = acoll.get_unique_id(ifname="=lo")
+    start = time.monotonic()
+    got = await asyncio.gather(*(acoll.init_rank(2, uid, r, timeout=30) for r in range(2)),
+                               return_exceptions=True)
+    try:
+        assert time.monotonic() - start < 10, got
+        assert all(isinstance(e, acoll.RemoteError) for e in got), got
+        assert any("failed making a connection" in str(e) for e in got), got
+    finally:
+        for c in got:
+            if isinstance(c, acoll.Communicator):
+                c.abort()

@@ -186,6 +186,24 @@ async def test_different_algorithm_settings_are_named(first: str, second: str,
     assert all("algorithm" in str(e) for e in out), out
 
 
+@pytest.mark.parametrize("other", ["all_reduce", "broadcast", "barrier"])
+async def test_split_against_another_call_is_named_at_once(other: str) -> None:
+    """Found by review (session 56): split() takes no sequence number, so one rank in
+    split() and another in a collective both waited for their deadlines (the split side
+    naming "bootstrap tag 281474976710657"). split() now passes a barrier numbered like a
+    collective first, whose messages say "split". (register() and a GPU deregister()
+    do the same; across processes over the lane too: checked by hand, session 56.)"""
+    calls: dict[str, Call] = {
+        "all_reduce": _f32(8),
+        "broadcast": lambda c: c.broadcast(np.ones(8, np.float32), root=0),
+        "barrier": lambda c: c.barrier(),
+    }
+    out = await _outcomes(3, {1: lambda c: c.split(0)}, calls[other])
+    assert all(isinstance(e, acoll.InvalidUsage) for e in out), out
+    assert all("rank 1 is in split()" in str(e) or "while rank 1 is in split()" in str(e)
+               for e in out), out
+
+
 async def test_close_while_the_others_are_in_a_collective() -> None:
     uid = acoll.get_unique_id()
     comms = await asyncio.gather(*(acoll.init_rank(3, uid, r, timeout=DEADLINE)

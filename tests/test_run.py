@@ -246,6 +246,25 @@ def test_signal_to_launcher_is_forwarded(pid_dir: Path, sig: signal.Signals) -> 
         assert len(list(pid_dir.glob("exit*.pid"))) == 3
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_ranks_do_not_outlive_a_launcher_killed_with_sigkill(pid_dir: Path) -> None:
+    """Found by review (session 56): ranks run in sessions of their own, so a launcher
+    killed with SIGKILL (the OOM killer, ``timeout -s KILL``) left them running for ever.
+    Each rank now gets SIGTERM when its launcher dies."""
+    body = ("record(f'rank{r}', os.getpid())\n"
+            "time.sleep(60)\n")
+    with subprocess.Popen([PY, "-m", "acoll.run", "-n", "2", "--", PY, "-c",
+                           rank_code(pid_dir, body)],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            pids = _wait_files(pid_dir, 2)
+            proc.kill()
+            proc.communicate(timeout=15)
+        finally:
+            proc.kill()
+    assert _wait_gone(pids, within=10) == []
+
+
 def test_second_signal_kills_at_once(pid_dir: Path) -> None:
     body = ("signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"

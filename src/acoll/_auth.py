@@ -33,7 +33,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-from ._config import Setting
+from ._config import Setting, parse_seconds
 
 __all__ = [
     "NONCE_SIZE",
@@ -57,9 +57,9 @@ PREAUTH_MAX_FRAME = 16 << 10
 PREAUTH_LIMIT = Setting(
     "PREAUTH_LIMIT", int, 128,
     "Connections per listener that may be authenticating at once (the oldest is dropped "
-    "when a new one arrives at the limit).", "NET")
+    "when a new one arrives at the limit).", "NET", lo=1)
 PREAUTH_TIMEOUT = Setting(
-    "PREAUTH_TIMEOUT", float, 10.0,
+    "PREAUTH_TIMEOUT", parse_seconds, 10.0,
     "Seconds a new connection has to complete authentication before it is dropped.", "NET")
 
 CONNECT = b"acoll-connect"

@@ -172,7 +172,7 @@ CHECK = Setting("CHECK", parse_bool, True,
 SPIN_US = Setting("SPIN_US", float, 25.0,
                   "Microseconds to busy-poll for a small op's message before sleeping in the "
                   "event loop (peers in other processes only, with a core per local rank).",
-                  "NET")
+                  "NET", lo=0, hi=1e6)
 
 VIA_HOST_MAX = Setting("GPU_VIA_HOST_MAX", parse_size, -1,
                        "A device all_reduce of up to this many bytes that has no intra-host "
@@ -221,12 +221,23 @@ def _announced(fn: Callable[Concatenate[Communicator, _P], Coroutine[Any, Any, _
 
     @functools.wraps(fn)
     async def call(self: Communicator, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        self._on_own_loop(fn.__name__)  # (before the try: a foreign loop fails nothing)
         try:
             return await fn(self, *args, **kwargs)
         except InvalidUsage as exc:
             if self.error is None and not self._closed:
                 self.fail(InvalidUsage(f"rank {self.rank} made an invalid "
                                        f"{fn.__name__} call: {exc}"))
+            raise
+        except AcollError:
+            raise
+        except Exception as exc:
+            # Not acoll's: an object of the caller's that failed (say, an __index__ or a
+            # property), or a defect. It leaves the call half made: fail the communicator
+            # so that the peers learn at once instead of at their deadline.
+            if self.error is None and not self._closed:
+                self.fail(RemoteError(f"rank {self.rank}'s {fn.__name__} call failed: "
+                                      f"{exc!r}", self.rank))
             raise
 
     return call  # type: ignore[return-value]  # (self is positional in callers)
@@ -255,7 +266,10 @@ def get_unique_id(*, ifname: str | None = None,
     """
     comm_id = COMM_ID.resolve()
     if comm_id:
-        return UniqueId.from_address(comm_id)
+        try:
+            return UniqueId.from_address(comm_id)
+        except InvalidUsage as exc:
+            raise InvalidUsage(f"ACOLL_COMM_ID: {exc}") from exc
     iface = find_interfaces(ifname, family)[0]
     sock = listen_socket(iface.sockaddr(0), iface.family)
     name = sock.getsockname()
@@ -381,6 +395,7 @@ class Communicator:
         self.mem: MemorySpace = HostSpace() if mem is None else mem
         self.device: int | None = self.mem.device
         self._timeout = timeout
+        self._loop = asyncio.get_running_loop()  # (its calls must come from this loop)
         self.check = check
         hosts = [info.host_hash for info in infos]
         self.local_rank = hosts[: self.rank].count(hosts[self.rank])
@@ -626,6 +641,20 @@ class Communicator:
         self._links.stop(error)
         self._boot.fail(error)
 
+    def _on_own_loop(self, call: str) -> None:
+        """Raise InvalidUsage unless running in the event loop this communicator was
+        formed in (its sockets, futures and tasks belong to that loop)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is not self._loop:
+            raise InvalidUsage(
+                f"{call}() on rank {self.rank} was called from "
+                f"{'another event loop' if loop is not None else 'outside any event loop'}; "
+                "a communicator takes calls only in the loop that formed it (from another "
+                "thread, use asyncio.run_coroutine_threadsafe(..., that_loop))")
+
     @property
     def timeout(self) -> float:
         """The deadline in seconds of each network wait this communicator makes.
@@ -720,6 +749,7 @@ class Communicator:
         """
         if self._closed and (self._closing is None or self._closing.done()):
             return
+        self._on_own_loop("close")
         self._not_in_group("close()")  # (before waiting: the first close waits for the block)
         if self._closing is not None:
             await asyncio.shield(self._closing)
@@ -1529,6 +1559,7 @@ class Communicator:
         Elsewhere (ranks in one process, no intra-host path) this is a no-op that still
         returns a handle.
         """
+        self._on_own_loop("register")
         self._not_in_group("register()")
         self.check_usable()
         try:
@@ -1537,18 +1568,21 @@ class Communicator:
             self._misused("register", exc)
         if self._lane is not None:
             found = shared.find(b.ptr, b.nbytes)
+            await self._in_call_order(Coll.REGISTER)
             async with self._exec.exclusive():
                 index = await self._lane.register(found, self._boot)
             self._lane_plans.clear()  # (plans made before now do not look for it)
             return Registration(self, index, host=True)
         if self._p2p is None or self._p2p.direct:
             return Registration(self, -1)
+        await self._in_call_order(Coll.REGISTER)
         async with self._exec.exclusive():
             index = await self._p2p.register(b.ptr, self._boot)
         return Registration(self, index)
 
     async def deregister(self, reg: Registration) -> None:
         """Undo :meth:`register` (collective, like it)."""
+        self._on_own_loop("deregister")
         self._not_in_group("deregister()")
         self.check_usable()
         if not isinstance(reg, Registration) or reg.comm is not self:
@@ -1565,9 +1599,18 @@ class Communicator:
             return
         if self._p2p is None:
             return
+        await self._in_call_order(Coll.DEREGISTER)
         async with self._exec.exclusive():
             await self._p2p.deregister(reg.index, self._boot)
         reg.index = -1
+
+    async def _in_call_order(self, coll: Coll) -> None:
+        """A barrier numbered like a collective, ahead of an exchange that takes no
+        sequence number (split, registration): a rank that made another call at this point
+        is named at once by the descriptor checks (this barrier's messages carry ``coll``),
+        where both ranks used to wait for their deadlines."""
+        if self.size > 1:
+            await self._exec.execute(Descriptor(coll, 0, 0, 0, 0), self._barrier_algo())
 
     # ------------------------------------------------------------------ split
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -1579,6 +1622,7 @@ class Communicator:
         ranks' split() raises RemoteError naming this rank, at once (or returned a child
         already, whose first call then fails).
         """
+        self._on_own_loop("split")
         self._not_in_group("split()")
         self.check_usable()
         try:
@@ -1588,6 +1632,7 @@ class Communicator:
         except InvalidUsage as exc:
             self._misused("split", exc)
         self._split_seq += 1
+        await self._in_call_order(Coll.SPLIT)
         addr: list[Any] = []
         sock = None
         if color is not None:
@@ -1600,7 +1645,8 @@ class Communicator:
             addr = [name[0], name[1], self._boot.addr[2]]
         try:
             async with self._exec.exclusive():
-                items = await self._boot.allgather(msgpack.packb([color, key, addr]))
+                items = await self._boot.allgather(msgpack.packb([color, key, addr]),
+                                                   f"split() #{self._split_seq}")
         except BaseException as exc:
             if sock is not None:
                 sock.close()

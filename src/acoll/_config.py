@@ -26,6 +26,7 @@ resolutions of the same value are logged at TRACE.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -147,10 +148,14 @@ def seconds_argument(value: object, name: str = "timeout") -> float:
 
 
 def parse_size(text: str) -> int:
-    """Parse a byte size such as ``4096``, ``64K``, ``8M``, ``1G``."""
+    """Parse a byte size such as ``4096``, ``64K``, ``8M``, ``1G`` (a whole number of
+    bytes; ``1.5K`` is 1536)."""
     t = text.strip().upper().removesuffix("B").removesuffix("I")
     mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(t[-1:], 1)
-    return int(float(t[:-1] if mult > 1 else t) * mult)
+    value = float(t[:-1] if mult > 1 else t) * mult
+    if not math.isfinite(value) or value != int(value):
+        raise ValueError(f"not a whole number of bytes: {text!r}")
+    return int(value)
 
 
 class Setting(Generic[T]):
@@ -162,6 +167,8 @@ class Setting(Generic[T]):
         default: the value when neither an argument nor the environment gives one.
         doc: one line describing the setting (shown in the README's settings table).
         subsys: the logging subsystem the resolution is reported under.
+        lo, hi: the range a number from the environment must lie in (else InvalidUsage
+            naming the variable).
     """
 
     registry: dict[str, Setting[object]] = {}
@@ -169,8 +176,10 @@ class Setting(Generic[T]):
     logged: dict[str, tuple[str, str]] = {}
 
     def __init__(self, name: str, parse: Callable[[str], T], default: T, doc: str,
-                 subsys: str = "ENV") -> None:
+                 subsys: str = "ENV", *, lo: float | None = None,
+                 hi: float | None = None) -> None:
         self.name = name
+        self.lo, self.hi = lo, hi
         self.env_name = f"ACOLL_{name}"
         self.parse = parse
         self.default = default
@@ -179,9 +188,9 @@ class Setting(Generic[T]):
         Setting.registry[name] = self  # type: ignore[assignment]
 
     def raw(self) -> str | None:
-        """The environment text, or ``None`` when the variable is unset or empty."""
+        """The environment text, or ``None`` when the variable is unset, empty or blank."""
         text = os.environ.get(self.env_name)
-        return text if text else None
+        return text if text and not text.isspace() else None
 
     def resolve(self, value: T | None = None) -> T:
         """Return the effective value and log where it came from.
@@ -196,12 +205,24 @@ class Setting(Generic[T]):
         if text is not None:
             try:
                 parsed = self.parse(text)
-            except (ValueError, TypeError) as exc:
+            except (ValueError, TypeError, ArithmeticError) as exc:
                 raise InvalidUsage(f"{self.env_name}={text!r} is invalid: {exc}") from exc
+            self._check_range(parsed, text)
             self._log(parsed, "environment")
             return parsed
         self._log(self.default, "default")
         return self.default
+
+    def _check_range(self, value: object, text: str) -> None:
+        if (self.lo is None and self.hi is None) or not isinstance(value, (int, float)):
+            return
+        lo = -math.inf if self.lo is None else self.lo
+        hi = math.inf if self.hi is None else self.hi
+        if not lo <= value <= hi:  # (NaN fails too)
+            where = (f"at least {self.lo:g}" if self.hi is None else
+                     f"at most {self.hi:g}" if self.lo is None else
+                     f"from {self.lo:g} to {self.hi:g}")
+            raise InvalidUsage(f"{self.env_name}={text!r} is out of range: it must be {where}")
 
     def _log(self, value: object, origin: str) -> None:
         """INFO the first time (and when the value or its origin changes), TRACE after."""

@@ -84,6 +84,24 @@ _UFUNCS: dict[ReduceOp, np.ufunc] = {
 }
 
 
+#: What NumPy raises for an IEEE overflow or invalid operation (inf + -inf) under
+#: ``np.seterr(all="raise")`` or with warnings turned into errors (``pytest -W error``).
+#: By then ``out`` holds the whole result (NumPy checks the FPU flags after its loop), and
+#: NCCL returns inf and NaN without complaint: reductions catch these and go on.
+_FP_SIGNALS = (FloatingPointError, RuntimeWarning)
+
+
+def _ieee(uf: Any) -> Any:
+    """``uf(a, b, out=o)`` that returns ``o`` where NumPy would raise :data:`_FP_SIGNALS`."""
+    def combine(a: Any, b: Any, out: Any) -> Any:
+        try:
+            return uf(a, b, out=out)
+        except _FP_SIGNALS:
+            return out
+
+    return combine
+
+
 def parse_dtype(name: str | np.dtype[Any] | type) -> np.dtype[Any]:
     """A supported dtype from a name (``float32``, ``bf16``, ``half``...) or dtype."""
     aliases = {"bf16": "bfloat16", "half": "float16", "fp16": "float16", "float": "float32",
@@ -160,7 +178,8 @@ def combiner(op: ReduceOp, dt: np.dtype[Any]) -> Any:
     uf = _UFUNCS[op]
     code = _HALF_CODES.get(dt)
     if code is None:
-        return uf
+        return uf if dt.kind in "iub" else _ieee(uf)  # (integers raise no FP signals)
+    uf = _ieee(uf)
     least, opcode = _HALF_MIN[dt], int(ReduceOp.SUM if op == ReduceOp.AVG else op)
 
     def combine(a: Any, b: Any, out: Any) -> Any:
@@ -180,8 +199,11 @@ def reduce_into(out: npt.NDArray[Any], a: npt.NDArray[Any], b: npt.NDArray[Any],
     """``out[:] = a (op) b`` elementwise, without temporaries. ``out`` may alias a or b."""
     if out.dtype in _HALF_CODES:
         combiner(op, out.dtype)(a, b, out=out)
-    else:
+        return
+    try:
         _UFUNCS[op](a, b, out=out)
+    except _FP_SIGNALS:
+        pass  # (the IEEE result is in out)
 
 
 def prescales(op: ReduceOp, dt: np.dtype[Any]) -> bool:
@@ -204,7 +226,7 @@ def scale_into(dst: npt.NDArray[Any], src: npt.NDArray[Any], factor: Any) -> Non
     16-bit values, exact in float32, rounded once). ``dst`` may be ``src``."""
     code = _HALF_CODES.get(dst.dtype)
     if code is None:
-        np.multiply(src, factor, out=dst)
+        _multiply(src, factor, out=dst)
         return
     # 16-bit floats: the factor is rounded to the dtype first on both paths (ml_dtypes
     # releases differ on whether bfloat16 * float promotes to float32).
@@ -215,7 +237,10 @@ def scale_into(dst: npt.NDArray[Any], src: npt.NDArray[Any], factor: Any) -> Non
         if addrs is not None:
             fn(addrs[0], addrs[1], dst.size, code, float(factor))
             return
-    np.multiply(src, factor, out=dst)
+    _multiply(src, factor, out=dst)
+
+
+_multiply = _ieee(np.multiply)  # (AVG's factor <= 1: underflow, or inf * 0 = NaN)
 
 
 def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
@@ -226,9 +251,11 @@ def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
     if n == 1 or arr.size == 0:
         return
     if arr.dtype in _LOW_PRECISION:
-        arr[...] = (arr.astype(np.float32) / np.float32(n)).astype(arr.dtype)
+        with np.errstate(all="ignore"):  # (not a per-step path: integer AVG ends here)
+            arr[...] = (arr.astype(np.float32) / np.float32(n)).astype(arr.dtype)
     elif arr.dtype.kind == "f":
-        np.divide(arr, arr.dtype.type(n), out=arr)
+        with np.errstate(all="ignore"):
+            np.divide(arr, arr.dtype.type(n), out=arr)
     elif arr.dtype.kind == "u":
         np.floor_divide(arr, arr.dtype.type(n), out=arr)
     else:  # C-style truncation toward zero, as NCCL's integer average

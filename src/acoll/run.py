@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes
 import os
 import random
 import shutil
@@ -45,7 +46,7 @@ import socket
 import subprocess
 import sys
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import IO
 
@@ -314,6 +315,29 @@ def _exit_code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+
+def _tie_to_launcher() -> Callable[[], None] | None:
+    """A function for each rank's process to run before its program: Linux sends the rank
+    SIGTERM once the launcher is gone (``PR_SET_PDEATHSIG``), so that ranks never outlive a
+    launcher killed with SIGKILL (the OOM killer, ``timeout -s KILL``), which could not
+    stop them itself; a rank whose launcher died before that exits at once. ``None``
+    where the platform lacks it."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def tie() -> None:
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:
+            os._exit(1)
+
+    return tie
+
+
 class _Job:
     def __init__(self, opts: _Options) -> None:
         self.opts = opts
@@ -324,6 +348,7 @@ class _Job:
         self.stopping = False
         self.killer: asyncio.Task[None] | None = None
         self.report_dir = tempfile.mkdtemp(prefix="acoll-run-")
+        self.tie = _tie_to_launcher()  # (each rank dies with the launcher)
         # Ranks that failed because a peer was lost: (rank, pid, code, peer), in exit order.
         self.consequential: list[tuple[int, int, int, int | None]] = []
         self.blame_timer: asyncio.TimerHandle | None = None
@@ -452,7 +477,8 @@ class _Job:
             transport, protocol = await loop.subprocess_exec(
                 lambda: _Rank(rank, self.out, self.err), *opts.command,
                 env=self._env(rank), stdout=pipe, stderr=pipe,
-                stdin=None if rank == 0 else subprocess.DEVNULL, start_new_session=True)
+                stdin=None if rank == 0 else subprocess.DEVNULL, start_new_session=True,
+                preexec_fn=self.tie)
         except OSError as exc:
             code = 127 if isinstance(exc, FileNotFoundError) else 126
             self._end(code, f"cannot start rank {rank}: {opts.command[0]}: "

@@ -64,7 +64,7 @@ PEER_CONTEXT = b"bootstrap"
 _RETRY_WARN_S = 5.0
 CONNECT_RETRIES = Setting("CONNECT_RETRIES", int, 60,
                           "Connection attempts to the root or a peer before giving up.",
-                          "BOOTSTRAP")
+                          "BOOTSTRAP", lo=1)
 
 
 def error_to_wire(exc: BaseException, rank: int) -> Error:
@@ -90,6 +90,10 @@ def error_from_wire(err: Error, via: int | None = None) -> AcollError:
     if err.kind == "closed":
         return RemoteError(f"rank {rank} closed the communicator: {err.message}", rank)
     return RemoteError(err.message, rank)
+
+
+#: seconds past its deadline a rank waits for the root's answer (see Bootstrap.create)
+_ROOT_ANSWER_GRACE_S = 1.0
 
 
 async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: str,
@@ -122,7 +126,7 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
         try:
             return await wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
         except (OSError, asyncio.TimeoutError) as exc:
-            last = exc if isinstance(exc, OSError) else OSError(f"connect timed out: {exc}")
+            last = exc if isinstance(exc, OSError) else None  # (None: our wait ran out)
         waited = loop.time() - start
         if not warned and waited >= _RETRY_WARN_S:
             warned = True
@@ -134,6 +138,11 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
                      attempts, limit, last, delay)
         await asyncio.sleep(min(delay, remaining(deadline)))
         delay = min(delay * 1.5, 1.0)
+    if last is None:  # (no attempt, or the last one still connecting at the deadline)
+        raise AcollTimeoutError(
+            f"the deadline passed before {what} at {where} could be reached ({attempts} "
+            f"attempts over {loop.time() - start:.1f} s, the last one cut short by the "
+            "deadline)")
     hint = (" (a root stops listening once every rank has joined: was this rank started "
             "late, or twice?)" if what == "the root" else "")
     raise BootstrapError(f"{what} at {where} unreachable after {attempts} attempts over "
@@ -249,7 +258,11 @@ class Bootstrap:
             raise
         try:
             try:
-                reply = await wait_until(root_conn.recv(), deadline, "the root's ring info")
+                # The root's own deadline (from the first rank's arrival) is about ours:
+                # a moment more lets its answer naming the ranks that never came arrive
+                # instead of a bare timeout here.
+                reply = await wait_until(root_conn.recv(), deadline + _ROOT_ANSWER_GRACE_S,
+                                         "the root's ring info")
             except (PeerClosed, ProtocolError) as exc:
                 raise BootstrapError(f"root at {where} failed: {exc}") from exc
         except BaseException:
@@ -422,8 +435,9 @@ class Bootstrap:
             self.fail(exc)
             raise
 
-    async def recv(self, peer: int, tag: int) -> bytes:
-        """Receive the payload ``peer`` sent under ``tag`` (waits at most the timeout)."""
+    async def recv(self, peer: int, tag: int, what: str = "") -> bytes:
+        """Receive the payload ``peer`` sent under ``tag`` (waits at most the timeout);
+        ``what`` names the exchange in a timeout's message."""
         self._check()
         key = (peer, tag)
         box = self._mailbox.get(key)
@@ -437,8 +451,10 @@ class Bootstrap:
         fut: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._waiters[key] = fut
         try:
-            return await wait_until(fut, deadline_after(self.timeout),
-                                    f"rank {peer} (bootstrap tag {tag}) on rank {self.rank}")
+            return await wait_until(
+                fut, deadline_after(self.timeout),
+                f"rank {peer} in {what} on rank {self.rank} (is rank {peer} in another "
+                "call?)" if what else f"rank {peer} (bootstrap tag {tag}) on rank {self.rank}")
         except AcollTimeoutError as exc:
             self.fail(exc)
             raise
@@ -450,8 +466,9 @@ class Bootstrap:
         self._op += 1
         return _INTERNAL_TAG + self._op
 
-    async def allgather(self, data: bytes) -> list[bytes]:
-        """Every rank's ``data``, in rank order (Bruck's algorithm, ceil(log2 n) steps).
+    async def allgather(self, data: bytes, what: str = "") -> list[bytes]:
+        """Every rank's ``data``, in rank order (Bruck's algorithm, ceil(log2 n) steps);
+        ``what`` names the exchange in a timeout's message (``split() #2``).
 
         At step ``k`` (distance ``d = 2**k``) each rank sends the items it holds so far
         (its own and the next ``d - 1`` ranks', at most ``n - d``) to rank ``r - d`` and
@@ -464,7 +481,7 @@ class Bootstrap:
         for dist, (frm, to) in enumerate(topo.dissemination(r, n)):
             count = min(1 << dist, n - (1 << dist))
             await self.send(to, tag, msgpack.packb(held[:count]))
-            got = msgpack.unpackb(await self.recv(frm, tag))
+            got = msgpack.unpackb(await self.recv(frm, tag, what))
             if not isinstance(got, list) or len(got) != count or not all(
                     isinstance(item, bytes) for item in got):
                 raise RemoteError(f"rank {frm} sent a malformed all-gather message", frm)

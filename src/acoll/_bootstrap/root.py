@@ -53,7 +53,7 @@ ROOT_TABLE_MAX = Setting(
     "ROOT_TABLE_MAX", int, 4096,
     "Up to this many ranks the root sends every rank all ranks' information (one message "
     "each, no all-gather); above it ranks all-gather over the bootstrap network.",
-    "BOOTSTRAP")
+    "BOOTSTRAP", lo=1)
 
 #: How long the root tries to deliver its last frames before closing a connection.
 _REPLY_TIMEOUT = 10.0
@@ -248,7 +248,8 @@ class RootServer:
             missing = sorted(set(range(n)) - set(self.hellos))
             shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
             self._fail(Error("timeout", f"ranks [{shown}] of {n} never reached the root at "
-                             f"{self.where} within {self.timeout:g} s", -1))
+                             f"{self.where} within {self.timeout:g} s",
+                             missing[0] if len(missing) == 1 else -1))
 
 
 class _RootThread:

@@ -38,6 +38,9 @@ class Coll(enum.IntEnum):
     BARRIER = 7
     SEND_RECV = 8
     CLOSE = 9  # the barrier inside close()
+    SPLIT = 10  # the barrier that puts split() in the call order
+    REGISTER = 11  # ... register()
+    DEREGISTER = 12  # ... deregister()
 
 
 #: The send/recv stamp of calls made inside a group: matches any stamp (not order-checked).
@@ -92,6 +95,11 @@ class Descriptor:
                                 else (peer, me, self.coll))
             return (f"rank {closer} closed the communicator while rank {busy} was in "
                     f"{op.name.lower()}")
+        exchanges = (Coll.SPLIT, Coll.REGISTER, Coll.DEREGISTER)
+        if self.coll != other.coll and (self.coll in exchanges or other.coll in exchanges):
+            return (f"rank {me} is in {_call_name(self.coll)} while rank {peer} is in "
+                    f"{_call_name(other.coll)}: the ranks issued their calls in different "
+                    "orders")
         if Coll.SEND_RECV in (self.coll, other.coll) and self.coll != other.coll:
             p2p, coll = (me, other) if self.coll == Coll.SEND_RECV else (peer, self)
             other_rank = peer if p2p == me else me
@@ -119,6 +127,11 @@ class Descriptor:
         what = ", ".join(diffs) or "sequence"
         return (f"{self.coll.name.lower()} mismatch between rank {me} and rank {peer}: "
                 f"{what}")
+
+
+def _call_name(coll: Coll) -> str:
+    name = coll.name.lower()
+    return f"{name}()" if coll in (Coll.SPLIT, Coll.REGISTER, Coll.DEREGISTER) else name
 
 
 def _op_name(op: int) -> str:

@@ -27,6 +27,8 @@ def as_int(value: Any, name: str, lo: int = -(1 << 63), hi: int = (1 << 63) - 1,
         number = operator.index(value)
     except TypeError:
         raise InvalidUsage(f"{name} must be {expect}, got {value!r}") from None
+    except Exception as exc:  # (an __index__ of the caller's that fails)
+        raise InvalidUsage(f"{name} must be {expect}; reading it raised {exc!r}") from exc
     if not lo <= number <= hi:
         raise InvalidUsage(f"{name} must be {expect}, got {number}")
     return number

@@ -37,7 +37,8 @@ from .probe import PeerState
 __all__ = ["Algorithm", "ExecHost", "Executor", "MakeAlgorithm"]
 
 _ROOTED = (Coll.BROADCAST, Coll.REDUCE)
-_NO_DATA = (Coll.BARRIER, Coll.CLOSE, Coll.SEND_RECV)
+_NO_DATA = (Coll.BARRIER, Coll.CLOSE, Coll.SEND_RECV, Coll.SPLIT, Coll.REGISTER,
+            Coll.DEREGISTER)
 
 
 class Algorithm(Protocol):

@@ -404,7 +404,8 @@ class Lane:
         maps: dict[int, mmap.mmap] = {}
         views: list[Any] = [None] * self.size
         try:
-            records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(rec))]
+            records = [msgpack.unpackb(r) for r in await boot.allgather(
+                msgpack.packb(rec), "register()")]
             why = next((r["why"] for r in records if r["why"]), "")
             for k, other in enumerate(records):
                 if why or k == self.rank:

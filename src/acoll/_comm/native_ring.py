@@ -65,7 +65,7 @@ NATIVE = Setting("NATIVE", int, -1,
                  "The native ring for large host all_reduces over TCP (C code on a worker "
                  "thread, GIL released) and its 16-bit float loops for every host "
                  "reduction: -1 where it builds, 0 never, 1 where it builds and a "
-                 "warning where it does not.", "COLL")
+                 "warning where it does not.", "COLL", lo=-1, hi=1)
 NATIVE_MIN = Setting("NATIVE_MIN", parse_size, 0,
                      "Smallest all_reduce (bytes) the native ring takes (those the ring "
                      "gets start above ACOLL_SMALL_MSG); must be the same on every rank, "

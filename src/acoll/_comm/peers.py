@@ -156,6 +156,12 @@ class PeerLinks:
             log.warning("rank %d: connection task failed: %r", self.rank, exc)
             if isinstance(exc, AcollError):
                 self._on_error(exc)
+            elif isinstance(exc, Exception):
+                # (not acoll's own: a defect, or a system call refusing a value; the
+                # connection it was making will never come, so fail now, not at the
+                # deadline)
+                self._on_error(RemoteError(f"rank {self.rank} failed making a connection: "
+                                           f"{exc!r}", self.rank))
 
     # ------------------------------------------------------------------ making connections
     def _hello(self, peer: int) -> bytes:

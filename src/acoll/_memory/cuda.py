@@ -44,7 +44,7 @@ from .._dtypes import (
     _capsule_pointer,
     export_capsule,
 )
-from ..errors import InvalidUsage
+from ..errors import AcollError, InvalidUsage
 from .base import (
     Buffer,
     CopySignals,
@@ -438,7 +438,12 @@ class CudaSpace(MemorySpace):
 
     # -- buffers
     def adopt(self, obj: Any, what: str, *, writable: bool = False) -> Buffer:
-        view = adopt_device_array(obj, what, writable=writable)
+        try:
+            view = adopt_device_array(obj, what, writable=writable)
+        except AcollError:
+            raise
+        except Exception as exc:  # (the object's own buffer interface failed)
+            raise InvalidUsage(f"{what}: reading it as a buffer raised {exc!r}") from exc
         if view.size and view.device != self.device:
             raise InvalidUsage(f"{what} is on cuda:{view.device}; this communicator uses "
                                f"cuda:{self.device}")

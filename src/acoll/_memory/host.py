@@ -26,6 +26,7 @@ from .._dtypes import (
     reduce_into,
     scale_into,
 )
+from ..errors import AcollError, InvalidUsage
 from .base import Buffer, MemoryKind, MemorySpace, Pace
 
 __all__ = ["HostSpace", "data_address", "paced"]
@@ -108,7 +109,12 @@ class HostSpace(MemorySpace):
         return "host memory"
 
     def adopt(self, obj: Any, what: str, *, writable: bool = False) -> Buffer:
-        return Buffer(as_host_array(obj, what, writable=writable), self)
+        try:
+            return Buffer(as_host_array(obj, what, writable=writable), self)
+        except AcollError:
+            raise
+        except Exception as exc:  # (the object's own buffer interface failed)
+            raise InvalidUsage(f"{what}: reading it as a buffer raised {exc!r}") from exc
 
     def wrap(self, arr: np.ndarray[Any, Any]) -> Buffer:
         """A NumPy array known to be 1-D and contiguous, as a buffer (no checks)."""

@@ -479,7 +479,8 @@ def find_interfaces(ifname: str | None = None, family: socket.AddressFamily | No
         chosen, why = _select(every, spec, fam, comm_addr, max_ifs)
     except ValueError as exc:
         raise InvalidUsage(f"ACOLL_SOCKET_IFNAME={spec!r}: {exc}") from exc
-    fam_text = "" if fam is None else f" with ACOLL_SOCKET_FAMILY={fam.name}"
+    fam_text = ("" if fam is None else f" with ACOLL_SOCKET_FAMILY={fam.name}"
+                if family is None else f" in address family {fam.name}")
     if not chosen:
         up = ", ".join(str(i) for i in every) or "none"
         what = f"ACOLL_SOCKET_IFNAME={spec!r}" if spec is not None else "automatic selection"

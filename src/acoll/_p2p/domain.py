@@ -83,7 +83,7 @@ BUFFER = Setting("P2P_BUFFER", parse_size, 256 << 20,
                  "Device workspace per GPU rank for the P2P path (bytes; copy mode moves "
                  "calls through it in steps of this size).", "P2P")
 BLOCKS = Setting("P2P_BLOCKS", int, 128,
-                 "Most thread blocks per P2P kernel launch (at most 128).", "P2P")
+                 "Most thread blocks per P2P kernel launch (at most 128).", "P2P", lo=1)
 ONE_SHOT_MAX = Setting("P2P_ONE_SHOT_MAX", parse_size, 256 << 10,
                        "Largest all_reduce (bytes) run one-shot; larger ones are two-shot.",
                        "P2P")
@@ -811,7 +811,8 @@ class P2PDomain:
                       "pid": os.getpid()}
         except Exception as exc:
             record = {"ok": False, "why": f"rank {self.rank}: {exc}"}
-        records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(record))]
+        records = [msgpack.unpackb(r) for r in await boot.allgather(msgpack.packb(record),
+                                                                    "register()")]
         bad = next((r["why"] for r in records if not r["ok"]), "")
         if bad:
             raise InvalidUsage(f"cannot register the buffer for peer access: {bad}")

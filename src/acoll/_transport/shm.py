@@ -142,7 +142,7 @@ def auto_lane(nranks: int) -> int:
 MAX_EARLY = Setting("SHM_MAX_EARLY", parse_size, 4 << 30,
                     "Largest shared-memory message kept in memory when it arrives before its "
                     "receive is posted (or drained when its size is wrong); a larger one "
-                    "fails the connection with ProtocolError.", "NET")
+                    "fails the connection with ProtocolError.", "NET", lo=0)
 
 _HANDLE = struct.Struct("<4sHHQ16s")
 _MAGIC = b"ACSH"

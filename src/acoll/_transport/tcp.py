@@ -113,7 +113,8 @@ STRIPE = Setting("SOCKET_STRIPE", parse_size, 1 << 20,
                  "Messages above this size are split across the sockets of a connection.",
                  "NET")
 BUFSIZE = Setting("SOCKET_BUFSIZE", parse_size, 0,
-                  "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET")
+                  "SO_SNDBUF/SO_RCVBUF in bytes (0: leave the kernel's autotuning).", "NET",
+                  lo=0, hi=(1 << 31) - 1)
 def _parse_congestion(text: str) -> str:
     """A congestion control's name, or the keywords ``auto``/``system`` (any case);
     blank is ``auto``. Raises ``ValueError`` for what no kernel name can be."""
@@ -135,21 +136,21 @@ SPLIT = Setting("SOCKET_SPLIT", int, -1,
                  "Give each direction of a peer connection its own sockets (1), so that a "
                  "send thread never contends with the loop's receives for a socket; 0: both "
                  "directions share them; -1: split when the process has a send thread.",
-                 "NET")
+                 "NET", lo=-1, hi=1)
 SEND_THREADS = Setting("SOCKET_SEND_THREADS", int, -1,
                         "Threads per process that copy large sends into the kernel (0: the "
                         "loop thread does it; -1: one when the process may use 4 CPUs or "
-                        "more).", "NET")
+                        "more).", "NET", lo=-1, hi=64)
 RECV_THREADS = Setting("SOCKET_RECV_THREADS", int, -1,
                        "Threads per process that copy large receives into acoll's own "
                        "memory (a reduction's scratch, early messages' storage) out of the "
                        "kernel while the loop thread reduces; only with split sockets "
                        "(0: the loop thread does it; -1: one when the process may use 4 "
-                       "CPUs or more).", "NET")
+                       "CPUs or more).", "NET", lo=-1, hi=64)
 MAX_EARLY = Setting("SOCKET_MAX_EARLY", parse_size, 4 << 30,
                     "Largest message kept in memory when it arrives before its receive is "
                     "posted (or drained when its size is wrong); a larger one fails the "
-                    "connection with ProtocolError.", "NET")
+                    "connection with ProtocolError.", "NET", lo=0)
 
 _HDR = struct.Struct("<HBBIQQQ16s")
 _MAGIC = 0xAC0D

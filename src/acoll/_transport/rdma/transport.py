@@ -136,14 +136,17 @@ log = get_logger("NET")
 
 GID_INDEX = Setting("IB_GID_INDEX", int, -1,
                     "GID table index for RoCE (-1: automatic, a RoCE v2 IPv4-mapped GID "
-                    "first).", "NET")
+                    "first).", "NET", lo=-1)
 TIMEOUT = Setting("IB_TIMEOUT", int, 18,
                   "RDMA ACK timeout exponent: 4.096 us * 2**value before a retry (1-31).",
-                  "NET")
+                  "NET", lo=1, hi=31)
 RETRY_CNT = Setting("IB_RETRY_CNT", int, 7,
-                    "RDMA retransmissions without an ACK before a send fails (0-7).", "NET")
-SL = Setting("IB_SL", int, 0, "InfiniBand service level of the queue pairs (0-15).", "NET")
-TC = Setting("IB_TC", int, 0, "RoCE traffic class of the queue pairs (0-255).", "NET")
+                    "RDMA retransmissions without an ACK before a send fails (0-7).", "NET",
+                    lo=0, hi=7)
+SL = Setting("IB_SL", int, 0, "InfiniBand service level of the queue pairs (0-15).", "NET",
+             lo=0, hi=15)
+TC = Setting("IB_TC", int, 0, "RoCE traffic class of the queue pairs (0-255).", "NET",
+             lo=0, hi=255)
 MTU = Setting("IB_MTU", parse_size, 0,
               "Largest RDMA path MTU in bytes (256-4096; 0: the ports' active MTU).", "NET")
 EAGER = Setting("IB_EAGER", parse_size, 16 << 10,
@@ -151,11 +154,11 @@ EAGER = Setting("IB_EAGER", parse_size, 16 << 10,
                 "larger ones are written into the receive buffer (rendezvous).", "NET")
 QUEUE_DEPTH = Setting("IB_QUEUE_DEPTH", int, 64,
                       "Receives (and send slots) per RDMA connection; the flow-control "
-                      "window of small messages.", "NET")
+                      "window of small messages.", "NET", lo=1)
 CHUNK = Setting("IB_CHUNK", parse_size, 1 << 20,
                 "RDMA writes of a large message are cut into pieces of this size.", "NET")
 REG_CACHE = Setting("IB_REG_CACHE", int, 256,
-                    "Memory regions the RDMA registration cache keeps at most.", "NET")
+                    "Memory regions the RDMA registration cache keeps at most.", "NET", lo=0)
 
 _VERSION = 1
 _INFO_TAG, _READY_TAG = 1, 2
