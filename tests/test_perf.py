@@ -179,6 +179,10 @@ def test_under_acoll_run() -> None:
     (["sendrecv", "-b", "8"], "at least 2 ranks"),
     (["all_reduce", "-N", "2", "--rounds", "0"], "--rounds must be >= 1"),
     (["all_reduce", "--rounds", "2"], "--rounds needs -N"),
+    # (session 56's review: these failed after the sweep, or meant something else)
+    (["all_reduce", "-N", "2", "--timeout", "0"], "--timeout must be a positive"),
+    (["all_reduce", "-N", "2", "--timeout", "nan"], "--timeout must be a positive"),
+    (["all_reduce", "--json", "/nonexistent/x.json"], "--json /nonexistent/x.json: no folder"),
 ])
 def test_usage_errors(args: list[str], message: str) -> None:
     res = run_perf(*args)

@@ -152,6 +152,14 @@ def _parse(argv: list[str]) -> _Opts:
         raise Usage("-n must be >= 1 and -w >= 0")
     if ns.rounds < 1:
         raise Usage("--rounds must be >= 1")
+    if ns.timeout is not None and not ns.timeout > 0:
+        raise Usage(f"--timeout must be a positive number of seconds, got {ns.timeout}")
+    if ns.stepbytes < 0:
+        raise Usage(f"-i must be >= 0, got {ns.stepbytes}")
+    for flag, path in (("--json", ns.json), ("--plot", ns.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):  # (found out only after the sweep, before)
+            raise Usage(f"{flag} {path}: no folder {folder}")
     if ns.rounds > 1 and ns.nranks is None:
         raise Usage("--rounds needs -N (it alternates whole jobs)")
     if ns.nranks is not None:
