@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import os
@@ -350,3 +351,46 @@ def test_a_bad_comm_id_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> No
     monkeypatch.setenv("ACOLL_COMM_ID", "garbage")
     with pytest.raises(acoll.InvalidUsage, match="ACOLL_COMM_ID"):
         acoll.get_unique_id()
+
+
+async def test_an_attempt_cut_short_by_the_deadline_is_a_timeout() -> None:
+    """Found by review (session 56): on Python 3.11 asyncio's TimeoutError is an OSError,
+    so an attempt the deadline cut short read as "unreachable after 1 attempts: " (no
+    reason) with the "started late, or twice?" hint. (A listener whose accept queue is
+    full drops the SYNs: the attempt hangs until the deadline.)"""
+    import socket
+
+    from acoll._bootstrap.ring import connect_with_retry
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        addr = listener.getsockname()
+        fill = []
+        try:
+            for _ in range(3):
+                s = socket.socket()
+                fill.append(s)
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.connect(addr)
+            await asyncio.sleep(0.3)
+            loop = asyncio.get_running_loop()
+            with pytest.raises(acoll.TimeoutError, match="cut short by the deadline"):
+                await connect_with_retry(addr, loop.time() + 1.5, "the root")
+        finally:
+            for s in fill:
+                s.close()
+
+
+async def test_numpy_numbers_are_timeouts() -> None:
+    """(session 56's review: the first check of timeouts refused NumPy scalars)"""
+    import numpy as np
+
+    comm = await acoll.init_rank(1, acoll.get_unique_id(), 0, timeout=np.float32(5))
+    try:
+        comm.timeout = np.int64(3)  # type: ignore[assignment]
+        assert comm.timeout == 3.0
+        assert isinstance(comm.timeout, float)
+    finally:
+        await comm.close()

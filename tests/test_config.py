@@ -156,7 +156,7 @@ def test_socket_family_setting_overridden_by_the_id_is_said(
     ("IB_SL", "16", "out of range"),
     ("IB_RETRY_CNT", "8", "out of range"),
     ("PREAUTH_LIMIT", "0", "out of range"),
-    ("RING_CHUNKS", "0", "out of range"),
+    ("RING_CHUNKS", "-1", "out of range"),  # (0 is allowed: always CHUNK_SIZE)
 ])
 def test_a_bad_setting_is_named(monkeypatch: pytest.MonkeyPatch, name: str, text: str,
                                 says: str) -> None:

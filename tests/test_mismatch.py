@@ -204,6 +204,38 @@ async def test_split_against_another_call_is_named_at_once(other: str) -> None:
                for e in out), out
 
 
+@pytest.mark.parametrize("late", [0.0, 0.3])
+async def test_split_beside_another_tasks_call_in_the_same_order_completes(
+        late: float) -> None:
+    """Found by review (session 56): split()'s first barrier and its exchange took the
+    communicator one after the other, so another task's all_reduce (called after split()
+    on both ranks) ran between them on one rank but not on the other: a deadlock until
+    the deadline. They run as one op now."""
+    async def fn(comm: acoll.Communicator) -> np.ndarray:
+        async def reduce() -> np.ndarray:
+            await asyncio.sleep(0 if comm.rank == 0 else late)
+            x = np.ones(4, np.float32)
+            await comm.all_reduce(x)
+            return x
+
+        if comm.rank == 1:
+            await asyncio.sleep(0.1)
+        split = asyncio.ensure_future(comm.split(0))
+        await asyncio.sleep(0)
+        child, x = await asyncio.gather(split, reduce())
+        assert child is not None
+        other = await asyncio.gather(comm.split(comm.rank), comm.split(0))  # (two at once)
+        for c in (child, *other):
+            assert c is not None
+            await c.close()
+        return x
+
+    t = time.monotonic()
+    results = await run_ranks(2, fn, timeout=DEADLINE, together=True)
+    assert time.monotonic() - t < QUICK
+    assert all((x == 2).all() for x in results)
+
+
 async def test_close_while_the_others_are_in_a_collective() -> None:
     uid = acoll.get_unique_id()
     comms = await asyncio.gather(*(acoll.init_rank(3, uid, r, timeout=DEADLINE)

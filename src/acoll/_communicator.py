@@ -37,7 +37,7 @@ import socket
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, Concatenate, NoReturn, ParamSpec, TypeVar
+from typing import TYPE_CHECKING, Any, Concatenate, Generic, NoReturn, ParamSpec, TypeVar
 
 import msgpack
 import numpy as np
@@ -659,10 +659,11 @@ class Communicator:
     def timeout(self) -> float:
         """The deadline in seconds of each network wait this communicator makes.
 
-        Settable: a new value applies to calls and connections started afterwards,
-        ``split()`` and ``register()`` exchanges included (a call already running keeps
-        its deadline; so do the GPU peer-to-peer kernels' own timers, fixed when the
-        intra-host path formed). Raises InvalidUsage unless a positive number.
+        Settable: a new value applies to calls started afterwards, the ``split()`` and
+        ``register()`` exchanges and the dials of connections made on first use included
+        (a call already running keeps its deadline; so do the transports' handshake
+        limits and the GPU peer-to-peer kernels' own timers, fixed at formation). Raises
+        InvalidUsage unless a positive number.
         """
         return self._timeout
 
@@ -1568,16 +1569,16 @@ class Communicator:
             self._misused("register", exc)
         if self._lane is not None:
             found = shared.find(b.ptr, b.nbytes)
-            await self._in_call_order(Coll.REGISTER)
-            async with self._exec.exclusive():
-                index = await self._lane.register(found, self._boot)
+            lane = self._lane
+            index = await self._in_call_order(Coll.REGISTER,
+                                              lambda: lane.register(found, self._boot))
             self._lane_plans.clear()  # (plans made before now do not look for it)
             return Registration(self, index, host=True)
         if self._p2p is None or self._p2p.direct:
             return Registration(self, -1)
-        await self._in_call_order(Coll.REGISTER)
-        async with self._exec.exclusive():
-            index = await self._p2p.register(b.ptr, self._boot)
+        p2p = self._p2p
+        index = await self._in_call_order(Coll.REGISTER,
+                                          lambda: p2p.register(b.ptr, self._boot))
         return Registration(self, index)
 
     async def deregister(self, reg: Registration) -> None:
@@ -1599,18 +1600,27 @@ class Communicator:
             return
         if self._p2p is None:
             return
-        await self._in_call_order(Coll.DEREGISTER)
-        async with self._exec.exclusive():
-            await self._p2p.deregister(reg.index, self._boot)
+        p2p = self._p2p
+        await self._in_call_order(Coll.DEREGISTER,
+                                  lambda: p2p.deregister(reg.index, self._boot))
         reg.index = -1
 
-    async def _in_call_order(self, coll: Coll) -> None:
-        """A barrier numbered like a collective, ahead of an exchange that takes no
-        sequence number (split, registration): a rank that made another call at this point
-        is named at once by the descriptor checks (this barrier's messages carry ``coll``),
-        where both ranks used to wait for their deadlines."""
-        if self.size > 1:
-            await self._exec.execute(Descriptor(coll, 0, 0, 0, 0), self._barrier_algo())
+    async def _in_call_order(self, coll: Coll, exchange: Callable[[], Awaitable[_R]]) -> _R:
+        """Run ``exchange`` (a bootstrap exchange of split or registration, which takes no
+        sequence number of its own) as one op in the call order: a barrier numbered like a
+        collective, then the exchange, both while the op holds the communicator, so that no
+        call made later runs between them on one rank and not on another (found by review:
+        a deadlock). A rank that made another call at this point is named at once by the
+        descriptor checks (the barrier's messages carry ``coll``), where both ranks used to
+        wait for their deadlines."""
+        if self.size == 1:
+            async with self._exec.exclusive():
+                return await exchange()
+        out: list[_R] = []
+        barrier = self._barrier_algo()
+        await self._exec.execute(Descriptor(coll, 0, 0, 0, 0),
+                                 lambda ctx: _BarrierThen(barrier(ctx), exchange, out))
+        return out[0]
 
     # ------------------------------------------------------------------ split
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -1632,7 +1642,7 @@ class Communicator:
         except InvalidUsage as exc:
             self._misused("split", exc)
         self._split_seq += 1
-        await self._in_call_order(Coll.SPLIT)
+        nth = self._split_seq  # (read once: a concurrent split() moves the counter on)
         addr: list[Any] = []
         sock = None
         if color is not None:
@@ -1644,16 +1654,16 @@ class Communicator:
             name = sock.getsockname()
             addr = [name[0], name[1], self._boot.addr[2]]
         try:
-            async with self._exec.exclusive():
-                items = await self._boot.allgather(msgpack.packb([color, key, addr]),
-                                                   f"split() #{self._split_seq}")
+            record = msgpack.packb([color, key, addr])
+            items = await self._in_call_order(
+                Coll.SPLIT, lambda: self._boot.allgather(record, f"split() #{nth}"))
         except BaseException as exc:
             if sock is not None:
                 sock.close()
             if isinstance(exc, asyncio.CancelledError):
                 # The peers are in (or on their way to) the same exchange and cannot finish
                 # it: fail the parent, as a cancelled collective does, so that they hear.
-                self._exec.cancelled("split", self._split_seq)
+                self._exec.cancelled("split", nth)
             raise
         if color is None:
             return None
@@ -1661,7 +1671,7 @@ class Communicator:
         members = sorted((k, r, a) for r, (c, k, a) in
                          ((r, msgpack.unpackb(it)) for r, it in enumerate(items)) if c == color)
         new_rank = next(i for i, (_, r, _) in enumerate(members) if r == self.rank)
-        nkey = hashlib.blake2b(self._boot.key + f"/{self._split_seq}/{color}".encode(),
+        nkey = hashlib.blake2b(self._boot.key + f"/{nth}/{color}".encode(),
                                digest_size=16).digest()
         peer_addrs: list[Address] = [(a[0], a[1], a[2]) for _, _, a in members]
 
@@ -1687,7 +1697,7 @@ class Communicator:
             return await self._unless_ended(Communicator._form(
                 join, sockaddr, fam, self.timeout, key=nkey, net=None, check=self.check,
                 mem=mem, nranks=len(members)),
-                lambda: self._exec.cancelled("split", self._split_seq))
+                lambda: self._exec.cancelled("split", nth))
         except BaseException:
             if not handed:  # (else the bootstrap's server closes it, off the loop's
                 sock.close()  # watch first: see stream.serve_stream)
@@ -1979,6 +1989,19 @@ class _Send:
     async def run(self) -> None:
         await self.ctx.connect(self.peer)
         await self.ctx.wait_send(self.ctx.post_send(self.peer, self.buf, 0), self.peer)
+
+
+class _BarrierThen(Generic[_R]):
+    """An algorithm: ``first`` (a barrier), then ``exchange``, whose result goes to ``out``
+    (see :meth:`Communicator._in_call_order`)."""
+
+    def __init__(self, first: Any, exchange: Callable[[], Awaitable[_R]],
+                 out: list[_R]) -> None:
+        self.first, self.exchange, self.out = first, exchange, out
+
+    async def run(self) -> None:
+        await self.first.run()
+        self.out.append(await self.exchange())
 
 
 class _Nothing:

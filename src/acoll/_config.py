@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import socket
 import sys
@@ -142,7 +143,9 @@ def seconds_argument(value: object, name: str = "timeout") -> float:
     Raises:
         InvalidUsage: ``value`` is not an int or float, or not > 0 (NaN included).
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    # (numbers.Real: NumPy's integer and float scalars too)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (
+            float(value) > 0):
         raise InvalidUsage(f"{name} must be a positive number of seconds, got {value!r}")
     return float(value)
 

@@ -181,7 +181,7 @@ def _parse(argv: Sequence[str]) -> _Options:
     ns = parser.parse_args(opt_args)
     if not command:
         parser.error("missing the program to run (acoll-run -n N [--] prog args...)")
-    comm_id: str | None = ns.comm_id or os.environ.get("ACOLL_COMM_ID") or None
+    comm_id: str | None = ns.comm_id or os.environ.get("ACOLL_COMM_ID", "").strip() or None
     if comm_id is not None and ns.comm_id is None:
         try:
             parse_host_port(comm_id)

@@ -125,8 +125,11 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
         attempts += 1
         try:
             return await wait_for(FramedConnection.connect(sockaddr), min(left, 10.0))
-        except (OSError, asyncio.TimeoutError) as exc:
-            last = exc if isinstance(exc, OSError) else None  # (None: our wait ran out)
+        except asyncio.TimeoutError:  # (before OSError: on 3.11 it is one)
+            # None: the deadline cut this attempt short (see the end)
+            last = None if left <= 10.0 else OSError("no answer within 10 s")
+        except OSError as exc:
+            last = exc
         waited = loop.time() - start
         if not warned and waited >= _RETRY_WARN_S:
             warned = True

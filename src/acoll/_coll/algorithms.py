@@ -52,7 +52,7 @@ SMALL = Setting("SMALL_MSG", parse_size, 64 << 10,
 RING_CHUNKS = Setting("RING_CHUNKS", int, 8,
                       "Ring algorithms cut a rank's segment into at most this many chunks: "
                       "chunks grow above CHUNK_SIZE for large segments (0: always "
-                      "CHUNK_SIZE).", "COLL", lo=1)
+                      "CHUNK_SIZE).", "COLL", lo=0)
 RING_CHUNK_MAX = Setting("RING_CHUNK_MAX", parse_size, 4 << 20,
                          "Largest chunk RING_CHUNKS may grow a ring's chunks to (never below "
                          "CHUNK_SIZE). A chunk that arrives before its receive is posted is "
@@ -61,7 +61,7 @@ RING_CHUNK_MAX = Setting("RING_CHUNK_MAX", parse_size, 4 << 20,
 HD_CHUNKS = Setting("HD_CHUNKS", int, 2,
                     "The halving-doubling all-reduce cuts each of its blocks into at most "
                     "this many chunks (at least CHUNK_SIZE, at most RING_CHUNK_MAX; 0: "
-                    "always CHUNK_SIZE).", "COLL", lo=1)
+                    "always CHUNK_SIZE).", "COLL", lo=0)
 
 
 def _chunk_items(ctx: OpContext, itemsize: int) -> int:
