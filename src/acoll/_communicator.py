@@ -1616,11 +1616,12 @@ class Communicator:
         if self.size == 1:
             async with self._exec.exclusive():
                 return await exchange()
-        out: list[_R] = []
+        step = _BarrierThen(exchange)
         barrier = self._barrier_algo()
-        await self._exec.execute(Descriptor(coll, 0, 0, 0, 0),
-                                 lambda ctx: _BarrierThen(barrier(ctx), exchange, out))
-        return out[0]
+        await self._exec.execute(Descriptor(coll, 0, 0, 0, 0), lambda ctx: step.on(barrier(ctx)))
+        if step.error is not None:
+            raise step.error
+        return step.out[0]
 
     # ------------------------------------------------------------------ split
     async def split(self, color: int | None, key: int | None = None) -> Communicator | None:
@@ -1992,16 +1993,29 @@ class _Send:
 
 
 class _BarrierThen(Generic[_R]):
-    """An algorithm: ``first`` (a barrier), then ``exchange``, whose result goes to ``out``
-    (see :meth:`Communicator._in_call_order`)."""
+    """An algorithm: a barrier (``on``), then ``exchange``, whose result goes to ``out``
+    (see :meth:`Communicator._in_call_order`). An error of the exchange is kept in
+    ``error`` for the caller, not raised through the executor: the exchange fails the
+    communicator itself where it must (a bootstrap failure does), while an error every
+    rank raises together (a registration every rank refuses) leaves it usable, as
+    before the barrier existed."""
 
-    def __init__(self, first: Any, exchange: Callable[[], Awaitable[_R]],
-                 out: list[_R]) -> None:
-        self.first, self.exchange, self.out = first, exchange, out
+    def __init__(self, exchange: Callable[[], Awaitable[_R]]) -> None:
+        self.exchange = exchange
+        self.first: Any = None
+        self.out: list[_R] = []
+        self.error: Exception | None = None
+
+    def on(self, first: Any) -> _BarrierThen[_R]:
+        self.first = first
+        return self
 
     async def run(self) -> None:
         await self.first.run()
-        self.out.append(await self.exchange())
+        try:
+            self.out.append(await self.exchange())
+        except Exception as exc:
+            self.error = exc
 
 
 class _Nothing:
