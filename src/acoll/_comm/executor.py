@@ -599,8 +599,10 @@ class Executor:
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
-        """Hold the communicator alone for work that takes no sequence number (split,
-        registration), after every call made before it: a group another context holds
+        """Hold the communicator alone for work that takes no sequence number (a lane
+        deregistration, and a one-rank communicator's split or registration: with more
+        ranks those run as numbered ops, ``Communicator._in_call_order``), after every
+        call made before it: a group another context holds
         open (its calls are numbered, not yet run) runs first (session 48's review: taking
         the lock at once ran such work before the group's calls on one rank and after
         them on another). The communicator's failure ends the wait. Waiting for the block
