@@ -141,7 +141,8 @@ def seconds_argument(value: object, name: str = "timeout") -> float:
     """``value`` as a positive number of seconds (``inf``: no deadline).
 
     Raises:
-        InvalidUsage: ``value`` is not an int or float, or not > 0 (NaN included).
+        InvalidUsage: ``value`` is not a real number (bool excluded; NumPy scalars are
+            fine), or not > 0 (NaN included).
     """
     # (numbers.Real: NumPy's integer and float scalars too)
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (

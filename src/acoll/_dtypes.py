@@ -251,7 +251,7 @@ def finish_avg(arr: npt.NDArray[Any], n: int) -> None:
     if n == 1 or arr.size == 0:
         return
     if arr.dtype in _LOW_PRECISION:
-        with np.errstate(all="ignore"):  # (not a per-step path: integer AVG ends here)
+        with np.errstate(all="ignore"):  # (collectives divide only integer sums here)
             arr[...] = (arr.astype(np.float32) / np.float32(n)).astype(arr.dtype)
     elif arr.dtype.kind == "f":
         with np.errstate(all="ignore"):
