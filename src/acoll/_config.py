@@ -151,6 +151,11 @@ def seconds_argument(value: object, name: str = "timeout") -> float:
     return float(value)
 
 
+def _number(x: float) -> str:
+    """``x`` for a message: whole numbers in full (2147483647, not 2.14748e+09)."""
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
 def parse_size(text: str) -> int:
     """Parse a byte size such as ``4096``, ``64K``, ``8M``, ``1G`` (a whole number of
     bytes; ``1.5K`` is 1536)."""
@@ -223,9 +228,9 @@ class Setting(Generic[T]):
         lo = -math.inf if self.lo is None else self.lo
         hi = math.inf if self.hi is None else self.hi
         if not lo <= value <= hi:  # (NaN fails too)
-            where = (f"at least {self.lo:g}" if self.hi is None else
-                     f"at most {self.hi:g}" if self.lo is None else
-                     f"from {self.lo:g} to {self.hi:g}")
+            where = (f"at least {_number(lo)}" if self.hi is None else
+                     f"at most {_number(hi)}" if self.lo is None else
+                     f"from {_number(lo)} to {_number(hi)}")
             raise InvalidUsage(f"{self.env_name}={text!r} is out of range: it must be {where}")
 
     def _log(self, value: object, origin: str) -> None:

@@ -143,9 +143,9 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
         delay = min(delay * 1.5, 1.0)
     if last is None:  # (no attempt, or the last one still connecting at the deadline)
         raise AcollTimeoutError(
-            f"the deadline passed before {what} at {where} could be reached ({attempts} "
-            f"attempts over {loop.time() - start:.1f} s, the last one cut short by the "
-            "deadline)")
+            f"the deadline passed before {what} at {where} could be reached (" + (
+                f"{attempts} attempts over {loop.time() - start:.1f} s, the last one cut "
+                "short by the deadline)" if attempts else "before a first attempt)"))
     hint = (" (a root stops listening once every rank has joined: was this rank started "
             "late, or twice?)" if what == "the root" else "")
     raise BootstrapError(f"{what} at {where} unreachable after {attempts} attempts over "
