@@ -80,6 +80,13 @@ def rank_code(folder: Path, body: str) -> str:
     return f"D = {str(folder)!r}\n" + _RECORD + body
 
 
+def _job(folder: Path, body: str, *launcher_args: str) -> subprocess.Popen[str]:
+    """The launcher running ``rank_code(folder, body)`` on each rank, output piped."""
+    return subprocess.Popen([PY, "-m", "acoll.run", *launcher_args, "--", PY, "-c",
+                             rank_code(folder, body)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 def test_all_ranks_succeed_with_env_and_prefixed_output() -> None:
     code = ("import json, os, sys\n"
             "keys = ['ACOLL_RANK', 'ACOLL_WORLD_SIZE', 'ACOLL_LOCAL_RANK', 'ACOLL_LOCAL_SIZE',"
@@ -230,9 +237,7 @@ def test_signal_to_launcher_is_forwarded(pid_dir: Path, sig: signal.Signals) -> 
             "    time.sleep(60)\n"
             "finally:\n"
             "    record(f'exit{r}', 0)\n")
-    with subprocess.Popen([PY, "-m", "acoll.run", "-n", "3", "--", PY, "-c",
-                           rank_code(pid_dir, body)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with _job(pid_dir, body, "-n", "3") as proc:
         try:
             pids = _wait_files(pid_dir, 3)
             proc.send_signal(sig)
@@ -253,9 +258,7 @@ def test_ranks_do_not_outlive_a_launcher_killed_with_sigkill(pid_dir: Path) -> N
     Each rank now gets SIGTERM when its launcher dies."""
     body = ("record(f'rank{r}', os.getpid())\n"
             "time.sleep(60)\n")
-    with subprocess.Popen([PY, "-m", "acoll.run", "-n", "2", "--", PY, "-c",
-                           rank_code(pid_dir, body)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with _job(pid_dir, body, "-n", "2") as proc:
         try:
             pids = _wait_files(pid_dir, 2)
             proc.kill()
@@ -270,9 +273,7 @@ def test_second_signal_kills_at_once(pid_dir: Path) -> None:
             "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
             "record(f'rank{r}', os.getpid())\n"
             "time.sleep(60)\n")
-    with subprocess.Popen([PY, "-m", "acoll.run", "-n", "2", "--grace", "60", "--", PY, "-c",
-                           rank_code(pid_dir, body)],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    with _job(pid_dir, body, "-n", "2", "--grace", "60") as proc:
         try:
             pids = _wait_files(pid_dir, 2)
             proc.send_signal(signal.SIGINT)
