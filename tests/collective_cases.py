@@ -103,6 +103,37 @@ def _same(x: Any) -> Any:
     return x
 
 
+def _v_block(src: int, dst: int, count: int) -> int:
+    """Items rank ``src`` sends rank ``dst`` in the all-to-all-v check (uneven, some 0)."""
+    return max(0, count - (2 * src + dst) % 3)
+
+
+async def _all_to_all_v(comm: acoll.Communicator, count: int, dt: Any,
+                        dev: Callable[[Any], Any], host: Callable[[Any], Any]) -> None:
+    """An all-to-all-v as users write it with NCCL: one group, a send to and a recv from
+    every rank, this one included (a send to self), blocks of uneven sizes."""
+    n, r = comm.size, comm.rank
+
+    def sent(q: int) -> npt.NDArray[Any]:
+        total = sum(_v_block(q, d, count) for d in range(n))
+        return make_input(q, total, dt, acoll.SUM, salt=4)
+
+    mine = sent(r)
+    outs = [dev(np.empty(_v_block(q, r, count), dt)) for q in range(n)]
+    async with comm.group():
+        at = 0
+        for d in range(n):
+            size = _v_block(r, d, count)
+            await comm.send(dev(mine[at:at + size]), d)
+            at += size
+        for q in range(n):
+            await comm.recv(outs[q], q)
+    for q in range(n):
+        start = sum(_v_block(q, d, count) for d in range(r))
+        assert_same(host(outs[q]), sent(q)[start:start + _v_block(q, r, count)],
+                    f"all-to-all-v block from {q} n={n} count={count} {dt}")
+
+
 async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[Any],
                     ops: list[acoll.ReduceOp], *, dev: Callable[[Any], Any] = _same,
                     host: Callable[[Any], Any] = _same) -> int:
@@ -171,13 +202,13 @@ async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[An
             await comm.all_to_all(dev(a2a_in[r]), a2a_out)
             a2a_want = np.concatenate([a2a_in[q][r * count:(r + 1) * count] for q in range(n)])
             assert_same(host(a2a_out), a2a_want, f"all_to_all n={n} count={count} {dt}")
-            if n > 1:
-                got = dev(np.empty(count, dt))
-                async with comm.group():
-                    await comm.send(dev(ins[r]), (r + 1) % n)
-                    await comm.recv(got, (r - 1) % n)
-                assert_same(host(got), ins[(r - 1) % n],
-                            f"send/recv n={n} count={count} {dt}")
-            checks += 5
+            got = dev(np.empty(count, dt))
+            async with comm.group():  # (one rank: a send to self)
+                await comm.send(dev(ins[r]), (r + 1) % n)
+                await comm.recv(got, (r - 1) % n)
+            assert_same(host(got), ins[(r - 1) % n],
+                        f"send/recv n={n} count={count} {dt}")
+            await _all_to_all_v(comm, count, dt, dev, host)
+            checks += 6
     await comm.barrier()
     return checks

@@ -46,7 +46,7 @@ from ._bootstrap.ring import Bootstrap, error_to_wire
 from ._bootstrap.root import RootServer, listen_socket, start_root
 from ._bootstrap.wire import Address
 from ._coll import algorithms as algos
-from ._coll.base import Coll, Descriptor, OpContext
+from ._coll.base import ANY_SEQ, Coll, Descriptor, OpContext
 from ._comm.args import as_int, buffer_pair, check_peer, check_root, descriptor
 from ._comm.executor import Algorithm, Executor, MakeAlgorithm
 from ._comm.groups import Group
@@ -92,6 +92,7 @@ from ._comm.probe import (
     send_desc_check,
     take,
 )
+from ._comm.selfp2p import SelfPairs, SelfRecv, SelfSend
 from ._comm.via_host import (
     STAGE_COUNTERS,
     STAGE_PIECE,
@@ -438,6 +439,7 @@ class Communicator:
         self._p2p_seq = Sequencer()
         self._p2p_send: defaultdict[int, int] = defaultdict(int)
         self._p2p_recv: defaultdict[int, int] = defaultdict(int)
+        self._self_pairs = SelfPairs(self.rank, self.check_usable)  # sends/recvs to self
         self._checker = OrderChecker(self.rank, check, self.fail, lambda: self._exec.seq,
                                      lambda: self._error is None and not self._closed)
         self._exec = Executor(self, self._checker)
@@ -629,6 +631,7 @@ class Communicator:
             lane.abandon()  # (before any caller can touch its buffers again)
         log.info("rank %d: communicator failed: %s", self.rank, error)
         self._exec.fail_waiting()
+        self._self_pairs.fail()
         self._p2p_seq.fail(error)
         if self._p2p is not None:
             self._p2p.abort(error)
@@ -710,6 +713,7 @@ class Communicator:
         self._links.cancel_tasks()
         self._exec.stop_watchdog()
         self._exec.fail_waiting()
+        self._self_pairs.fail()
         self._release_lane()
 
     def _wake_ended(self) -> None:
@@ -1500,11 +1504,17 @@ class Communicator:
 
     @_announced
     async def send(self, buf: Any, peer: int, *, stream: Any = None) -> Any:
-        """Send ``buf`` to ``peer``, matched in order with ``peer``'s ``recv`` from us."""
+        """Send ``buf`` to ``peer``, matched in order with ``peer``'s ``recv`` from us.
+
+        ``peer`` may be this rank inside a group, paired with a ``recv`` from self in the
+        same group (:mod:`acoll._comm.selfp2p`)."""
         b = self.mem.adopt(buf, "buf")
-        peer = check_peer(peer, self.rank, self.size)
+        peer = check_peer(peer, self.size)
         self.check_usable()
         order = self.mem.order(stream)
+        if peer == self.rank:
+            await self._to_self("send", b, order)
+            return buf
         index = self._p2p_send[peer]
         self._p2p_send[peer] = index + 1
         desc = descriptor(Coll.SEND_RECV, b, root=self._exec.p2p_stamp())
@@ -1514,11 +1524,15 @@ class Communicator:
 
     @_announced
     async def recv(self, buf: Any, peer: int, *, stream: Any = None) -> Any:
-        """Receive into ``buf`` the next message ``peer`` sends us; sizes must match."""
+        """Receive into ``buf`` the next message ``peer`` sends us; dtype and count must
+        match the send's (``peer`` may be this rank inside a group, as for :meth:`send`)."""
         b = self.mem.adopt(buf, "buf", writable=True)
-        peer = check_peer(peer, self.rank, self.size)
+        peer = check_peer(peer, self.size)
         self.check_usable()
         order = self.mem.order(stream)
+        if peer == self.rank:
+            await self._to_self("recv", b, order)
+            return buf
         index = self._p2p_recv[peer]
         self._p2p_recv[peer] = index + 1
         stamp = self._exec.p2p_stamp()
@@ -1533,6 +1547,16 @@ class Communicator:
             checker.recv_done(peer, index)
             raise
         return buf
+
+    async def _to_self(self, side: str, b: Buffer, order: StreamOrder | None) -> None:
+        """A send to self or recv from self: queued in the caller's group, paired there
+        (see :mod:`acoll._comm.selfp2p`)."""
+        pairs = self._self_pairs
+        pair = pairs.post(side, b, self._exec.group_queue())
+        algo = SelfSend if side == "send" else SelfRecv
+        desc = descriptor(Coll.SEND_RECV, b, root=ANY_SEQ)
+        await self._exec.execute(desc, self._ordered(lambda ctx: algo(ctx, pairs, pair), order),
+                                 tag_base=p2p_tag(pair.index))
 
     # ------------------------------------------------------------------ registration
     async def register(self, buf: Any) -> Registration:

@@ -158,6 +158,15 @@ class Executor:
             group.join(self)
         return ANY_SEQ if self._group is not None else self.seq & SEQ_MASK
 
+    def group_queue(self) -> list[GroupOp] | None:
+        """The queue of the group a call made now joins (this context's open group is
+        joined first, as by :meth:`p2p_stamp`), or ``None`` when it runs outside any:
+        calls queued in the same list run together."""
+        group = current_group()
+        if self._group is None and group is not None:
+            group.join(self)
+        return self._group
+
     def skip(self) -> None:
         """Use up a sequence number without running anything (a zero-element call with
         checks off: every rank skips it alike)."""
