@@ -187,6 +187,11 @@ async def check_all(comm: acoll.Communicator, counts: list[int], dtypes: list[An
             await comm.broadcast(buf, root=root)
             assert_same(host(buf), ins[root],
                         f"broadcast root={root} n={n} count={count} {dt}")
+            if isinstance(buf, np.ndarray):  # a root's buffer is only read: may be read-only
+                buf = ins[r].copy() if r == root else np.zeros_like(ins[r])
+                buf.flags.writeable = r != root
+                await comm.broadcast(buf, root=root)
+                assert_same(buf, ins[root], f"broadcast, read-only root={root} n={n} {count}")
             gathered = dev(np.empty(n * count, dt))
             await comm.all_gather(dev(ins[r]), gathered)
             assert_same(host(gathered), np.concatenate(ins),

@@ -1270,12 +1270,13 @@ class Communicator:
 
     @_announced
     async def broadcast(self, buf: Any, root: int = 0, *, stream: Any = None) -> Any:
-        """Copy ``root``'s ``buf`` into ``buf`` on every rank."""
+        """Copy ``root``'s ``buf`` into ``buf`` on every rank (the root's is only read: it
+        may be read-only)."""
         if self._prepared is not None and await self._ran_prepared(
                 "broadcast", buf, None, None, root, stream):
             return buf
-        b = self.mem.adopt(buf, "buf", writable=True)
         root = check_root(root, self.size)
+        b = self.mem.adopt(buf, "buf", writable=self.rank != root)
         order = self.mem.order(stream)
         cls = algos.choose("broadcast", b.nbytes, self.size, self._algo, self.small)
         desc = descriptor(Coll.BROADCAST, b, 0, root, algo=cls)
