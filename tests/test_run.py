@@ -6,7 +6,6 @@ import asyncio
 import builtins
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -80,11 +79,19 @@ def rank_code(folder: Path, body: str) -> str:
     return f"D = {str(folder)!r}\n" + _RECORD + body
 
 
-def _job(folder: Path, body: str, *launcher_args: str) -> subprocess.Popen[str]:
+def tmp_path_of(pid_dir: Path) -> Path:
+    """An empty folder beside ``pid_dir``, for a job's $TMPDIR."""
+    scratch = pid_dir / "tmpdir"
+    scratch.mkdir()
+    return scratch
+
+
+def _job(folder: Path, body: str, *launcher_args: str,
+         env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """The launcher running ``rank_code(folder, body)`` on each rank, output piped."""
     return subprocess.Popen([PY, "-m", "acoll.run", *launcher_args, "--", PY, "-c",
                              rank_code(folder, body)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def test_all_ranks_succeed_with_env_and_prefixed_output() -> None:
@@ -258,7 +265,8 @@ def test_ranks_do_not_outlive_a_launcher_killed_with_sigkill(pid_dir: Path) -> N
     Each rank now gets SIGTERM when its launcher dies."""
     body = ("record(f'rank{r}', os.getpid())\n"
             "time.sleep(60)\n")
-    with _job(pid_dir, body, "-n", "2") as proc:
+    scratch = tmp_path_of(pid_dir)
+    with _job(pid_dir, body, "-n", "2", env={**os.environ, "TMPDIR": str(scratch)}) as proc:
         try:
             pids = _wait_files(pid_dir, 2)
             proc.kill()
@@ -266,6 +274,9 @@ def test_ranks_do_not_outlive_a_launcher_killed_with_sigkill(pid_dir: Path) -> N
         finally:
             proc.kill()
     assert _wait_gone(pids, within=10) == []
+    # Nothing of the launcher's is left behind: before session 57 its report folder
+    # stayed under $TMPDIR (its exit reports are memfds now).
+    assert list(scratch.iterdir()) == []
 
 
 def test_second_signal_kills_at_once(pid_dir: Path) -> None:
@@ -461,7 +472,7 @@ def test_exits_reaped_together_are_judged_before_blame(monkeypatch: pytest.Monke
             job.ranks.append((rank, _FakeTransport(2**22 + r)))  # type: ignore[arg-type]
             ranks.append(rank)
         for r in (0, 1):
-            Path(job._report_path(r)).write_text(  # noqa: ASYNC240
+            Path(job.reports.path(r)).write_text(  # noqa: ASYNC240
                 json.dumps({"peer": 2, "error": "RemoteError: rank 2 is gone"}))
         watchers = [asyncio.ensure_future(job._watch(rank, 2**22 + rank.rank))
                     for rank in ranks]
@@ -474,7 +485,7 @@ def test_exits_reaped_together_are_judged_before_blame(monkeypatch: pytest.Monke
         job._blame_consequential()
         if job.blame_timer is not None:
             job.blame_timer.cancel()
-        shutil.rmtree(job.report_dir)
+        job.reports.close()
         return job.result or 0, said
 
     killed: list[int] = []  # (the fake pids must never reach a real process group)

@@ -3,11 +3,12 @@
 When a rank leaves, its peers fail with :class:`~acoll.errors.RemoteError` and often exit
 *before* it does (the rank that left closes its sockets first, then runs the interpreter's
 shutdown). Process exit order therefore does not say who failed first. ``acoll-run`` gives
-each rank a file path in ``ACOLL_RUN_REPORT``; at import, acoll wraps ``sys.excepthook`` so
-that an uncaught exception caused by a lost peer (a ``RemoteError`` anywhere in its
-cause/context chain or exception groups) writes ``{"peer": rank-or-null, "error": text}``
-as JSON there before the process exits. The launcher treats such a rank's failure as a
-consequence and waits briefly for the rank that caused it (see :mod:`acoll.run`).
+each rank a file path in ``ACOLL_RUN_REPORT`` (a memfd of the launcher's, by its /proc
+path); at import, acoll wraps ``sys.excepthook`` so that an uncaught exception caused by
+a lost peer (a ``RemoteError`` anywhere in its cause/context chain or exception groups)
+writes ``{"peer": rank-or-null, "error": text}`` as JSON there before the process exits.
+The launcher treats such a rank's failure as a consequence and waits briefly for the rank
+that caused it (see :mod:`acoll.run`).
 
 Contract: nothing is written for any other exit (``sys.exit(n)``, signals, other errors);
 writing never raises; the previous ``sys.excepthook`` is always called.
@@ -50,10 +51,10 @@ def _write(path: str, exc: BaseException) -> None:
         return
     try:
         text = json.dumps({"peer": remote.rank, "error": f"{type(remote).__name__}: {remote}"})
-        tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        # (in place: the path may be a launcher's memfd under /proc, see acoll.run; the
+        # launcher reads it once this process exited, and a torn write reads as no report)
+        with open(path, "w") as f:
             f.write(text)
-        os.replace(tmp, path)
     except (OSError, ValueError):
         pass
 

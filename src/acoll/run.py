@@ -338,6 +338,41 @@ def _tie_to_launcher() -> Callable[[], None] | None:
     return tie
 
 
+class _Reports:
+    """Each rank's exit report (:mod:`acoll._exitreport`): an anonymous file of the
+    launcher's (``memfd_create``), which the rank opens through
+    ``/proc/<launcher>/fd/<n>``. Nothing is on disk, so nothing is left behind even when
+    the launcher is killed with SIGKILL (a folder under /tmp was, before session 57).
+    Where memfds are missing, a folder of its own is made instead, removed at the end."""
+
+    def __init__(self, nranks: int) -> None:
+        self.folder: str | None = None
+        self.fds: list[int] = []
+        try:
+            for rank in range(nranks):
+                self.fds.append(os.memfd_create(f"acoll-run-report-{rank}"))
+        except (AttributeError, OSError):
+            self.close()
+            self.folder = tempfile.mkdtemp(prefix="acoll-run-")
+
+    def path(self, rank: int) -> str:
+        if self.folder is not None:
+            return os.path.join(self.folder, f"rank{rank}.json")
+        return f"/proc/{os.getpid()}/fd/{self.fds[rank]}"
+
+    def read(self, rank: int) -> tuple[int | None, str] | None:
+        if self.folder is not None:
+            return read_report(self.path(rank))
+        return read_report(f"/proc/self/fd/{self.fds[rank]}")
+
+    def close(self) -> None:
+        fds, self.fds = self.fds, []
+        for fd in fds:
+            os.close(fd)
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class _Job:
     def __init__(self, opts: _Options) -> None:
         self.opts = opts
@@ -347,7 +382,7 @@ class _Job:
         self.result: int | None = None  # the exit code once the job is ending
         self.stopping = False
         self.killer: asyncio.Task[None] | None = None
-        self.report_dir = tempfile.mkdtemp(prefix="acoll-run-")
+        self.reports = _Reports(opts.nranks)
         self.tie = _tie_to_launcher()  # (each rank dies with the launcher)
         # Ranks that failed because a peer was lost: (rank, pid, code, peer), in exit order.
         self.consequential: list[tuple[int, int, int, int | None]] = []
@@ -404,13 +439,10 @@ class _Job:
                    ACOLL_COMM_ID=self.opts.comm_id)
         if self.opts.secret is not None:
             env["ACOLL_COMM_SECRET"] = self.opts.secret
-        env[_REPORT_VAR] = self._report_path(rank)
+        env[_REPORT_VAR] = self.reports.path(rank)
         if self.opts.prefix:
             env.setdefault("PYTHONUNBUFFERED", "1")
         return env
-
-    def _report_path(self, rank: int) -> str:
-        return os.path.join(self.report_dir, f"rank{rank}.json")
 
     def _live(self) -> int:
         return sum(not r.exited.done() for r, _ in self.ranks)
@@ -446,7 +478,7 @@ class _Job:
             if self._all_judged():
                 self._blame_consequential()
             return
-        report = read_report(self._report_path(rank.rank)) if code > 0 else None
+        report = self.reports.read(rank.rank) if code > 0 else None
         if report is None:  # failed for its own reason: it is the one to blame
             note = ""
             if self.consequential:
@@ -509,7 +541,7 @@ class _Job:
             for protocol, transport in self.ranks:
                 protocol.flush()
                 transport.close()
-            shutil.rmtree(self.report_dir, ignore_errors=True)
+            self.reports.close()
         return 0 if self.result is None else self.result
 
 
