@@ -517,6 +517,20 @@ def test_real_job_blames_the_rank_that_left() -> None:
         assert lines[0].startswith("acoll-run: rank 2 (pid "), lines
 
 
+def test_a_rank_leaving_early_with_code_0_is_named_as_the_lost_peer() -> None:
+    """A rank that leaves with exit code 0 while its peers still run its calls is not a
+    failure by itself: its peers' RemoteError is, and the launcher's line says that the
+    peer they lost had exited with code 0 (session 57: it did not say so)."""
+    code = _REAL.replace("sys.exit(7)", "os._exit(0)").replace(
+        "import asyncio, sys", "import asyncio, os, sys")
+    env = {**os.environ, "ACOLL_TIMEOUT": "45"}
+    res = launch("-n", "3", "--", PY, "-c", code, env=env)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("acoll-run:")]
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert len(lines) == 1, lines
+    assert "after losing rank 2, which had exited with code 0" in lines[0], lines
+
+
 # --- the job's secret ------------------------------------------------------------------------
 
 _SHOW_SECRET = ("import json, os\n"

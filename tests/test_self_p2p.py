@@ -77,10 +77,13 @@ async def test_outside_a_group_it_is_refused_at_once_and_the_peer_hears() -> Non
 ])
 async def test_a_recv_unlike_its_send_is_named_at_the_call(recv: object, match: str) -> None:
     async def fn(comm: acoll.Communicator) -> None:
-        with pytest.raises(acoll.InvalidUsage, match=f"send/recv to self #0 on rank 0.*{match}"):
+        async def group() -> None:
             async with comm.group():
                 await comm.send(np.ones(4, np.float32), 0)
                 await comm.recv(recv(), 0)  # type: ignore[operator]
+
+        with pytest.raises(acoll.InvalidUsage, match=f"send/recv to self #0 on rank 0.*{match}"):
+            await group()
 
     await run_ranks(1, fn)
 
@@ -88,10 +91,14 @@ async def test_a_recv_unlike_its_send_is_named_at_the_call(recv: object, match: 
 async def test_overlapping_buffers_are_refused() -> None:
     async def fn(comm: acoll.Communicator) -> None:
         x = np.zeros(8, np.float32)
-        with pytest.raises(acoll.InvalidUsage, match="overlap"):
+
+        async def group() -> None:
             async with comm.group():
                 await comm.send(x[:4], 0)
                 await comm.recv(x[2:6], 0)
+
+        with pytest.raises(acoll.InvalidUsage, match="overlap"):
+            await group()
 
     await run_ranks(1, fn)
 
@@ -103,11 +110,14 @@ async def test_a_half_without_its_other_half_fails_the_group_on_every_rank(half:
     async def fn(comm: acoll.Communicator) -> str:
         x = np.ones(4)
         if comm.rank == 0:
-            with pytest.raises(acoll.InvalidUsage,
-                               match=f"{half} (to|from) self #0 on rank 0 has no"):
+            async def group() -> None:
                 async with comm.group():
                     await comm.all_reduce(x)
                     await (comm.send(x, 0) if half == "send" else comm.recv(x, 0))
+
+            with pytest.raises(acoll.InvalidUsage,
+                               match=f"{half} (to|from) self #0 on rank 0 has no"):
+                await group()
             return "raised"
         await comm.all_reduce(x)  # (the group's collective ran on rank 0 as well)
         with pytest.raises(acoll.AcollError, match="rank 0"):
@@ -166,11 +176,14 @@ async def test_a_failure_ends_a_recv_waiting_for_its_send() -> None:
 
         selfp2p.SelfSend.run = broken  # type: ignore[method-assign]
         try:
-            t = time.monotonic()
-            with pytest.raises(acoll.TransportError, match="the stream broke"):
+            async def group() -> None:
                 async with comm.group():
                     await comm.recv(np.zeros(2), 0)
                     await comm.send(np.ones(2), 0)
+
+            t = time.monotonic()
+            with pytest.raises(acoll.TransportError, match="the stream broke"):
+                await group()
             assert time.monotonic() - t < QUICK
         finally:
             selfp2p.SelfSend.run = real  # type: ignore[method-assign]

@@ -390,6 +390,7 @@ class _Job:
         # Ranks whose exit a watcher has judged. A rank can be reaped (``exited`` done) while
         # its watcher has not run yet; blame must wait for the judgement, not the reaping.
         self.judged: set[int] = set()
+        self.codes: dict[int, int] = {}  # exit codes of the ranks reaped so far
 
     # signals ---------------------------------------------------------------------------
 
@@ -462,6 +463,10 @@ class _Job:
             return
         rank, pid, code, peer = self.consequential[0]
         lost = "a peer" if peer is None else f"rank {peer}"
+        if peer is not None and self.codes.get(peer) == 0:
+            # (the lost rank left without failing: it skipped a call its peers made, or
+            # ended before they did; exit 0 is not blamed by itself)
+            lost += ", which had exited with code 0 before its peers were done"
         self._fail(rank, pid, code, f" after losing {lost}")
 
     def _all_judged(self) -> bool:
@@ -470,6 +475,7 @@ class _Job:
     async def _watch(self, rank: _Rank, pid: int) -> None:
         try:
             code = await rank.exited
+            self.codes[rank.rank] = code
         finally:
             self.judged.add(rank.rank)
         with contextlib.suppress(ProcessLookupError, PermissionError):
