@@ -154,6 +154,43 @@ async def test_the_ranks_that_never_came_are_named(monkeypatch: pytest.MonkeyPat
         assert r.rank == 1  # type: ignore[union-attr]
 
 
+async def test_a_rank_leaving_the_formation_ends_it_for_everyone_at_once() -> None:
+    """Rank 0's init_rank is cancelled after it reached the root: rank 1 hears at once
+    (RemoteError naming rank 0), not at its deadline, and rank 2, arriving after, is told
+    that the id is spent (session 57)."""
+    uid = acoll.get_unique_id()
+    t = time.monotonic()
+    first = [asyncio.ensure_future(acoll.init_rank(3, uid, r, timeout=30)) for r in (0, 1)]
+    await asyncio.sleep(0.5)  # (both reached the root by now)
+    first[0].cancel()
+    with pytest.raises(acoll.RemoteError, match=r"rank 0 left .* before ranks \[2\] of 3"
+                       ) as info:
+        await asyncio.wait_for(first[1], 10)
+    assert info.value.rank == 0
+    assert time.monotonic() - t < 5
+    with pytest.raises(asyncio.CancelledError):
+        await first[0]
+    with pytest.raises(acoll.RemoteError, match="new id from get_unique_id"):
+        await asyncio.wait_for(acoll.init_rank(3, uid, 2, timeout=30), 10)
+
+
+async def test_a_retry_with_a_spent_id_says_so() -> None:
+    """Found by review (session 56): ranks whose init timed out left their claims at the
+    root, and a retry with the same id and another size read "ranks disagree on nranks:
+    rank 0 passed 3, rank 0 passed 2". The first rank to time out tells the root, which
+    ends the formation for everyone (naming the missing rank) and tells later comers
+    that the id is spent."""
+    uid = acoll.get_unique_id()  # (its root's own deadline: ACOLL_TIMEOUT, 30 s)
+    results = await _gather_all([acoll.init_rank(3, uid, r, timeout=1.0) for r in (0, 1)])
+    assert all(isinstance(r, acoll.TimeoutError) for r in results), results
+    retry = await _gather_all([acoll.init_rank(2, uid, r, timeout=5.0) for r in (0, 1)])
+    for r in retry:
+        assert isinstance(r, acoll.TimeoutError), retry
+        assert "ranks [2] of 3 never reached the root" in str(r), retry
+        assert "new id from get_unique_id" in str(r), retry
+        assert "disagree" not in str(r)
+
+
 async def test_bad_arguments() -> None:
     uid = acoll.get_unique_id()
     with pytest.raises(acoll.InvalidUsage, match="rank must be"):

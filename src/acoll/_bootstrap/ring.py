@@ -268,7 +268,13 @@ class Bootstrap:
                                          "the root's ring info")
             except (PeerClosed, ProtocolError) as exc:
                 raise BootstrapError(f"root at {where} failed: {exc}") from exc
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, AcollTimeoutError):
+                # Tell the root why this rank leaves: it ends the formation for every
+                # rank at once, naming the missing ranks (a rank that just closes is
+                # reported as having left). Flushed by the close below.
+                with contextlib.suppress(AcollError, OSError):
+                    root_conn.send(Error("timeout", f"rank {rank} timed out", rank))
             self._close_all()
             raise
         finally:

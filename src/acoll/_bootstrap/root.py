@@ -12,7 +12,13 @@ Failures are sent to every rank that is, or later becomes, connected, as an
 
 - two hellos claiming one rank, a rank out of range, or ranks disagreeing on ``nranks``
   -> ``usage`` (ranks raise :class:`~acoll.InvalidUsage`);
-- not all ranks arrived within ``timeout`` seconds of the first hello -> ``timeout``.
+- not all ranks arrived within ``timeout`` seconds of the first hello, or a rank that
+  arrived gave up waiting for them (its own deadline passed: it says so before closing)
+  -> ``timeout``;
+- a rank that arrived left before the others did (cancelled, its process ended: its
+  connection closed) -> ``remote``, naming it.
+
+A rank connecting after the failure gets it too, saying that the id is spent.
 
 The server runs as an asyncio task: in the caller's loop, or (for synchronous callers of
 ``get_unique_id``) in one background thread's loop shared by every root of the process.
@@ -141,27 +147,33 @@ class RootServer:
         if self._stopped:  # (accepted as the server closed)
             writer.transport.abort()
             return
-        task = asyncio.get_running_loop().create_task(self._handle(reader, writer))
+        token: list[int] = []
+        task = asyncio.get_running_loop().create_task(self._handle(reader, writer, token))
         self._handlers.add(task)
         task.add_done_callback(self._handlers.discard)
         task.add_done_callback(functools.partial(close_if_cancelled, writer))
         # Counted from the moment the connection exists, not when its task first runs.
-        token = self._gate.admit(functools.partial(evict, writer, task))
-        task.add_done_callback(functools.partial(leave_gate, self._gate, token))
+        token.append(self._gate.admit(functools.partial(evict, writer, task)))
+        task.add_done_callback(functools.partial(leave_gate, self._gate, token[0]))
 
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                      token: list[int]) -> None:
         conn = FramedConnection(reader, writer)
         msg = await conn.accept_or_refuse(self.key, ROOT_CONTEXT, self._preauth_timeout,
                                           self._refusals, f"root {self.where}")
         if msg is None:
             return
+        self._gate.leave(token[0])  # (authenticated: its task may live on, see _until_left)
         if not isinstance(msg, Hello):
             log.warning("root %s: refused connection from %s: not a rank's hello", self.where,
                         conn.peer)
             conn.close()
             return
         if self.failure is not None:
-            await self._send_and_close(conn, self.failure)
+            late = Error(self.failure.kind, f"{self.failure.message} (this id's formation "
+                         "has failed: form again with a new id from get_unique_id())",
+                         self.failure.rank)
+            await self._send_and_close(conn, late)
             return
         problem = self._check(msg)
         self.conns.setdefault(msg.rank, conn)
@@ -176,6 +188,36 @@ class RootServer:
         log.debug("root %s: rank %d/%d arrived", self.where, msg.rank, msg.nranks)
         if self.nranks is not None and len(self.hellos) == self.nranks:
             self._hand_out_ring()
+            return
+        await self._until_left(conn, msg)
+
+    async def _until_left(self, conn: FramedConnection, hello: Hello) -> None:
+        """Watch a rank that arrived while others are still missing. A rank sends nothing
+        after its hello, so its connection ends only when it gives up (its init_rank
+        timed out or was cancelled, its process ended): then the formation fails at once
+        for everyone, instead of at each rank's deadline, and the rank's claim cannot
+        confuse a later attempt with the same id (found by review, session 56: a retry
+        read "ranks disagree on nranks: rank 0 passed 3, rank 0 passed 2")."""
+        extra: object = None
+        try:
+            extra = await conn.recv()
+        except (AcollError, OSError):
+            pass
+        if self._done.is_set() or self.conns.get(hello.rank) is not conn:
+            return
+        n = self.nranks or 0
+        missing = sorted(set(range(n)) - set(self.hellos))
+        shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16 else "")
+        if isinstance(extra, Error) and extra.kind == "timeout":
+            # (its deadline passed waiting for the missing ranks: they are the cause)
+            self._fail(Error("timeout", f"ranks [{shown}] of {n} never reached the root at "
+                             f"{self.where} within rank {hello.rank}'s timeout",
+                             missing[0] if len(missing) == 1 else -1))
+            return
+        what = ("left (its init_rank was cancelled or its process ended)" if extra is None
+                else f"sent the root an unexpected {type(extra).__name__}")
+        self._fail(Error("remote", f"rank {hello.rank} {what} before ranks [{shown}] of {n} "
+                         f"reached the root at {self.where}", hello.rank))
 
     def _check(self, msg: Hello) -> str | None:
         if msg.nranks < 1:
