@@ -585,3 +585,82 @@ def test_find_remote_error_follows_causes_and_groups() -> None:
         assert find_remote_error(group_type("g", [ValueError(), remote])) is remote
     assert find_remote_error(ValueError("plain")) is None
     assert find_remote_error(None) is None
+
+
+def test_an_invalid_usage_reported_by_a_peer_is_a_consequence() -> None:
+    """Found by review (session 57): a rank's misuse reached its peers as InvalidUsage,
+    which wrote no exit report, so the launcher blamed whichever rank exited first (the
+    innocent one, when the misusing rank took longer to exit)."""
+    from acoll._bootstrap.ring import error_from_wire
+    from acoll._bootstrap.wire import Error
+    from acoll._exitreport import find_remote_error
+    from acoll.errors import InvalidUsage
+
+    told = error_from_wire(Error("usage", "rank 1 made an invalid send call", 1))
+    assert isinstance(told, InvalidUsage)
+    assert told.rank == 1
+    assert find_remote_error(RuntimeError("x")) is None
+    wrapped = RuntimeError("while running")
+    wrapped.__context__ = told
+    assert find_remote_error(wrapped) is told
+    assert find_remote_error(InvalidUsage("found here")) is None
+    code = ("import asyncio, atexit, time\n"
+            "import numpy as np\n"
+            "import acoll\n"
+            "async def main():\n"
+            "    comm = await acoll.init_from_env(timeout=30)\n"
+            "    await comm.all_reduce(np.ones(4))\n"
+            "    if comm.rank == 1:\n"
+            "        atexit.register(time.sleep, 2)  # (exits after its peer)\n"
+            "        await comm.send(np.ones(4), 1)  # to self, outside a group\n"
+            "    await comm.all_reduce(np.ones(4))\n"
+            "asyncio.run(main())\n")
+    res = launch("-n", "2", "--", PY, "-c", code)
+    lines = [ln for ln in res.stderr.splitlines() if ln.startswith("acoll-run:")]
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("acoll-run: rank 1 (pid "), lines
+
+
+def test_a_report_path_that_is_not_a_launchers_memfd_is_left_alone(tmp_path: Path) -> None:
+    """Found by review (session 57): a rank whose launcher died held a /proc/<pid>/fd/<n>
+    path that, once the pid was reused, named another process's file, which the rank's
+    report overwrote. A /proc path is written only while it is a report memfd."""
+    from acoll._exitreport import _write
+    from acoll.errors import RemoteError
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("not yours")
+    with open(victim, "r+") as held:
+        _write(f"/proc/self/fd/{held.fileno()}", RemoteError("rank 1 is gone", 1))
+    assert victim.read_text() == "not yours"
+    report = os.memfd_create("acoll-run-report-0")
+    try:
+        _write(f"/proc/self/fd/{report}", RemoteError("rank 1 is gone", 1))
+        assert acoll_run.read_report(f"/proc/self/fd/{report}") == (
+            1, "RemoteError: rank 1 is gone")
+    finally:
+        os.close(report)
+
+
+def test_reports_use_a_folder_where_proc_is_not_this_process(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 57): in a PID namespace whose /proc is its parent's (or
+    with no procfs), /proc/<our pid> is another process: ranks would write into its files
+    and the launcher read empty reports. The launcher checks, and uses a folder then."""
+    monkeypatch.setattr(acoll_run.os, "getpid", lambda: 1)
+    reports = acoll_run._Reports(2)
+    try:
+        assert reports.folder is not None
+        assert reports.path(1) == os.path.join(reports.folder, "rank1.json")
+        assert not reports.fds
+    finally:
+        reports.close()
+    assert not os.path.exists(reports.folder)
+    monkeypatch.undo()
+    reports = acoll_run._Reports(2)
+    try:
+        assert reports.folder is None
+        assert reports.path(0).startswith(f"/proc/{os.getpid()}/fd/")
+    finally:
+        reports.close()

@@ -105,8 +105,9 @@ async def test_overlapping_buffers_are_refused() -> None:
 
 @pytest.mark.parametrize("half", ["send", "recv"])
 async def test_a_half_without_its_other_half_fails_the_group_on_every_rank(half: str) -> None:
-    """Rank 0 queues one half of a pair only: its group fails naming it, and rank 1,
-    waiting in its next collective, hears at once (not at its deadline)."""
+    """Rank 0 queues one half of a pair only: its group fails naming it before any of its
+    calls ran (found by review: its all_reduce ran, and a peer of a small one returned
+    while rank 0 failed), and rank 1, in that all_reduce, hears at once."""
     async def fn(comm: acoll.Communicator) -> str:
         x = np.ones(4)
         if comm.rank == 0:
@@ -119,9 +120,9 @@ async def test_a_half_without_its_other_half_fails_the_group_on_every_rank(half:
                                match=f"{half} (to|from) self #0 on rank 0 has no"):
                 await group()
             return "raised"
-        await comm.all_reduce(x)  # (the group's collective ran on rank 0 as well)
-        with pytest.raises(acoll.AcollError, match="rank 0"):
-            await comm.all_reduce(x)  # rank 0's communicator failed: it never comes
+        # (none of rank 0's group ran: not its all_reduce either)
+        with pytest.raises(acoll.InvalidUsage, match=f"{half} (to|from) self #0 on rank 0"):
+            await comm.all_reduce(x)
         return "told"
 
     t = time.monotonic()
@@ -190,3 +191,23 @@ async def test_a_failure_ends_a_recv_waiting_for_its_send() -> None:
         assert comm.error is not None
 
     await run_ranks(1, fn)
+
+
+async def test_a_cancelled_send_recv_is_named_as_such() -> None:
+    """A send/recv's op number is its tag's (2147483648 and up): the peers' message said
+    "cancelled send_recv #2147483648" (review, session 57). It says "a send/recv"."""
+    async def fn(comm: acoll.Communicator) -> str:
+        if comm.rank == 0:
+            task = asyncio.ensure_future(comm.recv(np.zeros(4), 1))
+            await asyncio.sleep(0.1)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return "cancelled"
+        with pytest.raises(acoll.RemoteError) as info:
+            await comm.all_reduce(np.ones(4))
+        assert "rank 0 cancelled a send/recv; the communicator was aborted" in str(info.value)
+        assert "#" not in str(info.value)
+        return "told"
+
+    assert await run_ranks(2, fn, timeout=20) == ["cancelled", "told"]

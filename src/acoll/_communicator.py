@@ -443,6 +443,7 @@ class Communicator:
         self._checker = OrderChecker(self.rank, check, self.fail, lambda: self._exec.seq,
                                      lambda: self._error is None and not self._closed)
         self._exec = Executor(self, self._checker)
+        self._exec.check_group = self._self_pairs.check_group
         limit = lane_size(infos, self.mem.device is None) if self.size <= _LANE_RANKS else 0
         self._lane = Lane(self.rank, self.size, limit) if limit else None
         # all_reduce plans through the lane, reused by calls on NumPy arrays of the same

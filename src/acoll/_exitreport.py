@@ -5,10 +5,11 @@ When a rank leaves, its peers fail with :class:`~acoll.errors.RemoteError` and o
 shutdown). Process exit order therefore does not say who failed first. ``acoll-run`` gives
 each rank a file path in ``ACOLL_RUN_REPORT`` (a memfd of the launcher's, by its /proc
 path); at import, acoll wraps ``sys.excepthook`` so that an uncaught exception caused by
-a lost peer (a ``RemoteError`` anywhere in its cause/context chain or exception groups)
-writes ``{"peer": rank-or-null, "error": text}`` as JSON there before the process exits.
-The launcher treats such a rank's failure as a consequence and waits briefly for the rank
-that caused it (see :mod:`acoll.run`).
+another rank (a ``RemoteError``, or an ``InvalidUsage`` another rank reported, anywhere in
+its cause/context chain or exception groups) writes ``{"peer": rank-or-null, "error":
+text}`` as JSON there before the process exits. The launcher treats such a rank's
+failure as a consequence and waits briefly for the rank that caused it (see
+:mod:`acoll.run`).
 
 Contract: nothing is written for any other exit (``sys.exit(n)``, signals, other errors);
 writing never raises; the previous ``sys.excepthook`` is always called.
@@ -21,16 +22,20 @@ import os
 import sys
 from types import TracebackType
 
-from .errors import RemoteError
+from .errors import InvalidUsage, RemoteError
 
-__all__ = ["ENV_VAR", "find_remote_error", "install", "read_report"]
+__all__ = ["ENV_VAR", "REPORT_MEMFD", "find_remote_error", "install", "read_report"]
 
 #: The variable through which ``acoll-run`` passes a rank its report file.
 ENV_VAR = "ACOLL_RUN_REPORT"
+#: The start of the name of ``acoll-run``'s report memfds (the rank number follows).
+REPORT_MEMFD = "acoll-run-report-"
 
 
-def find_remote_error(exc: BaseException | None) -> RemoteError | None:
-    """The first :class:`RemoteError` in ``exc``, its causes, contexts and groups."""
+def find_remote_error(exc: BaseException | None) -> RemoteError | InvalidUsage | None:
+    """The first error from another rank in ``exc``, its causes, contexts and groups: a
+    :class:`RemoteError`, or an :class:`InvalidUsage` a peer reported (its ``rank`` set:
+    the peer's call was invalid, or it found the disagreement)."""
     seen: set[int] = set()
     todo: list[BaseException] = [] if exc is None else [exc]
     while todo:
@@ -38,7 +43,7 @@ def find_remote_error(exc: BaseException | None) -> RemoteError | None:
         if id(e) in seen:
             continue
         seen.add(id(e))
-        if isinstance(e, RemoteError):
+        if isinstance(e, RemoteError) or (isinstance(e, InvalidUsage) and e.rank is not None):
             return e
         todo.extend(x for x in (e.__cause__, e.__context__) if x is not None)
         todo.extend(getattr(e, "exceptions", ()))  # BaseExceptionGroup (3.11+)
@@ -47,14 +52,26 @@ def find_remote_error(exc: BaseException | None) -> RemoteError | None:
 
 def _write(path: str, exc: BaseException) -> None:
     remote = find_remote_error(exc)
-    if remote is None:
-        return
+    if remote is None or (remote.rank is not None
+                          and str(remote.rank) == os.environ.get("ACOLL_RANK")):
+        return  # (this rank's own doing: the root reports a bad hello to its sender too)
     try:
         text = json.dumps({"peer": remote.rank, "error": f"{type(remote).__name__}: {remote}"})
-        # (in place: the path may be a launcher's memfd under /proc, see acoll.run; the
-        # launcher reads it once this process exited, and a torn write reads as no report)
-        with open(path, "w") as f:
+        if path.startswith("/proc/"):
+            # A launcher's memfd, written in place (the launcher reads it once this
+            # process exited; a torn write reads as no report). Only if it still is one:
+            # a launcher that died leaves a path that may name another process's file
+            # once its pid is reused (found by review, session 57).
+            if not os.readlink(path).startswith(f"/memfd:{REPORT_MEMFD}"):
+                return
+            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
+            with open(fd, "w") as f:
+                f.write(text)
+            return
+        tmp = f"{path}.tmp"
+        with open(tmp, "w") as f:
             f.write(text)
+        os.replace(tmp, path)
     except (OSError, ValueError):
         pass
 

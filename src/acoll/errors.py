@@ -43,7 +43,13 @@ class InvalidUsage(AcollError, ValueError):
 
     Raised for bad arguments, ids that are not acoll ids, and collectives whose count,
     dtype, op or root differ between ranks (then on every rank of the job).
+
+    Attributes:
+        rank: when the error came from another rank (its call was invalid, or it found
+            the disagreement), that rank; ``None`` when it was found here.
     """
+
+    rank: int | None = None
 
 
 class BootstrapError(AcollError):

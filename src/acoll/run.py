@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ._exitreport import ENV_VAR as _REPORT_VAR
-from ._exitreport import read_report
+from ._exitreport import REPORT_MEMFD, read_report
 from ._uid import parse_host_port
 from .errors import InvalidUsage
 
@@ -318,9 +318,11 @@ def _exit_code(returncode: int) -> int:
 
 def _tie_to_launcher() -> Callable[[], None] | None:
     """A function for each rank's process to run before its program: Linux sends the rank
-    SIGTERM once the launcher is gone (``PR_SET_PDEATHSIG``), so that ranks never outlive a
-    launcher killed with SIGKILL (the OOM killer, ``timeout -s KILL``), which could not
-    stop them itself; a rank whose launcher died before that exits at once. ``None``
+    SIGTERM once the launcher is gone (``PR_SET_PDEATHSIG``), so that a rank does not
+    outlive a launcher killed with SIGKILL (the OOM killer, ``timeout -s KILL``), which
+    could not stop it itself; a rank whose launcher died before that exits at once. Only
+    the process the launcher started gets the signal: a wrapper that does not ``exec`` its
+    program (``bash -c "python x.py; exit $?"``) leaves that program running. ``None``
     where the platform lacks it."""
     if not sys.platform.startswith("linux"):
         return None
@@ -350,7 +352,14 @@ class _Reports:
         self.fds: list[int] = []
         try:
             for rank in range(nranks):
-                self.fds.append(os.memfd_create(f"acoll-run-report-{rank}"))
+                self.fds.append(os.memfd_create(f"{REPORT_MEMFD}{rank}"))
+            # /proc/<our pid> must be us: not so where /proc is another PID namespace's
+            # (our pid there belongs to someone else, whose file a rank would overwrite)
+            # or no procfs at all (found by review, session 57). Else a folder.
+            for fd in self.fds:
+                mine, seen = os.fstat(fd), os.stat(f"/proc/{os.getpid()}/fd/{fd}")
+                if (mine.st_dev, mine.st_ino) != (seen.st_dev, seen.st_ino):
+                    raise OSError("/proc/<pid> is not this process")
         except (AttributeError, OSError):
             self.close()
             self.folder = tempfile.mkdtemp(prefix="acoll-run-")

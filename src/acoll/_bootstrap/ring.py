@@ -82,7 +82,9 @@ def error_from_wire(err: Error, via: int | None = None) -> AcollError:
     """Turn a received :class:`Error` frame back into the exception to raise locally."""
     rank = err.rank if err.rank >= 0 else via
     if err.kind == "usage":
-        return InvalidUsage(err.message)
+        usage = InvalidUsage(err.message)
+        usage.rank = rank
+        return usage
     if err.kind == "timeout":
         return AcollTimeoutError(err.message, err.rank if err.rank >= 0 else None)
     if err.kind == "bootstrap":

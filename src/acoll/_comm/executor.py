@@ -127,6 +127,9 @@ class Executor:
         #: called with each collective's number (not wrapped at SEQ_MASK) and descriptor as
         #: it starts, except lane ops: the lane's announcement (:mod:`.lane`)
         self.announce: Callable[[int, Descriptor], None] | None = None
+        #: called with a group's ops before any of them runs: raises InvalidUsage for a
+        #: group that cannot run as a whole (a send to self without its recv)
+        self.check_group: Callable[[list[GroupOp]], None] | None = None
 
     @property
     def in_group(self) -> bool:
@@ -265,8 +268,10 @@ class Executor:
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
-        self.host.fail(RemoteError(f"rank {rank} cancelled {name} #{seq}; the "
-                                   "communicator was aborted", rank))
+        # (a send/recv's number is its tag's: not a count users know)
+        what = "a send/recv" if name == "send_recv" else f"{name} #{seq}"
+        self.host.fail(RemoteError(f"rank {rank} cancelled {what}; the communicator was "
+                                   "aborted", rank))
 
     async def _run(self, ctx: OpContext, make: MakeAlgorithm, self_checked: bool = False,
                    full: int = 0) -> None:
@@ -672,6 +677,12 @@ class Executor:
         self.end_group()  # (later calls queue on the lock, behind these)
         try:
             self.host.check_usable()
+            if self.check_group is not None:
+                try:
+                    self.check_group(ops)
+                except AcollError as exc:  # (none ran: the peers hear why at once)
+                    self.host.fail(exc)
+                    raise
             results = await asyncio.gather(
                 *(self._run(OpContext(self.host, seq, desc, True, tag), make, checked, full)
                   for seq, desc, tag, make, checked, full, _ in ops), return_exceptions=True)

@@ -14,9 +14,9 @@ written as a loop of sends and receives over every rank includes the caller's ow
   completes only after that copy was queued: the send buffer is free once the group
   exited, as for any send.
 - A half without its other half in the group (a send to self whose recv was never made,
-  or made in a later group) fails the communicator when the group runs, naming it: its
-  peers were promised the group's other ops. A failure of the communicator ends every
-  wait here at once (:meth:`SelfPairs.fail`).
+  or made in a later group) fails the communicator when the group is about to run,
+  naming it, before any of its calls started: its peers were promised those calls. A
+  failure of the communicator ends every wait here at once (:meth:`SelfPairs.fail`).
 
 No bytes leave the process; nothing here is numbered or sent to peers.
 """
@@ -97,6 +97,14 @@ class SelfPairs:
             self._recvs += 1
         return pair
 
+    def check_group(self, group: object) -> None:
+        """Raise InvalidUsage for a pair queued in ``group`` without its other half, before
+        any of the group's ops runs (found by review, session 57: the group's collectives
+        started, and peers of a small one returned while this rank failed)."""
+        for pair in self._pairs.values():
+            if pair.group is group and (pair.send is None or pair.recv is None):
+                raise InvalidUsage(_unmatched(pair, self.rank))
+
     def done(self, pair: SelfPair) -> None:
         self._pairs.pop(pair.index, None)
 
@@ -106,6 +114,14 @@ class SelfPairs:
         pairs, self._pairs = self._pairs, {}
         for pair in pairs.values():
             _wake(pair)
+
+
+def _unmatched(pair: SelfPair, rank: int) -> str:
+    what = (f"send to self #{pair.index} on rank {rank} has no recv from self"
+            if pair.recv is None else
+            f"recv from self #{pair.index} on rank {rank} has no send to self")
+    return (f"{what} in its group: a send to self and its recv must be in one group "
+            "block (none of the group's calls ran)")
 
 
 def _check_match(rank: int, index: int, send: Buffer, recv: Buffer) -> None:
@@ -149,9 +165,7 @@ class SelfSend:
     async def run(self) -> None:
         pair = self.pair
         if pair.recv is None:
-            raise InvalidUsage(
-                f"send to self #{pair.index} on rank {self.ctx.rank} has no recv from self "
-                "in its group: a send to self and its recv must be in one group block")
+            raise InvalidUsage(_unmatched(pair, self.ctx.rank))
         pair.sent = True
         _wake(pair)
         await _wait(self.ctx, self.pairs, pair, lambda: pair.copied)
@@ -166,9 +180,7 @@ class SelfRecv:
     async def run(self) -> None:
         pair = self.pair
         if pair.send is None:
-            raise InvalidUsage(
-                f"recv from self #{pair.index} on rank {self.ctx.rank} has no send to self "
-                "in its group: a send to self and its recv must be in one group block")
+            raise InvalidUsage(_unmatched(pair, self.ctx.rank))
         await _wait(self.ctx, self.pairs, pair, lambda: pair.sent)
         send, recv = pair.send, pair.recv
         assert recv is not None
