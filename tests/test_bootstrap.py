@@ -174,6 +174,23 @@ async def test_a_rank_leaving_the_formation_ends_it_for_everyone_at_once() -> No
         await asyncio.wait_for(acoll.init_rank(3, uid, 2, timeout=30), 10)
 
 
+async def test_ranks_waiting_at_the_root_leave_its_preauth_gate(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root watches each arrived rank's connection until all came (a rank that leaves
+    ends the formation); such a connection has authenticated and must not count against
+    ``ACOLL_PREAUTH_LIMIT``, or the limit's eviction would drop arrived ranks."""
+    monkeypatch.setenv("ACOLL_PREAUTH_LIMIT", "2")
+    uid = acoll.get_unique_id()
+    n = 8
+
+    async def arrive(r: int) -> acoll.Communicator:
+        await asyncio.sleep(0.05 * r)  # (each waits at the root while later ones come)
+        return await acoll.init_rank(n, uid, r, timeout=20)
+
+    comms = await asyncio.gather(*(arrive(r) for r in range(n)))
+    await _close_ok(list(comms))
+
+
 async def test_a_retry_with_a_spent_id_says_so() -> None:
     """Found by review (session 56): ranks whose init timed out left their claims at the
     root, and a retry with the same id and another size read "ranks disagree on nranks:
