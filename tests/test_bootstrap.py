@@ -191,6 +191,39 @@ async def test_ranks_waiting_at_the_root_leave_its_preauth_gate(
     await _close_ok(list(comms))
 
 
+async def test_a_root_hosting_rank_that_leaves_tells_the_others_and_frees_the_port(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ACOLL_COMM_ID rank 0's init_rank hosts the root. Found by review (session 57):
+    cancelled, it stopped the root without a word, and the others read "connection closed
+    by the peer" (acoll-run then blamed whichever exited first). They get a RemoteError
+    naming rank 0 now, and the port is free at once for a new formation."""
+    monkeypatch.setenv("ACOLL_COMM_ID", f"127.0.0.1:{free_port()}")
+    uid = acoll.get_unique_id()
+    first = [asyncio.ensure_future(acoll.init_rank(3, uid, r, timeout=30)) for r in (0, 1)]
+    await asyncio.sleep(0.5)
+    first[0].cancel()
+    with pytest.raises(acoll.RemoteError, match="rank 0 left") as info:
+        await asyncio.wait_for(first[1], 10)
+    assert info.value.rank == 0
+    with pytest.raises(asyncio.CancelledError):
+        await first[0]
+    comms = await asyncio.wait_for(asyncio.gather(
+        *(acoll.init_rank(3, uid, r, timeout=30) for r in range(3))), 20)
+    await _close_ok(list(comms))
+
+
+def test_a_relayed_invalid_usage_keeps_the_rank_it_came_from() -> None:
+    """Found by review (session 57): a rank passing on another's InvalidUsage put its own
+    number on the wire, so ranks further on named the relay."""
+    from acoll._bootstrap.ring import error_from_wire, error_to_wire
+
+    first = error_from_wire(error_to_wire(acoll.InvalidUsage("rank 0 made an invalid call"),
+                                          0))
+    assert first.rank == 0  # type: ignore[attr-defined]
+    relayed = error_from_wire(error_to_wire(first, 3))
+    assert relayed.rank == 0  # type: ignore[attr-defined]
+
+
 async def test_a_retry_with_a_spent_id_says_so() -> None:
     """Found by review (session 56): ranks whose init timed out left their claims at the
     root, and a retry with the same id and another size read "ranks disagree on nranks:

@@ -419,8 +419,9 @@ def test_consequential_failure_waits_only_briefly_for_a_live_peer(pid_dir: Path)
     assert "rank 0 (pid" in res.stderr
     assert "after losing rank 1; stopping the other 1 rank" in res.stderr
     # (the named rank is alive: the wait is _BLAME_WAIT_NAMED_S; the rest is two interpreters
-    # starting, 2 s alone on the 2-core VM and up to 4.7 s under load: far from rank 1's 60 s)
-    assert acoll_run._BLAME_WAIT_NAMED_S <= elapsed < acoll_run._BLAME_WAIT_NAMED_S + 10
+    # starting, 2 s alone on the 2-core VM, 5.6 s beside two busy loops, and up to 19 s
+    # beside test_run.py's other jobs under xdist (session 57): far from rank 1's 60 s)
+    assert acoll_run._BLAME_WAIT_NAMED_S <= elapsed < acoll_run._BLAME_WAIT_NAMED_S + 35
     assert _wait_gone([int(f.read_text()) for f in pid_dir.glob("*.pid")]) == []
 
 
@@ -472,8 +473,9 @@ def test_exits_reaped_together_are_judged_before_blame(monkeypatch: pytest.Monke
             job.ranks.append((rank, _FakeTransport(2**22 + r)))  # type: ignore[arg-type]
             ranks.append(rank)
         for r in (0, 1):
-            Path(job.reports.path(r)).write_text(  # noqa: ASYNC240
-                json.dumps({"peer": 2, "error": "RemoteError: rank 2 is gone"}))
+            os.pwrite(job.reports.fd, json.dumps(
+                {"peer": 2, "error": "RemoteError: rank 2 is gone"}).encode(),
+                r * acoll_run.REPORT_SLOT)
         watchers = [asyncio.ensure_future(job._watch(rank, 2**22 + rank.rank))
                     for rank in ranks]
         await asyncio.sleep(0)
@@ -622,6 +624,17 @@ def test_an_invalid_usage_reported_by_a_peer_is_a_consequence() -> None:
     assert lines[0].startswith("acoll-run: rank 1 (pid "), lines
 
 
+def test_reports_take_one_descriptor_whatever_the_rank_count() -> None:
+    """Found by review (session 57): a memfd per rank, held for the whole job, took the
+    launcher's open-file limit (-n 340 failed at the usual 1024 where it had run)."""
+    before = len(os.listdir("/proc/self/fd"))
+    reports = acoll_run._Reports(2000)
+    try:
+        assert len(os.listdir("/proc/self/fd")) == before + 1
+    finally:
+        reports.close()
+
+
 def test_a_report_path_that_is_not_a_launchers_memfd_is_left_alone(tmp_path: Path) -> None:
     """Found by review (session 57): a rank whose launcher died held a /proc/<pid>/fd/<n>
     path that, once the pid was reused, named another process's file, which the rank's
@@ -632,15 +645,18 @@ def test_a_report_path_that_is_not_a_launchers_memfd_is_left_alone(tmp_path: Pat
     victim = tmp_path / "victim.txt"
     victim.write_text("not yours")
     with open(victim, "r+") as held:
-        _write(f"/proc/self/fd/{held.fileno()}", RemoteError("rank 1 is gone", 1))
+        _write(f"/proc/self/fd/{held.fileno()}#0", RemoteError("rank 1 is gone", 1))
     assert victim.read_text() == "not yours"
-    report = os.memfd_create("acoll-run-report-0")
+    reports = acoll_run._Reports(3)
     try:
-        _write(f"/proc/self/fd/{report}", RemoteError("rank 1 is gone", 1))
-        assert acoll_run.read_report(f"/proc/self/fd/{report}") == (
-            1, "RemoteError: rank 1 is gone")
+        assert reports.folder is None
+        _write(reports.path(2), RemoteError("rank 1 is gone " + "x" * 10_000, 1))
+        assert reports.read(0) is None
+        peer, error = reports.read(2)  # type: ignore[misc]
+        assert peer == 1
+        assert error.startswith("RemoteError: rank 1 is gone xx")  # (cut to fit its slot)
     finally:
-        os.close(report)
+        reports.close()
 
 
 def test_reports_use_a_folder_where_proc_is_not_this_process(
@@ -653,7 +669,7 @@ def test_reports_use_a_folder_where_proc_is_not_this_process(
     try:
         assert reports.folder is not None
         assert reports.path(1) == os.path.join(reports.folder, "rank1.json")
-        assert not reports.fds
+        assert reports.fd == -1
     finally:
         reports.close()
     assert not os.path.exists(reports.folder)
@@ -662,5 +678,6 @@ def test_reports_use_a_folder_where_proc_is_not_this_process(
     try:
         assert reports.folder is None
         assert reports.path(0).startswith(f"/proc/{os.getpid()}/fd/")
+        assert reports.path(0).endswith("#0")
     finally:
         reports.close()

@@ -211,3 +211,13 @@ async def test_a_cancelled_send_recv_is_named_as_such() -> None:
         return "told"
 
     assert await run_ranks(2, fn, timeout=20) == ["cancelled", "told"]
+
+
+async def test_a_cancelled_group_led_by_a_send_recv_names_no_tag_number() -> None:
+    """(Review, session 57: "cancelled group #2147483648", the send/recv's tag number.)"""
+    async def fn(comm: acoll.Communicator) -> str:
+        comm._exec.cancelled("group", (1 << 31) | 5)
+        return str(comm.error)
+
+    [message] = await run_ranks(1, fn)
+    assert message == "rank 0 cancelled group; the communicator was aborted"

@@ -369,9 +369,9 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         comm = await Communicator._form(join, sockaddr, iface.family, timeout,
                                         key=uid.job_key, net=net, check=check, mem=mem,
                                         nranks=nranks)
-    except BaseException:
-        if root is not None:  # do not keep the fixed ACOLL_COMM_ID port busy
-            root.stop()
+    except BaseException as exc:
+        if root is not None:  # tell the ranks that came; free the fixed port at once
+            root.abandon(rank, exc)
         raise
     log.info("rank %d/%d ready in %.1f ms", rank, nranks, (time.perf_counter() - start) * 1e3)
     return comm

@@ -24,12 +24,15 @@ from types import TracebackType
 
 from .errors import InvalidUsage, RemoteError
 
-__all__ = ["ENV_VAR", "REPORT_MEMFD", "find_remote_error", "install", "read_report"]
+__all__ = ["ENV_VAR", "REPORT_MEMFD", "REPORT_SLOT", "find_remote_error", "install",
+           "parse_report", "read_report"]
 
 #: The variable through which ``acoll-run`` passes a rank its report file.
 ENV_VAR = "ACOLL_RUN_REPORT"
-#: The start of the name of ``acoll-run``'s report memfds (the rank number follows).
-REPORT_MEMFD = "acoll-run-report-"
+#: The name of ``acoll-run``'s report memfd: one for the job, a slot of ``REPORT_SLOT``
+#: bytes per rank (one descriptor, not one per rank: review, session 57).
+REPORT_MEMFD = "acoll-run-reports"
+REPORT_SLOT = 4096
 
 
 def find_remote_error(exc: BaseException | None) -> RemoteError | InvalidUsage | None:
@@ -56,17 +59,24 @@ def _write(path: str, exc: BaseException) -> None:
                           and str(remote.rank) == os.environ.get("ACOLL_RANK")):
         return  # (this rank's own doing: the root reports a bad hello to its sender too)
     try:
-        text = json.dumps({"peer": remote.rank, "error": f"{type(remote).__name__}: {remote}"})
+        error = f"{type(remote).__name__}: {remote}"
+        text = json.dumps({"peer": remote.rank, "error": error})
+        while len(text.encode()) > REPORT_SLOT:  # (a slot of the launcher's memfd)
+            error = error[:len(error) // 2]
+            text = json.dumps({"peer": remote.rank, "error": error})
         if path.startswith("/proc/"):
-            # A launcher's memfd, written in place (the launcher reads it once this
-            # process exited; a torn write reads as no report). Only if it still is one:
-            # a launcher that died leaves a path that may name another process's file
-            # once its pid is reused (found by review, session 57).
-            if not os.readlink(path).startswith(f"/memfd:{REPORT_MEMFD}"):
+            # Slot ``#n`` of a launcher's memfd, written in place (the launcher reads it
+            # once this process exited; a torn write reads as no report). Only while it
+            # is one: a launcher that died leaves a path that may name another process's
+            # file once its pid is reused (found by review, session 57).
+            where, _, slot = path.rpartition("#")
+            if not os.readlink(where).startswith(f"/memfd:{REPORT_MEMFD}"):
                 return
-            fd = os.open(path, os.O_WRONLY | os.O_TRUNC)
-            with open(fd, "w") as f:
-                f.write(text)
+            fd = os.open(where, os.O_WRONLY)
+            try:
+                os.pwrite(fd, text.encode(), int(slot) * REPORT_SLOT)
+            finally:
+                os.close(fd)
             return
         tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
@@ -96,9 +106,18 @@ def install(environ: dict[str, str] | None = None) -> bool:
 def read_report(path: str) -> tuple[int | None, str] | None:
     """``(peer, error)`` from a report file, or ``None`` when there is none (or it is bad)."""
     try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            return parse_report(f.read())
+    except OSError:
+        return None
+
+
+def parse_report(raw: bytes) -> tuple[int | None, str] | None:
+    """``(peer, error)`` from a report's bytes (a memfd slot's, padded with NULs), or
+    ``None`` when there is none (or it is bad)."""
+    try:
+        data = json.loads(raw.rstrip(b"\0") or b"null")
+    except ValueError:
         return None
     if not isinstance(data, dict):
         return None

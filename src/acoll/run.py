@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from typing import IO
 
 from ._exitreport import ENV_VAR as _REPORT_VAR
-from ._exitreport import REPORT_MEMFD, read_report
+from ._exitreport import REPORT_MEMFD, REPORT_SLOT, parse_report, read_report
 from ._uid import parse_host_port
 from .errors import InvalidUsage
 
@@ -341,25 +341,25 @@ def _tie_to_launcher() -> Callable[[], None] | None:
 
 
 class _Reports:
-    """Each rank's exit report (:mod:`acoll._exitreport`): an anonymous file of the
-    launcher's (``memfd_create``), which the rank opens through
+    """Each rank's exit report (:mod:`acoll._exitreport`): a slot of an anonymous file of
+    the launcher's (``memfd_create``; one for the job), which the rank opens through
     ``/proc/<launcher>/fd/<n>``. Nothing is on disk, so nothing is left behind even when
     the launcher is killed with SIGKILL (a folder under /tmp was, before session 57).
-    Where memfds are missing, a folder of its own is made instead, removed at the end."""
+    Where memfds are missing, or ``/proc/<our pid>`` is not this process, a folder of its
+    own is made instead, removed at the end."""
 
     def __init__(self, nranks: int) -> None:
         self.folder: str | None = None
-        self.fds: list[int] = []
+        self.fd = -1
         try:
-            for rank in range(nranks):
-                self.fds.append(os.memfd_create(f"{REPORT_MEMFD}{rank}"))
+            self.fd = os.memfd_create(REPORT_MEMFD)
+            os.ftruncate(self.fd, nranks * REPORT_SLOT)
             # /proc/<our pid> must be us: not so where /proc is another PID namespace's
             # (our pid there belongs to someone else, whose file a rank would overwrite)
             # or no procfs at all (found by review, session 57). Else a folder.
-            for fd in self.fds:
-                mine, seen = os.fstat(fd), os.stat(f"/proc/{os.getpid()}/fd/{fd}")
-                if (mine.st_dev, mine.st_ino) != (seen.st_dev, seen.st_ino):
-                    raise OSError("/proc/<pid> is not this process")
+            mine, seen = os.fstat(self.fd), os.stat(f"/proc/{os.getpid()}/fd/{self.fd}")
+            if (mine.st_dev, mine.st_ino) != (seen.st_dev, seen.st_ino):
+                raise OSError("/proc/<pid> is not this process")
         except (AttributeError, OSError):
             self.close()
             self.folder = tempfile.mkdtemp(prefix="acoll-run-")
@@ -367,16 +367,19 @@ class _Reports:
     def path(self, rank: int) -> str:
         if self.folder is not None:
             return os.path.join(self.folder, f"rank{rank}.json")
-        return f"/proc/{os.getpid()}/fd/{self.fds[rank]}"
+        return f"/proc/{os.getpid()}/fd/{self.fd}#{rank}"
 
     def read(self, rank: int) -> tuple[int | None, str] | None:
         if self.folder is not None:
             return read_report(self.path(rank))
-        return read_report(f"/proc/self/fd/{self.fds[rank]}")
+        try:
+            return parse_report(os.pread(self.fd, REPORT_SLOT, rank * REPORT_SLOT))
+        except OSError:
+            return None
 
     def close(self) -> None:
-        fds, self.fds = self.fds, []
-        for fd in fds:
+        fd, self.fd = self.fd, -1
+        if fd >= 0:
             os.close(fd)
         if self.folder is not None:
             shutil.rmtree(self.folder, ignore_errors=True)

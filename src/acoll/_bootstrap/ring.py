@@ -69,8 +69,8 @@ CONNECT_RETRIES = Setting("CONNECT_RETRIES", int, 60,
 
 def error_to_wire(exc: BaseException, rank: int) -> Error:
     """Describe a local failure for the peers."""
-    if isinstance(exc, InvalidUsage):
-        return Error("usage", str(exc), rank)
+    if isinstance(exc, InvalidUsage):  # (relayed: the rank it came from)
+        return Error("usage", str(exc), rank if exc.rank is None else exc.rank)
     if isinstance(exc, AcollTimeoutError):
         return Error("timeout", str(exc), -1 if exc.rank is None else exc.rank)
     if isinstance(exc, RemoteError):

@@ -105,6 +105,7 @@ class RootServer:
         self._gate = _auth.PreAuthGate()
         self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
+        self._linger = True  # after a failure, answer late ranks for ``timeout`` seconds
 
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
@@ -117,7 +118,7 @@ class RootServer:
         log.info("root listening on %s", self.where)
         try:
             await self._done.wait()
-            if self.failure is not None:
+            if self.failure is not None and self._linger:
                 # Keep answering late ranks with the error for the rest of the timeout.
                 with contextlib.suppress(asyncio.TimeoutError):
                     await wait_for(asyncio.Event().wait(), self.timeout)
@@ -171,7 +172,8 @@ class RootServer:
             return
         if self.failure is not None:
             late = Error(self.failure.kind, f"{self.failure.message} (this id's formation "
-                         "has failed: form again with a new id from get_unique_id())",
+                         "has failed: form again with a new id from get_unique_id(), or, "
+                         "under ACOLL_COMM_ID, once every rank's init_rank has ended)",
                          self.failure.rank)
             await self._send_and_close(conn, late)
             return
@@ -203,7 +205,23 @@ class RootServer:
             extra = await conn.recv()
         except (AcollError, OSError):
             pass
-        if self._done.is_set() or self.conns.get(hello.rank) is not conn:
+        if self.conns.get(hello.rank) is conn:
+            self._left(hello.rank, extra)
+
+    def abandon(self, rank: int, exc: BaseException) -> None:
+        """The rank hosting this root (``ACOLL_COMM_ID``) gave up its ``init_rank`` with
+        ``exc``: the formation fails for the ranks that came as if that rank's connection
+        had ended (:meth:`_until_left`; found by review, session 57: they read "connection
+        closed by the peer"), then the root stops at once, not lingering, so that the
+        fixed port is free for a retry."""
+        self._linger = False
+        self._left(rank, Error("timeout", "", rank) if isinstance(exc, AcollTimeoutError)
+                   else None)
+        self._done.set()
+
+    def _left(self, rank: int, extra: object) -> None:
+        """Rank ``rank`` left before every rank arrived (``extra``: what it sent first)."""
+        if self._done.is_set():
             return
         n = self.nranks or 0
         missing = sorted(set(range(n)) - set(self.hellos))
@@ -211,13 +229,13 @@ class RootServer:
         if isinstance(extra, Error) and extra.kind == "timeout":
             # (its deadline passed waiting for the missing ranks: they are the cause)
             self._fail(Error("timeout", f"ranks [{shown}] of {n} never reached the root at "
-                             f"{self.where} within rank {hello.rank}'s timeout",
+                             f"{self.where} within rank {rank}'s timeout",
                              missing[0] if len(missing) == 1 else -1))
             return
-        what = ("left (its init_rank was cancelled or its process ended)" if extra is None
-                else f"sent the root an unexpected {type(extra).__name__}")
-        self._fail(Error("remote", f"rank {hello.rank} {what} before ranks [{shown}] of {n} "
-                         f"reached the root at {self.where}", hello.rank))
+        what = ("left (its init_rank was cancelled or failed, or its process ended)"
+                if extra is None else f"sent the root an unexpected {type(extra).__name__}")
+        self._fail(Error("remote", f"rank {rank} {what} before ranks [{shown}] of {n} "
+                         f"reached the root at {self.where}", rank))
 
     def _check(self, msg: Hello) -> str | None:
         if msg.nranks < 1:

@@ -268,8 +268,9 @@ class Executor:
 
     def cancelled(self, name: str, seq: int) -> None:
         rank = self.host.rank
-        # (a send/recv's number is its tag's: not a count users know)
-        what = "a send/recv" if name == "send_recv" else f"{name} #{seq}"
+        # (a send/recv's number is its tag's, bit 31 set: not a count users know)
+        what = ("a send/recv" if name == "send_recv" else
+                name if seq >> 31 else f"{name} #{seq}")
         self.host.fail(RemoteError(f"rank {rank} cancelled {what}; the communicator was "
                                    "aborted", rank))
 
