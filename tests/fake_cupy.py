@@ -11,6 +11,7 @@ pointers belong to the device the space was made for, and the data flow is right
 from __future__ import annotations
 
 import ctypes
+import threading
 import types
 import weakref
 from typing import Any
@@ -20,7 +21,24 @@ import numpy as np
 from acoll._dtypes import avg_factor, finish_avg, reduce_into, scale_into
 
 NDEV = 2
-_current = [0]
+
+
+class _CurrentDevice(threading.local):
+    """The current device, per thread as in CUDA (acoll calls CuPy from threads of its own
+    since session 55: a global here let one thread's ``with Device(...)`` show through in
+    another's checks)."""
+
+    def __init__(self) -> None:
+        self.device = 0
+
+    def __getitem__(self, _index: int) -> int:
+        return self.device
+
+    def __setitem__(self, _index: int, device: int) -> None:
+        self.device = device
+
+
+_current = _CurrentDevice()
 _owner: dict[int, tuple[int, int]] = {}  # allocation start -> (size, device)
 _keep: list[Any] = []
 enqueued: list[tuple[str, int]] = []  # (what, device current when it was enqueued)
@@ -31,7 +49,9 @@ stream_queries: list[tuple[int, int, int]] = []
 
 
 def _device_of(ptr: int) -> int:
-    for start, (size, dev) in reversed(_owner.items()):
+    # (a copy: a finalizer freeing an allocation may run during the loop, in this
+    # thread or another, and change the dict; found on the 16-core host, session 57)
+    for start, (size, dev) in reversed(_owner.copy().items()):
         if start <= ptr < start + max(size, 1):
             return dev
     raise ValueError(f"{ptr:#x} is not fake device memory")
