@@ -156,11 +156,15 @@ async def _wait(ctx: OpContext, pairs: SelfPairs, pair: SelfPair,
                          f"the other half of send/recv to self #{pair.index}")
 
 
-class SelfSend:
-    """The send half, as an executor algorithm."""
+class _Half:
+    """One half of a pair, as an executor algorithm."""
 
     def __init__(self, ctx: OpContext, pairs: SelfPairs, pair: SelfPair) -> None:
         self.ctx, self.pairs, self.pair = ctx, pairs, pair
+
+
+class SelfSend(_Half):
+    """The send half."""
 
     async def run(self) -> None:
         pair = self.pair
@@ -171,11 +175,8 @@ class SelfSend:
         await _wait(self.ctx, self.pairs, pair, lambda: pair.copied)
 
 
-class SelfRecv:
+class SelfRecv(_Half):
     """The receive half: copies the send's buffer into its own."""
-
-    def __init__(self, ctx: OpContext, pairs: SelfPairs, pair: SelfPair) -> None:
-        self.ctx, self.pairs, self.pair = ctx, pairs, pair
 
     async def run(self) -> None:
         pair = self.pair
