@@ -481,3 +481,121 @@ async def test_numpy_numbers_are_timeouts() -> None:
         assert isinstance(comm.timeout, float)
     finally:
         await comm.close()
+
+
+# Above ACOLL_ROOT_TABLE_MAX ranks the root hands out only the ring and the ranks
+# all-gather their info records over the bootstrap network (session 58: untested before).
+async def test_the_info_all_gather_forms_above_the_table_limit(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The root stays through the all-gather and stops once every rank said it ended."""
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "2")
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    uid = UniqueId.new("127.0.0.1", sock.getsockname()[1])
+    server = RootServer(sock, uid.job_key, 10)
+    task = asyncio.ensure_future(server.serve())
+    comms = await asyncio.wait_for(asyncio.gather(
+        *(acoll.init_rank(5, uid, r) for r in range(5))), 20)
+    assert [c._boot.infos for c in comms] == [None] * 5  # (the all-gather ran)
+    await asyncio.wait_for(task, 5)
+    assert server.failure is None
+    assert server._gathered == set(range(5))
+    xs = [np.full(3, c.rank + 1, np.int64) for c in comms]
+    await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
+    assert all((x == 15).all() for x in xs)
+    await _close_ok(list(comms))
+
+
+def _leave_in_the_all_gather(monkeypatch: pytest.MonkeyPatch, victim: int,
+                             how: str) -> None:
+    """Rank ``victim`` leaves right after the ring arrived: its bootstrap aborted (as when
+    its task is cancelled), or failing with an error of its own."""
+    from acoll._bootstrap import ring
+
+    create = ring.Bootstrap.create.__func__  # type: ignore[attr-defined]
+
+    async def leaving(cls: Any, **kw: Any) -> ring.Bootstrap:
+        boot: ring.Bootstrap = await create(cls, **kw)
+        if kw["rank"] == victim:
+            if how == "abort":
+                boot.abort()
+                raise RuntimeError("rank leaves")
+            boot.fail(acoll.BootstrapError("an injected failure"))
+            raise acoll.BootstrapError("an injected failure")
+        return boot
+
+    monkeypatch.setattr(ring.Bootstrap, "create", classmethod(leaving))
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+
+
+@pytest.mark.parametrize("how", ["abort", "fail"])
+async def test_a_rank_leaving_during_the_info_all_gather_ends_it_for_everyone(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 57, F6): the ranks that waited for the one that left (or
+    whose connections it refused, retried for up to a minute) sat out their deadlines.
+    The root now stays until every rank has the records and passes on who left, or the
+    failing rank's own error."""
+    _leave_in_the_all_gather(monkeypatch, 2, how)
+    uid = acoll.get_unique_id()
+    t = time.monotonic()
+    results = await asyncio.wait_for(_gather_all(
+        [acoll.init_rank(5, uid, r, timeout=60) for r in range(5)]), 20)
+    assert time.monotonic() - t < 10
+    assert isinstance(results[2], RuntimeError if how == "abort" else acoll.BootstrapError)
+    for r in (0, 1, 3, 4):
+        assert isinstance(results[r], acoll.RemoteError), results
+        assert results[r].rank == 2, results
+        assert ("rank 2 left" if how == "abort" else "rank 2 failed: an injected failure"
+                ) in str(results[r]), results
+
+
+def test_a_rank_killed_during_the_info_all_gather_fails_the_others_at_once(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with processes: rank 1 dies (os._exit) once the ring arrived."""
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")  # (read by the root, in this process)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACOLL_")}
+    code = ("import asyncio, os, sys, time, acoll\n"
+            "from acoll._bootstrap import ring\n"
+            "create = ring.Bootstrap.create.__func__\n"
+            "async def dying(cls, **kw):\n"
+            "    boot = await create(cls, **kw)\n"
+            "    if kw['rank'] == 1: os._exit(7)\n"
+            "    return boot\n"
+            "ring.Bootstrap.create = classmethod(dying)\n"
+            "async def main(r):\n"
+            "    t = time.monotonic()\n"
+            "    try:\n"
+            "        await acoll.init_rank(4, bytes.fromhex(sys.argv[2]), r, timeout=60)\n"
+            "    except acoll.RemoteError as exc:\n"
+            "        print(exc.rank, round(time.monotonic() - t, 1), exc)\n"
+            "asyncio.run(main(int(sys.argv[1])))\n")
+    uid = acoll.get_unique_id()  # (its root in this process's background thread)
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(r), bytes(uid).hex()],
+                              env=env, stdout=subprocess.PIPE, text=True) for r in range(4)]
+    outs = [p.communicate(timeout=60)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 7, 0, 0], outs
+    for r in (0, 2, 3):
+        rank, took, message = outs[r].split(" ", 2)
+        assert rank == "1", outs
+        assert float(took) < 10, outs
+        assert "rank 1" in message, outs
+
+
+async def test_a_peer_refusing_connections_is_gone_at_once() -> None:
+    """A peer's bootstrap socket listens before its address is given out, so a refusal
+    means it closed: a send fails in milliseconds, naming the rank, where it retried
+    until ACOLL_CONNECT_RETRIES or the deadline (about a minute)."""
+    from acoll._bootstrap.ring import Bootstrap
+
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    me = sock.getsockname()
+    gone = ("127.0.0.1", free_port(), 0)  # (nothing listens there)
+    boot = await Bootstrap.from_peers(rank=0, nranks=2, key=b"k" * 32, sock=sock,
+                                      peer_addrs=[(me[0], me[1], 0), gone], timeout=60)
+    t = time.monotonic()
+    try:
+        with pytest.raises(acoll.RemoteError, match=r"rank 1 is gone: .* refused") as info:
+            await boot.send(1, 5, b"x")
+        assert info.value.rank == 1
+        assert time.monotonic() - t < 2
+    finally:
+        await boot.close()

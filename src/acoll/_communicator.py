@@ -359,10 +359,12 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
                                       family=iface.family, host_hash=_host_hash(),
                                       timeout=timeout, make_info=make_info)
         try:
-            infos = boot.infos or await boot.allgather(make_info(boot.addr))
+            infos = boot.infos or await boot.allgather(
+                make_info(boot.addr), "the all-gather of the ranks' info records")
         except BaseException:
             boot.abort()
             raise
+        boot.gathered()
         return boot, infos
 
     try:

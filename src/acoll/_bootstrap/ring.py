@@ -96,19 +96,26 @@ def error_from_wire(err: Error, via: int | None = None) -> AcollError:
 
 #: seconds past its deadline a rank waits for the root's answer (see Bootstrap.create)
 _ROOT_ANSWER_GRACE_S = 1.0
+#: A peer's bootstrap socket listens before its address is given out (by the root, or in
+#: the all-gather of a split), so refusals from it mean it has closed: this many in a row
+#: (a few milliseconds) end the attempts, where other errors are retried until the bounds.
+_PEER_REFUSALS = 3
 
 
 async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: str,
-                             stop: Callable[[], AcollError | None] | None = None
-                             ) -> FramedConnection:
+                             stop: Callable[[], AcollError | None] | None = None,
+                             refusals: int = 0) -> FramedConnection:
     """Connect, retrying refused/unreachable attempts with backoff, within bounds.
 
     Gives up after ``ACOLL_CONNECT_RETRIES`` attempts or at ``deadline``, whichever is first,
     or raises what ``stop()`` returns once it returns an error (checked between attempts:
     a bootstrap that failed meanwhile does not keep a sender retrying until the deadline).
+    With ``refusals > 0``, that many refusals in a row end it: for an address whose
+    socket listened before the address was given out, a refusal means the socket closed.
 
     Raises:
         BootstrapError: naming the address, the attempts made and the last error.
+        ConnectionRefusedError: ``refusals`` refusals in a row.
     """
     delay = 0.01
     last: OSError | None = None
@@ -117,6 +124,7 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
     loop = asyncio.get_running_loop()
     start = loop.time()
     warned = False
+    refused = 0
     where = f"{sockaddr[0]}:{sockaddr[1]}"
     while attempts < limit:
         left = remaining(deadline)
@@ -132,6 +140,9 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
             last = None if left <= 10.0 else OSError("no answer within 10 s")
         except OSError as exc:
             last = exc
+            refused = refused + 1 if isinstance(exc, ConnectionRefusedError) else 0
+            if refusals and refused >= refusals:
+                raise
         waited = loop.time() - start
         if not warned and waited >= _RETRY_WARN_S:
             warned = True
@@ -156,8 +167,8 @@ async def connect_with_retry(sockaddr: tuple[Any, ...], deadline: float, what: s
 
 async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what: str,
                                 key: bytes, context: bytes, hello: Hello | PeerHello,
-                                stop: Callable[[], AcollError | None] | None = None
-                                ) -> FramedConnection:
+                                stop: Callable[[], AcollError | None] | None = None,
+                                refusals: int = 0) -> FramedConnection:
     """Connect (see :func:`connect_with_retry`) and authenticate (:mod:`acoll._auth`).
 
     A connection the acceptor closes without refusing it (it was busy, or dropped us to
@@ -166,11 +177,12 @@ async def connect_authenticated(sockaddr: tuple[Any, ...], deadline: float, what
     Raises:
         AuthFailed: the acceptor refused our proof or could not prove itself.
         PeerClosed, ProtocolError: the exchange broke off after the challenge.
-        BootstrapError, acoll.TimeoutError: as :func:`connect_with_retry`.
+        BootstrapError, acoll.TimeoutError, ConnectionRefusedError: as
+            :func:`connect_with_retry`.
     """
     delay = 0.01
     for _ in range(CONNECT_RETRIES.resolve()):
-        conn = await connect_with_retry(sockaddr, deadline, what, stop)
+        conn = await connect_with_retry(sockaddr, deadline, what, stop, refusals)
         try:
             await conn.connect_auth(key, context, hello, deadline)
             return conn
@@ -219,6 +231,8 @@ class Bootstrap:
         self._known: dict[int, Address] = {}
         self.infos: list[bytes] | None = None  # every rank's info, when the root sent it
         self.peer_addrs: list[Address] = []
+        # Kept from the ring's arrival until the all-gather of infos ended (see gathered()).
+        self._root: FramedConnection | None = None
 
     # ------------------------------------------------------------------ set-up
     @classmethod
@@ -277,19 +291,27 @@ class Bootstrap:
                 # reported as having left). Flushed by the close below.
                 with contextlib.suppress(AcollError, OSError):
                     root_conn.send(Error("timeout", f"rank {rank} timed out", rank))
+            root_conn.close()
             self._close_all()
             raise
-        finally:
-            root_conn.close()
         if isinstance(reply, Error):
+            root_conn.close()
             self._close_all()
             raise error_from_wire(reply)
         if not isinstance(reply, RingInfo) or reply.nranks != nranks:
+            root_conn.close()
             self._close_all()
             raise BootstrapError(f"root sent an unexpected reply {type(reply).__name__}")
         self.next_addr = reply.next_addr
         self._known = {(rank + 1) % nranks: reply.next_addr, **dict(reply.peers)}
         self.infos = list(reply.infos) if len(reply.infos) == nranks else None
+        if self.infos is None:  # the ranks all-gather them: the root relays failures
+            self._root = root_conn
+            task = asyncio.get_running_loop().create_task(self._watch_root(root_conn, where))
+            self._readers.add(task)
+            task.add_done_callback(self._readers.discard)
+        else:
+            root_conn.close()
         log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
                  self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])
         return self
@@ -308,6 +330,33 @@ class Bootstrap:
         self.next_addr = peer_addrs[(rank + 1) % nranks]
         self.peer_addrs = list(peer_addrs)
         return self
+
+    async def _watch_root(self, conn: FramedConnection, where: str) -> None:
+        """Until :meth:`gathered`: a frame from the root is another rank's failure (or one
+        that left), which ends this rank's all-gather at once."""
+        try:
+            msg = await conn.recv()
+        except (AcollError, OSError) as exc:
+            if self._root is conn:
+                self.fail(BootstrapError(f"the root at {where} closed rank {self.rank}'s "
+                                         f"connection during the all-gather: {exc}"))
+            return
+        if self._root is not conn:
+            return
+        if isinstance(msg, Error):
+            self.fail(error_from_wire(msg), propagate=False)  # (the root told everyone)
+        else:
+            self.fail(BootstrapError(f"the root at {where} sent an unexpected "
+                                     f"{type(msg).__name__} during the all-gather"))
+
+    def gathered(self) -> None:
+        """The all-gather of infos ended on this rank: tell the root (which then forgets
+        it) and close that connection. Does nothing when the root sent the table."""
+        conn, self._root = self._root, None
+        if conn is not None:
+            with contextlib.suppress(AcollError):
+                conn.send(Error("closed", "gathered", self.rank))
+            conn.close()  # (flushes the frame)
 
     def _sockaddr(self, addr: Address) -> tuple[Any, ...]:
         if ":" in addr[0]:
@@ -414,10 +463,16 @@ class Bootstrap:
                     conn = await connect_authenticated(
                         self._sockaddr(addr), deadline, f"rank {peer}", self.key,
                         PEER_CONTEXT, PeerHello(b"", b"", self.rank, peer, self.nranks),
-                        lambda: self.error)
+                        lambda: self.error, _PEER_REFUSALS)
                 except (PeerClosed, ProtocolError) as exc:
                     raise RemoteError(f"rank {self.rank} could not authenticate with rank "
                                       f"{peer} at {addr[0]}:{addr[1]}: {exc}", peer) from exc
+                except ConnectionRefusedError as exc:
+                    raise RemoteError(
+                        f"rank {peer} is gone: its bootstrap address {addr[0]}:{addr[1]} "
+                        f"refused rank {self.rank}'s connection (its process ended, or its "
+                        "init_rank failed or was cancelled, or it closed or aborted)",
+                        peer) from exc
                 self._out[peer] = conn
         return conn
 
@@ -535,7 +590,7 @@ class Bootstrap:
             self.on_failure(error)
         if propagate:
             frame = error_to_wire(error, self.rank)
-            for conn in list(self._out.values()):
+            for conn in [*self._out.values(), *([self._root] if self._root else [])]:
                 with contextlib.suppress(AcollError):
                     conn.send(frame)
         self._close_all()
@@ -544,6 +599,9 @@ class Bootstrap:
         # FramedConnection.close flushes frames already queued (an error or close notice).
         if self._server is not None:
             close_server(self._server)
+        if self._root is not None:
+            self._root.close()
+            self._root = None
         for conn in list(self._out.values()):
             conn.close()
         self._out.clear()

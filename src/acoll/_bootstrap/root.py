@@ -5,7 +5,12 @@ any order; each must authenticate (:mod:`acoll._auth`: the root's challenge answ
 :class:`~.wire.Hello` whose proof binds its rank; connections that fail are closed and
 logged, and the job goes on). Unauthenticated connections are bounded in number, time and
 frame size. Once all ``nranks`` ranks have said hello, each gets a :class:`~.wire.RingInfo`
-naming the next rank's address.
+naming the next rank's address. Up to ``ACOLL_ROOT_TABLE_MAX`` ranks it also carries every
+rank's info record, and the server stops; above that the ranks all-gather their records over
+the bootstrap network, and the server keeps every connection until each rank has said it
+has them (an :class:`~.wire.Error` of kind ``closed``): a rank that leaves or fails during
+the all-gather is the only one that knows, and through the root the others hear at once
+instead of waiting out their deadlines on a rank that will never send.
 
 Failures are sent to every rank that is, or later becomes, connected, as an
 :class:`~.wire.Error` frame, so every rank raises the same error instead of hanging:
@@ -16,7 +21,9 @@ Failures are sent to every rank that is, or later becomes, connected, as an
   arrived gave up waiting for them (its own deadline passed: it says so before closing)
   -> ``timeout``;
 - a rank that arrived left before the others did (cancelled, its process ended: its
-  connection closed) -> ``remote``, naming it.
+  connection closed) -> ``remote``, naming it;
+- during the all-gather that follows above ``ACOLL_ROOT_TABLE_MAX`` ranks: a rank that
+  left -> ``remote`` naming it, a rank that failed -> its own error, passed on.
 
 A rank connecting after the failure gets it too, saying that the id is spent.
 
@@ -106,6 +113,8 @@ class RootServer:
         self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
         self._linger = True  # after a failure, answer late ranks for ``timeout`` seconds
+        self._handed_out = False  # the ring went out; ranks all-gather (see _hand_out_ring)
+        self._gathered: set[int] = set()  # ranks that said the all-gather ended for them
 
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
@@ -190,23 +199,36 @@ class RootServer:
         log.debug("root %s: rank %d/%d arrived", self.where, msg.rank, msg.nranks)
         if self.nranks is not None and len(self.hellos) == self.nranks:
             self._hand_out_ring()
-            return
+            if self._done.is_set():
+                return
         await self._until_left(conn, msg)
 
     async def _until_left(self, conn: FramedConnection, hello: Hello) -> None:
-        """Watch a rank that arrived while others are still missing. A rank sends nothing
-        after its hello, so its connection ends only when it gives up (its init_rank
-        timed out or was cancelled, its process ended): then the formation fails at once
-        for everyone, instead of at each rank's deadline, and the rank's claim cannot
-        confuse a later attempt with the same id (found by review, session 56: a retry
-        read "ranks disagree on nranks: rank 0 passed 3, rank 0 passed 2")."""
+        """Watch an arrived rank until the formation no longer needs the root. Before the
+        ring goes out a rank sends nothing after its hello, so its connection ends only
+        when it gives up (its init_rank timed out or was cancelled, its process ended):
+        then the formation fails at once for everyone, instead of at each rank's
+        deadline, and the rank's claim cannot confuse a later attempt with the same id
+        (found by review, session 56: a retry read "ranks disagree on nranks: rank 0
+        passed 3, rank 0 passed 2"). During the all-gather (above ROOT_TABLE_MAX ranks)
+        it sends one frame: that the all-gather ended for it, or why it failed."""
         extra: object = None
         try:
             extra = await conn.recv()
         except (AcollError, OSError):
             pass
-        if self.conns.get(hello.rank) is conn:
-            self._left(hello.rank, extra)
+        if self.conns.get(hello.rank) is not conn:
+            return
+        if (self._handed_out and isinstance(extra, Error) and extra.kind == "closed"
+                and self.failure is None):
+            self._gathered.add(hello.rank)
+            del self.conns[hello.rank]  # (nothing more to tell it)
+            conn.close()
+            if len(self._gathered) == self.nranks:
+                log.info("root %s: every rank has every rank's info", self.where)
+                self._finish()
+            return
+        self._left(hello.rank, extra)
 
     def abandon(self, rank: int, exc: BaseException) -> None:
         """The rank hosting this root (``ACOLL_COMM_ID``) gave up its ``init_rank`` with
@@ -215,13 +237,27 @@ class RootServer:
         closed by the peer"), then the root stops at once, not lingering, so that the
         fixed port is free for a retry."""
         self._linger = False
-        self._left(rank, Error("timeout", "", rank) if isinstance(exc, AcollTimeoutError)
-                   else None)
+        if self._handed_out:  # (it failed in the all-gather: pass its error on)
+            from .ring import error_to_wire
+
+            self._left(rank, error_to_wire(exc, rank) if isinstance(exc, AcollError)
+                       else None)
+        else:
+            self._left(rank, Error("timeout", "", rank) if isinstance(
+                exc, AcollTimeoutError) else None)
         self._done.set()
 
     def _left(self, rank: int, extra: object) -> None:
-        """Rank ``rank`` left before every rank arrived (``extra``: what it sent first)."""
+        """Rank ``rank`` left before the formation ended (``extra``: what it sent first)."""
         if self._done.is_set():
+            return
+        if self._handed_out:
+            if isinstance(extra, Error) and extra.kind != "closed" and extra.message:
+                self._fail(extra)  # (its own failure, naming its cause)
+                return
+            self._fail(Error("remote", f"rank {rank} left (its init_rank was cancelled or "
+                             "failed, or its process ended) during the all-gather of the "
+                             "ranks' info records that follows the root's ring", rank))
             return
         n = self.nranks or 0
         missing = sorted(set(range(n)) - set(self.hellos))
@@ -265,7 +301,10 @@ class RootServer:
             with contextlib.suppress(AcollError):
                 conn.send(RingInfo(n, nxt.addr, tuple(peers), table))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
-        self._finish()
+        if table:
+            self._finish()
+        else:  # the ranks all-gather their records: stay until each has them (_until_left)
+            self._handed_out = True
 
     def _finish(self, extra: FramedConnection | None = None) -> None:
         for conn in {*self.conns.values(), *([extra] if extra else [])}:
@@ -303,6 +342,19 @@ class RootServer:
 
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.timeout)
+        if self._handed_out:
+            # Each all-gather step has the ranks' own deadline; they report their timeouts
+            # here. This bounds only the root's stay when a rank vanished without a word.
+            n = self.nranks or 1
+            await asyncio.sleep(self.timeout * (n - 1).bit_length() + _REPLY_TIMEOUT)
+            if not self._done.is_set():
+                missing = sorted(set(range(n)) - self._gathered)
+                shown = ", ".join(map(str, missing[:16])) + (" ..." if len(missing) > 16
+                                                             else "")
+                self._fail(Error("timeout", f"ranks [{shown}] of {n} did not finish the "
+                                 "all-gather of the ranks' info records in time",
+                                 missing[0] if len(missing) == 1 else -1))
+            return
         if not self._done.is_set():
             n = self.nranks or 0
             missing = sorted(set(range(n)) - set(self.hellos))
