@@ -63,7 +63,8 @@ PEER_CONTEXT = b"bootstrap"
 #: After this long without reaching an address, retries are reported at WARN.
 _RETRY_WARN_S = 5.0
 CONNECT_RETRIES = Setting("CONNECT_RETRIES", int, 60,
-                          "Connection attempts to the root or a peer before giving up.",
+                          "Connection attempts to the root or a peer before giving up (a peer's "
+                          "address that refuses three in a row is taken as gone at once).",
                           "BOOTSTRAP", lo=1)
 
 
