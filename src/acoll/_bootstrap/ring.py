@@ -345,7 +345,9 @@ class Bootstrap:
         if self._root is not conn:
             return
         if isinstance(msg, Error):
-            self.fail(error_from_wire(msg), propagate=False)  # (the root told everyone)
+            # Passed on to the peers too: one still reading from this rank must learn the
+            # cause, not that this rank closed its connections (found on Python 3.12).
+            self.fail(error_from_wire(msg))
         else:
             self.fail(BootstrapError(f"the root at {where} sent an unexpected "
                                      f"{type(msg).__name__} during the all-gather"))
