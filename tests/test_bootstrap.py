@@ -599,3 +599,136 @@ async def test_a_peer_refusing_connections_is_gone_at_once() -> None:
         assert time.monotonic() - t < 2
     finally:
         await boot.close()
+
+
+def _hold_up_the_last_all_gather_step(monkeypatch: pytest.MonkeyPatch, victim: int,
+                                      how: str) -> None:
+    """Rank ``victim``'s info all-gather sends everything, then, before its last receive,
+    fails (``fail``) or stalls for 4 s (``stall``): the other ranks can finish theirs."""
+    from acoll._bootstrap import ring
+
+    allgather = ring.Bootstrap.allgather
+
+    async def held_up(self: ring.Bootstrap, data: bytes, what: str = "") -> list[bytes]:
+        if self.rank != victim or not what.startswith("the all-gather"):
+            return await allgather(self, data, what)
+        recv, steps, seen = self.recv, (self.nranks - 1).bit_length(), [0]
+
+        async def last_fails(peer: int, tag: int, what: str = "") -> bytes:
+            seen[0] += 1
+            if seen[0] == steps:
+                if how == "fail":
+                    self.fail(acoll.BootstrapError("an injected failure"))
+                    raise acoll.BootstrapError("an injected failure")
+                await asyncio.sleep(4)
+            return await recv(peer, tag, what)
+
+        self.recv = last_fails  # type: ignore[method-assign]
+        return await allgather(self, data, what)
+
+    monkeypatch.setattr(ring.Bootstrap, "allgather", held_up)
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+
+
+@pytest.mark.parametrize("how", ["fail", "stall"])
+async def test_ranks_that_finished_the_info_all_gather_learn_the_cause_too(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 58): a rank whose all-gather ended just before another
+    rank failed built its communicator on a failed bootstrap and waited out its deadline
+    ("timed out waiting for ring connections"), and ranks that finished early named
+    whichever peer's sockets closed first. The root now relays until every rank has
+    finished, a communicator formed on a failed bootstrap fails at once, and a rank that
+    cannot reach a ring neighbour names it (and tells the others why it gives up)."""
+    _hold_up_the_last_all_gather_step(monkeypatch, 2, how)
+    uid = acoll.get_unique_id()
+    t = time.monotonic()
+    results = await asyncio.wait_for(_gather_all(
+        [acoll.init_rank(5, uid, r, timeout=2 if how == "stall" else 60) for r in range(5)]),
+        30)
+    try:
+        assert time.monotonic() - t < 8  # (the stalled rank itself sleeps 4 s)
+        for r, res in enumerate(results):
+            if r == 2 and how == "fail":
+                assert isinstance(res, acoll.BootstrapError), results
+                continue
+            error = res.error if isinstance(res, acoll.Communicator) else res
+            assert isinstance(error, acoll.AcollError), results
+            assert error.rank == 2, (r, results)  # type: ignore[attr-defined]
+            if how == "stall":
+                assert isinstance(error, acoll.TimeoutError), results
+                assert "could not connect to its ring neighbour 2" in str(error), results
+    finally:
+        for res in results:
+            if isinstance(res, acoll.Communicator):
+                res.abort()
+
+
+async def test_a_root_hosting_rank_frees_the_port_after_a_failed_all_gather(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 58): under ACOLL_COMM_ID a root whose all-gather failed
+    lingered (for late ranks) for its whole timeout in rank 0's loop, so a retry on the
+    same address found it taken; once every rank had come no rank is late, and rank 0's
+    giving up now also ends a linger already started."""
+    monkeypatch.setenv("ACOLL_COMM_ID", f"127.0.0.1:{free_port()}")
+    uid = acoll.get_unique_id()
+    with monkeypatch.context() as patch:
+        _leave_in_the_all_gather(patch, 2, "fail")
+        first = await asyncio.wait_for(_gather_all(
+            [acoll.init_rank(4, uid, r, timeout=60) for r in range(4)]), 20)
+    assert not any(isinstance(r, acoll.Communicator) for r in first), first
+    comms = await asyncio.wait_for(asyncio.gather(
+        *(acoll.init_rank(4, uid, r, timeout=30) for r in range(4))), 20)
+    await _close_ok(list(comms))
+
+
+async def test_a_root_hosting_rank_ends_a_linger_already_started(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same before the ring went out: rank 1 leaves, the root lingers for late ranks,
+    and rank 0's init_rank, failing with it, frees the port at once."""
+    monkeypatch.setenv("ACOLL_COMM_ID", f"127.0.0.1:{free_port()}")
+    uid = acoll.get_unique_id()
+    first = [asyncio.ensure_future(acoll.init_rank(3, uid, r, timeout=60)) for r in (1, 0)]
+    await asyncio.sleep(0.5)
+    first[0].cancel()
+    with pytest.raises(acoll.RemoteError, match="rank 1 left"):
+        await asyncio.wait_for(first[1], 10)
+    with pytest.raises(asyncio.CancelledError):
+        await first[0]
+    comms = await asyncio.wait_for(asyncio.gather(
+        *(acoll.init_rank(3, uid, r, timeout=30) for r in range(3))), 20)
+    await _close_ok(list(comms))
+
+
+async def test_a_root_with_a_shorter_timeout_does_not_end_the_all_gather(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 58): the root's own bound on the all-gather (from the
+    ACOLL_TIMEOUT where get_unique_id ran) failed a formation that the ranks' timeouts
+    allowed. Past it the root now only stops relaying."""
+    from acoll._bootstrap import ring, root
+
+    monkeypatch.setattr(root, "_REPLY_TIMEOUT", 0.5)  # (the root's bound: 1 + 1 * 2 + 0.5 s)
+    monkeypatch.setenv("ACOLL_TIMEOUT", "1")
+    uid = acoll.get_unique_id()
+    monkeypatch.delenv("ACOLL_TIMEOUT")
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+    allgather = ring.Bootstrap.allgather
+
+    async def late(self: ring.Bootstrap, data: bytes, what: str = "") -> list[bytes]:
+        if self.rank == 1 and what.startswith("the all-gather"):
+            await asyncio.sleep(4.5)
+        return await allgather(self, data, what)
+
+    monkeypatch.setattr(ring.Bootstrap, "allgather", late)
+    comms = await asyncio.wait_for(asyncio.gather(
+        *(acoll.init_rank(3, uid, r, timeout=30) for r in range(3))), 20)
+    await _close_ok(list(comms))
+
+
+def test_a_bad_root_table_max_is_named_where_the_root_starts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 58): read when the ring went out, a bad value killed the
+    root's task and every rank waited out its deadline."""
+    for bad in ("0", "abc"):
+        monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", bad)
+        with pytest.raises(acoll.InvalidUsage, match="ACOLL_ROOT_TABLE_MAX"):
+            acoll.get_unique_id()

@@ -159,6 +159,7 @@ from .errors import (
     RemoteError,
     again,
 )
+from .errors import TimeoutError as AcollTimeoutError
 
 __all__ = ["Communicator", "Registration", "get_unique_id", "init_rank"]
 
@@ -456,6 +457,8 @@ class Communicator:
         self._links = PeerLinks(self.rank, infos, endpoints, timeout, self._on_conn_lost,
                                 self._on_arrival, self.fail, self.mem.staging())
         boot.on_failure = self.fail
+        if boot.error is not None:  # (failed during the formation, before the hook was set:
+            self.fail(boot.error)  # found by review, session 58: a rank waited its deadline)
 
     # ------------------------------------------------------------------ formation
     @classmethod
@@ -505,6 +508,7 @@ class Communicator:
             infos, addrs = _parse_infos(raw)
             boot.set_peer_addrs(addrs)
             comm = cls(boot, endpoints, infos, timeout, CHECK.resolve(check), mem)
+            comm.check_usable()  # (the bootstrap may have failed already)
             if native is not None:
                 min_bytes = NativeRing.usable(
                     [msgpack.unpackb(r).get("native") for r in raw],
@@ -521,9 +525,17 @@ class Communicator:
             raise
         try:
             if comm.size > 1:
-                ring = {(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size}
-                await wait_until(asyncio.gather(*(comm.connection(p) for p in ring)),
-                                 deadline_after(timeout), "ring connections")
+                ring = sorted({(comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size})
+                try:
+                    await wait_until(asyncio.gather(*(comm.connection(p) for p in ring)),
+                                     deadline_after(timeout), "ring connections")
+                except AcollTimeoutError:
+                    late = [p for p in ring if not comm.connected(p)] or ring
+                    raise AcollTimeoutError(
+                        f"rank {comm.rank} could not connect to its ring neighbour"
+                        f"{'s' if len(late) > 1 else ''} {', '.join(map(str, late))} within "
+                        f"{timeout:g} s (still in init_rank, or stopped?)",
+                        late[0] if len(late) == 1 else None) from None
             if comm._lane is not None:
                 await wait_until(comm._lane.setup(comm), deadline_after(timeout),
                                  "shared-memory lane connections")
@@ -538,7 +550,9 @@ class Communicator:
                                                       timeout)
                 if comm._p2p is not None and PREPARED.resolve():
                     comm._prepared = PreparedCalls(comm, comm._p2p)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, AcollError):  # (the peers learn why, not only that it left)
+                comm.fail(exc)
             comm.abort()
             raise
         return comm

@@ -333,33 +333,39 @@ class Bootstrap:
         return self
 
     async def _watch_root(self, conn: FramedConnection, where: str) -> None:
-        """Until :meth:`gathered`: a frame from the root is another rank's failure (or one
-        that left), which ends this rank's all-gather at once."""
+        """From the ring's arrival until the root closes the connection (every rank has
+        all infos): a frame from the root is another rank's failure (or one that left),
+        which fails this rank's bootstrap (and so its formation or new communicator) at
+        once. A root that closes without one (done, or its process ended) only stops the
+        relay: the ranks need nothing more from it."""
+        msg: object = None
         try:
             msg = await conn.recv()
+        except PeerClosed:
+            pass
         except (AcollError, OSError) as exc:
-            if self._root is conn:
-                self.fail(BootstrapError(f"the root at {where} closed rank {self.rank}'s "
-                                         f"connection during the all-gather: {exc}"))
-            return
+            msg = BootstrapError(f"the root at {where} broke the protocol: {exc}")
         if self._root is not conn:
             return
-        if isinstance(msg, Error):
+        self._root = None
+        conn.close()
+        if msg is None:
+            log.debug("rank %d: the root at %s closed its connection", self.rank, where)
+        elif isinstance(msg, Error):
             # Passed on to the peers too: one still reading from this rank must learn the
             # cause, not that this rank closed its connections (found on Python 3.12).
             self.fail(error_from_wire(msg))
         else:
-            self.fail(BootstrapError(f"the root at {where} sent an unexpected "
-                                     f"{type(msg).__name__} during the all-gather"))
+            self.fail(msg if isinstance(msg, BootstrapError) else BootstrapError(
+                f"the root at {where} sent an unexpected {type(msg).__name__}"))
 
     def gathered(self) -> None:
-        """The all-gather of infos ended on this rank: tell the root (which then forgets
-        it) and close that connection. Does nothing when the root sent the table."""
-        conn, self._root = self._root, None
-        if conn is not None:
+        """The all-gather of infos ended on this rank: tell the root. Its connection stays
+        open until every rank has said so (see :meth:`_watch_root`). Does nothing when the
+        root sent the table."""
+        if self._root is not None:
             with contextlib.suppress(AcollError):
-                conn.send(Error("closed", "gathered", self.rank))
-            conn.close()  # (flushes the frame)
+                self._root.send(Error("closed", "gathered", self.rank))
 
     def _sockaddr(self, addr: Address) -> tuple[Any, ...]:
         if ":" in addr[0]:
