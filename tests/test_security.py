@@ -300,3 +300,36 @@ def test_data_hello_claims_are_bound_to_the_proof() -> None:
     assert not _auth.verify(proof, key, _auth.ACCEPT, b"data", na, nc, claims)
     assert not _auth.verify(proof, key, _auth.CONNECT, b"root", na, nc, claims)
     assert not _auth.verify(proof, key, _auth.CONNECT, b"data", nc, na, claims)
+
+
+async def test_a_connection_closed_without_a_word_is_not_warned_about(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A rank cancelled while connecting, or a port probe, closes before its hello: logged
+    at INFO (session 57's note: a WARNING "refused connection" read as an attack). Garbage
+    is still refused with a WARNING."""
+    import logging
+
+    sock = listen_socket(("127.0.0.1", 0), socket.AF_INET)
+    uid = UniqueId.new("127.0.0.1", sock.getsockname()[1])
+    server = RootServer(sock, uid.job_key, 10)
+    task = asyncio.ensure_future(server.serve())
+    try:
+        with caplog.at_level(logging.INFO, logger="acoll"):
+            reader, writer = await _raw_conn(uid.port)
+            writer.close()
+            await asyncio.sleep(0.3)
+            quiet = [r for r in caplog.records if "closed before authenticating" in
+                     r.getMessage()]
+            assert [r.levelno for r in quiet] == [logging.INFO], caplog.text
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+            await asyncio.sleep(1.0)  # (the refusal log shows one WARNING a second)
+            reader, writer = await _raw_conn(uid.port)
+            writer.write(b"\xff" * 64)
+            await _closed_by_peer(reader)
+            writer.close()
+            await asyncio.sleep(0.2)
+            assert [r for r in caplog.records if r.levelno == logging.WARNING
+                    and "refused connection" in r.getMessage()], caplog.text
+    finally:
+        server.stop()
+        await asyncio.wait_for(task, 5)

@@ -116,6 +116,10 @@ class RefusalLog:
             self._hidden += 1
             self._log.debug(fmt, *args)
 
+    def closed(self, fmt: str, *args: object) -> None:
+        """A connection that ended before saying anything: logged at INFO only."""
+        self._log.info(fmt, *args)
+
 
 class PreAuthGate:
     """Tracks one listener's connections that have not authenticated yet.

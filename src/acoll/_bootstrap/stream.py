@@ -195,6 +195,13 @@ class FramedConnection:
         as ``who``), close, and return ``None``."""
         try:
             return await self.accept_auth(key, context, deadline_after(timeout))
+        except PeerClosed as exc:
+            # Closed without a word (a rank cancelled while connecting, a port probe):
+            # nothing was refused, so no warning (session 57's note).
+            refusals.closed("%s: connection from %s closed before authenticating: %s", who,
+                            self.peer, exc)
+            self.close()
+            return None
         except (AcollError, OSError) as exc:
             refusals.refused("%s: refused connection from %s: %s", who, self.peer, exc)
             self.close()
