@@ -498,7 +498,7 @@ async def test_the_info_all_gather_forms_above_the_table_limit(
     assert [c._boot.infos for c in comms] == [None] * 5  # (the all-gather ran)
     await asyncio.wait_for(task, 5)
     assert server.failure is None
-    assert server._gathered == set(range(5))
+    assert server._formed == set(range(5))
     xs = [np.full(3, c.rank + 1, np.int64) for c in comms]
     await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
     assert all((x == 15).all() for x in xs)
@@ -506,9 +506,10 @@ async def test_the_info_all_gather_forms_above_the_table_limit(
 
 
 def _leave_in_the_all_gather(monkeypatch: pytest.MonkeyPatch, victim: int,
-                             how: str) -> None:
+                             how: str, table: bool = False) -> None:
     """Rank ``victim`` leaves right after the ring arrived: its bootstrap aborted (as when
-    its task is cancelled), or failing with an error of its own."""
+    its task is cancelled), or failing with an error of its own. ``table``: the root sends
+    every rank's records (no all-gather follows)."""
     from acoll._bootstrap import ring
 
     create = ring.Bootstrap.create.__func__  # type: ignore[attr-defined]
@@ -524,7 +525,8 @@ def _leave_in_the_all_gather(monkeypatch: pytest.MonkeyPatch, victim: int,
         return boot
 
     monkeypatch.setattr(ring.Bootstrap, "create", classmethod(leaving))
-    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+    if not table:
+        monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
 
 
 @pytest.mark.parametrize("how", ["abort", "fail"])
@@ -732,3 +734,44 @@ def test_a_bad_root_table_max_is_named_where_the_root_starts(
         monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", bad)
         with pytest.raises(acoll.InvalidUsage, match="ACOLL_ROOT_TABLE_MAX"):
             acoll.get_unique_id()
+
+
+@pytest.mark.parametrize("how", ["abort", "fail"])
+async def test_a_rank_leaving_after_the_table_fails_every_rank_naming_it(
+        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the table (no all-gather) too, the root relays until every rank formed: the
+    ranks that formed before rank 2 left get communicators failed with its cause (before,
+    rank 0, no neighbour of rank 2, formed a communicator that failed only at its first
+    call, and the others named whichever connection broke)."""
+    _leave_in_the_all_gather(monkeypatch, 2, how, table=True)
+    uid = acoll.get_unique_id()
+    results = await asyncio.wait_for(_gather_all(
+        [acoll.init_rank(5, uid, r, timeout=60) for r in range(5)]), 20)
+    await asyncio.sleep(0.2)  # (a relayed failure may reach a formed rank just after)
+    try:
+        for r in (0, 1, 3, 4):
+            res = results[r]
+            error = res.error if isinstance(res, acoll.Communicator) else res
+            assert isinstance(error, acoll.AcollError), (r, results)
+            assert error.rank == 2, (r, results)  # type: ignore[attr-defined]
+    finally:
+        for res in results:
+            if isinstance(res, acoll.Communicator):
+                res.abort()
+
+
+@pytest.mark.parametrize("table", [True, False])
+async def test_ranks_that_close_as_soon_as_they_formed_fail_no_one(
+        table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank that formed and closed at once ends its connection to the root, maybe
+    before the root has read another rank's "formed": that is no leaving."""
+    if not table:
+        monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+
+    async def form_and_close(uid: acoll.UniqueId, r: int) -> None:
+        comm = await acoll.init_rank(6, uid, r, timeout=30)
+        await comm.close()
+
+    for _ in range(8):
+        uid = acoll.get_unique_id()
+        await asyncio.wait_for(asyncio.gather(*(form_and_close(uid, r) for r in range(6))), 30)

@@ -365,7 +365,6 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         except BaseException:
             boot.abort()
             raise
-        boot.gathered()
         return boot, infos
 
     try:
@@ -555,6 +554,7 @@ class Communicator:
                 comm.fail(exc)
             comm.abort()
             raise
+        boot.formed()
         return comm
 
     # ------------------------------------------------------------------ what ops use
