@@ -117,6 +117,12 @@ async def test_rank_claimed_twice_fails_every_rank() -> None:
     uid = acoll.get_unique_id()
     results = await _gather_all([acoll.init_rank(3, uid, r, timeout=10) for r in (0, 1, 1, 2)])
     await _close_ok(results)
+    late = [r for r in results if not isinstance(r, acoll.Communicator)]
+    if len(late) == 1:  # (the second rank 1 came after the ring went out: only it fails,
+        # told so by the root, or refused by its closed listener)
+        assert ("came after all 3 ranks of this id had arrived" in str(late[0])
+                or "started late, or twice" in str(late[0])), results
+        return
     assert all(isinstance(r, acoll.InvalidUsage) for r in results), results
     assert all("claimed twice" in str(r) for r in results)
 
@@ -498,7 +504,7 @@ async def test_the_info_all_gather_forms_above_the_table_limit(
     assert [c._boot.infos for c in comms] == [None] * 5  # (the all-gather ran)
     await asyncio.wait_for(task, 5)
     assert server.failure is None
-    assert server._formed == set(range(5))
+    assert server._gathered == set(range(5))
     xs = [np.full(3, c.rank + 1, np.int64) for c in comms]
     await asyncio.gather(*(c.all_reduce(x) for c, x in zip(comms, xs, strict=True)))
     assert all((x == 15).all() for x in xs)
@@ -506,10 +512,9 @@ async def test_the_info_all_gather_forms_above_the_table_limit(
 
 
 def _leave_in_the_all_gather(monkeypatch: pytest.MonkeyPatch, victim: int,
-                             how: str, table: bool = False) -> None:
+                             how: str) -> None:
     """Rank ``victim`` leaves right after the ring arrived: its bootstrap aborted (as when
-    its task is cancelled), or failing with an error of its own. ``table``: the root sends
-    every rank's records (no all-gather follows)."""
+    its task is cancelled), or failing with an error of its own."""
     from acoll._bootstrap import ring
 
     create = ring.Bootstrap.create.__func__  # type: ignore[attr-defined]
@@ -525,8 +530,7 @@ def _leave_in_the_all_gather(monkeypatch: pytest.MonkeyPatch, victim: int,
         return boot
 
     monkeypatch.setattr(ring.Bootstrap, "create", classmethod(leaving))
-    if not table:
-        monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
 
 
 @pytest.mark.parametrize("how", ["abort", "fail"])
@@ -736,37 +740,12 @@ def test_a_bad_root_table_max_is_named_where_the_root_starts(
             acoll.get_unique_id()
 
 
-@pytest.mark.parametrize("how", ["abort", "fail"])
-async def test_a_rank_leaving_after_the_table_fails_every_rank_naming_it(
-        how: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the table (no all-gather) too, the root relays until every rank formed: the
-    ranks that formed before rank 2 left get communicators failed with its cause (before,
-    rank 0, no neighbour of rank 2, formed a communicator that failed only at its first
-    call, and the others named whichever connection broke)."""
-    _leave_in_the_all_gather(monkeypatch, 2, how, table=True)
-    uid = acoll.get_unique_id()
-    results = await asyncio.wait_for(_gather_all(
-        [acoll.init_rank(5, uid, r, timeout=60) for r in range(5)]), 20)
-    await asyncio.sleep(0.2)  # (a relayed failure may reach a formed rank just after)
-    try:
-        for r in (0, 1, 3, 4):
-            res = results[r]
-            error = res.error if isinstance(res, acoll.Communicator) else res
-            assert isinstance(error, acoll.AcollError), (r, results)
-            assert error.rank == 2, (r, results)  # type: ignore[attr-defined]
-    finally:
-        for res in results:
-            if isinstance(res, acoll.Communicator):
-                res.abort()
-
-
-@pytest.mark.parametrize("table", [True, False])
-async def test_ranks_that_close_as_soon_as_they_formed_fail_no_one(
-        table: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A rank that formed and closed at once ends its connection to the root, maybe
-    before the root has read another rank's "formed": that is no leaving."""
-    if not table:
-        monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+async def test_ranks_that_go_on_as_soon_as_they_gathered_fail_no_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank whose all-gather ended, which formed and closed at once, ends its connection
+    to the root, maybe before the root has read another rank's word that its all-gather
+    ended: that is no leaving (session 58)."""
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
 
     async def form_and_close(uid: acoll.UniqueId, r: int) -> None:
         comm = await acoll.init_rank(6, uid, r, timeout=30)
@@ -775,3 +754,20 @@ async def test_ranks_that_close_as_soon_as_they_formed_fail_no_one(
     for _ in range(8):
         uid = acoll.get_unique_id()
         await asyncio.wait_for(asyncio.gather(*(form_and_close(uid, r) for r in range(6))), 30)
+
+
+async def test_the_fixed_port_is_free_as_soon_as_the_ring_went_out(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by review (session 58): under ACOLL_COMM_ID, with the root relaying through
+    the all-gather, it kept listening until it had read every rank's last frame, after
+    rank 0's init_rank returned: a job that aborted and formed again at once found the
+    port taken. No hello can be valid once the ring went out; the root stops listening
+    then."""
+    monkeypatch.setenv("ACOLL_COMM_ID", f"127.0.0.1:{free_port()}")
+    monkeypatch.setenv("ACOLL_ROOT_TABLE_MAX", "1")
+    uid = acoll.get_unique_id()
+    for _ in range(3):
+        comms = await asyncio.wait_for(asyncio.gather(
+            *(acoll.init_rank(3, uid, r, timeout=30) for r in range(3))), 20)
+        for comm in comms:
+            comm.abort()

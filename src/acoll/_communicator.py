@@ -365,6 +365,7 @@ async def init_rank(nranks: int, uid: UniqueId | bytes, rank: int, *,
         except BaseException:
             boot.abort()
             raise
+        boot.gathered()
         return boot, infos
 
     try:
@@ -554,7 +555,6 @@ class Communicator:
                 comm.fail(exc)
             comm.abort()
             raise
-        boot.formed()
         return comm
 
     # ------------------------------------------------------------------ what ops use

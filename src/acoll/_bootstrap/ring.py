@@ -232,7 +232,7 @@ class Bootstrap:
         self._known: dict[int, Address] = {}
         self.infos: list[bytes] | None = None  # every rank's info, when the root sent it
         self.peer_addrs: list[Address] = []
-        # Kept from the ring's arrival until every rank formed (see formed()).
+        # Kept from the ring's arrival until the all-gather of infos ended (see gathered()).
         self._root: FramedConnection | None = None
 
     # ------------------------------------------------------------------ set-up
@@ -306,10 +306,13 @@ class Bootstrap:
         self.next_addr = reply.next_addr
         self._known = {(rank + 1) % nranks: reply.next_addr, **dict(reply.peers)}
         self.infos = list(reply.infos) if len(reply.infos) == nranks else None
-        self._root = root_conn  # (the root relays failures until every rank formed)
-        task = asyncio.get_running_loop().create_task(self._watch_root(root_conn, where))
-        self._readers.add(task)
-        task.add_done_callback(self._readers.discard)
+        if self.infos is None:  # the ranks all-gather them: the root relays failures
+            self._root = root_conn
+            task = asyncio.get_running_loop().create_task(self._watch_root(root_conn, where))
+            self._readers.add(task)
+            task.add_done_callback(self._readers.discard)
+        else:
+            root_conn.close()
         log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
                  self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])
         return self
@@ -330,8 +333,8 @@ class Bootstrap:
         return self
 
     async def _watch_root(self, conn: FramedConnection, where: str) -> None:
-        """From the ring's arrival until the root closes the connection (every rank
-        formed): a frame from the root is another rank's failure (or one that left),
+        """From the ring's arrival until the root closes the connection (every rank has
+        all infos): a frame from the root is another rank's failure (or one that left),
         which fails this rank's bootstrap (and so its formation or new communicator) at
         once. A root that closes without one (done, or its process ended) only stops the
         relay: the ranks need nothing more from it."""
@@ -356,13 +359,13 @@ class Bootstrap:
             self.fail(msg if isinstance(msg, BootstrapError) else BootstrapError(
                 f"the root at {where} sent an unexpected {type(msg).__name__}"))
 
-    def formed(self) -> None:
-        """This rank formed its communicator: tell the root. Its connection stays open
-        until every rank has said so (see :meth:`_watch_root`). Does nothing without a
-        root (``from_peers``)."""
+    def gathered(self) -> None:
+        """The all-gather of infos ended on this rank: tell the root. Its connection stays
+        open until every rank has said so (see :meth:`_watch_root`). Does nothing when the
+        root sent the table."""
         if self._root is not None:
             with contextlib.suppress(AcollError):
-                self._root.send(Error("closed", "formed", self.rank))
+                self._root.send(Error("closed", "gathered", self.rank))
 
     def _sockaddr(self, addr: Address) -> tuple[Any, ...]:
         if ":" in addr[0]:

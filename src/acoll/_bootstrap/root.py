@@ -5,14 +5,12 @@ any order; each must authenticate (:mod:`acoll._auth`: the root's challenge answ
 :class:`~.wire.Hello` whose proof binds its rank; connections that fail are closed and
 logged, and the job goes on). Unauthenticated connections are bounded in number, time and
 frame size. Once all ``nranks`` ranks have said hello, each gets a :class:`~.wire.RingInfo`
-naming the next rank's address and, up to ``ACOLL_ROOT_TABLE_MAX`` ranks, every rank's info
-record (above that the ranks all-gather their records over the bootstrap network). The
-server then keeps every connection until each rank has said that it formed (an
-:class:`~.wire.Error` of kind ``closed``): a rank that leaves or fails during the rest of
-the formation (the all-gather, its transports' connections) is the only one that knows,
-and through the root the others hear at once, with its cause, instead of waiting out their
-deadlines on a rank that will never send or blaming a peer whose sockets closed first;
-ranks that formed already are told too (their new communicators fail with it).
+naming the next rank's address. Up to ``ACOLL_ROOT_TABLE_MAX`` ranks it also carries every
+rank's info record, and the server stops; above that the ranks all-gather their records over
+the bootstrap network, and the server keeps every connection until each rank has said it
+has them (an :class:`~.wire.Error` of kind ``closed``): a rank that leaves or fails during
+the all-gather is the only one that knows, and through the root the others hear at once
+instead of waiting out their deadlines on a rank that will never send.
 
 Failures are sent to every rank that is, or later becomes, connected, as an
 :class:`~.wire.Error` frame, so every rank raises the same error instead of hanging:
@@ -24,9 +22,8 @@ Failures are sent to every rank that is, or later becomes, connected, as an
   -> ``timeout``;
 - a rank that arrived left before the others did (cancelled, its process ended: its
   connection closed) -> ``remote``, naming it;
-- after the ring went out, before every rank formed: a rank that left -> ``remote``
-  naming it, a rank that failed -> its own error, passed on. (A rank that formed and then
-  closes its connection is not leaving: it closed its communicator, or aborted it.)
+- during the all-gather that follows above ``ACOLL_ROOT_TABLE_MAX`` ranks: a rank that
+  left -> ``remote`` naming it, a rank that failed -> its own error, passed on.
 
 A rank connecting after the failure gets it too, saying that the id is spent.
 
@@ -122,8 +119,9 @@ class RootServer:
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
         self._linger = True  # after a failure, answer late ranks for ``timeout`` seconds
         self._unlinger = asyncio.Event()  # (abandon: stop lingering now)
-        self._handed_out = False  # the ring went out; ranks form (see _hand_out_ring)
-        self._formed: set[int] = set()  # ranks that said they formed
+        self._server: asyncio.base_events.Server | None = None
+        self._handed_out = False  # the ring went out; ranks all-gather (see _hand_out_ring)
+        self._gathered: set[int] = set()  # ranks that said the all-gather ended for them
 
     async def serve(self) -> None:
         """Run until the ring is handed out or the job failed; never raises."""
@@ -134,6 +132,7 @@ class RootServer:
             self.sock.close()
             return
         log.info("root listening on %s", self.where)
+        self._server = server
         try:
             await self._done.wait()
             if self.failure is not None and self._linger and not self._handed_out:
@@ -189,6 +188,12 @@ class RootServer:
                         conn.peer)
             conn.close()
             return
+        if self._handed_out and self.failure is None:  # (accepted as the listener closed)
+            # Not a failure of the formation, which has every rank it needs.
+            await self._send_and_close(conn, Error("usage", f"rank {msg.rank} came after "
+                                                   f"all {self.nranks} ranks of this id had "
+                                                   "arrived (started twice?)", msg.rank))
+            return
         if self.failure is not None:
             late = Error(self.failure.kind, f"{self.failure.message} (this id's formation "
                          "has failed: form again with a new id from get_unique_id(), or, "
@@ -220,11 +225,11 @@ class RootServer:
         then the formation fails at once for everyone, instead of at each rank's
         deadline, and the rank's claim cannot confuse a later attempt with the same id
         (found by review, session 56: a retry read "ranks disagree on nranks: rank 0
-        passed 3, rank 0 passed 2"). After the ring went out a rank sends that it formed,
-        or why it failed; the root keeps its connection until every rank formed, so that
-        a failure elsewhere reaches the ranks that formed early too (they would fail later
-        on the failed rank's closed sockets, naming that one instead: found by review,
-        session 58)."""
+        passed 3, rank 0 passed 2"). During the all-gather (above ROOT_TABLE_MAX ranks)
+        a rank sends that the all-gather ended for it, or why it failed; the root keeps
+        its connection until every rank said so, so that a failure elsewhere reaches the
+        ranks that finished early too (their next step would fail on the failed rank's
+        closed sockets, naming that one instead: found by review, session 58)."""
         while True:
             extra: object = None
             try:
@@ -233,19 +238,19 @@ class RootServer:
                 pass
             if self.conns.get(hello.rank) is not conn:
                 return
-            formed = hello.rank in self._formed
+            gathered = hello.rank in self._gathered
             if (self._handed_out and isinstance(extra, Error) and extra.kind == "closed"
-                    and not formed):
-                self._formed.add(hello.rank)
-                if len(self._formed) == self.nranks:
-                    log.info("root %s: every rank formed", self.where)
+                    and not gathered):
+                self._gathered.add(hello.rank)
+                if len(self._gathered) == self.nranks:
+                    log.info("root %s: every rank has every rank's info", self.where)
                     self._finish()
                     return
                 continue
-            if formed and not isinstance(extra, Error):
-                # It formed, then closed or aborted its communicator: the others learn of
+            if gathered and not isinstance(extra, Error):
+                # It went on, then closed or aborted its communicator: the others learn of
                 # that from their own connections to it (were it "leaving", a rank that
-                # closed at once could fail a peer whose "formed" the root has yet to read).
+                # closed at once could fail a peer whose frame the root has yet to read).
                 del self.conns[hello.rank]
                 conn.close()
                 return
@@ -261,7 +266,7 @@ class RootServer:
         session 58)."""
         self._linger = False
         self._unlinger.set()
-        if self._handed_out:  # (it failed forming: pass its error on)
+        if self._handed_out:  # (it failed in the all-gather: pass its error on)
             from .ring import error_to_wire
 
             self._left(rank, error_to_wire(exc, rank) if isinstance(exc, AcollError)
@@ -280,8 +285,8 @@ class RootServer:
                 self._fail(extra)  # (its own failure, naming its cause)
                 return
             self._fail(Error("remote", f"rank {rank} left (its init_rank was cancelled or "
-                             "failed, or its process ended) after the root handed out the "
-                             "ring, before every rank had formed", rank))
+                             "failed, or its process ended) during the all-gather of the "
+                             "ranks' info records that follows the root's ring", rank))
             return
         n = self.nranks or 0
         missing = sorted(set(range(n)) - set(self.hellos))
@@ -324,7 +329,12 @@ class RootServer:
             with contextlib.suppress(AcollError):
                 conn.send(RingInfo(n, nxt.addr, tuple(peers), table))
         log.info("root %s: all %d ranks arrived, ring handed out", self.where, n)
-        self._handed_out = True  # (now relaying failures until every rank formed)
+        self._handed_out = True
+        if table:
+            self._finish()
+        else:  # the ranks all-gather their records: stay until each has them (_until_left)
+            if self._server is not None:  # (no hello can be valid now: free the port at
+                close_server(self._server)  # once, found by review, session 58)
 
     def _finish(self, extra: FramedConnection | None = None) -> None:
         for conn in {*self.conns.values(), *([extra] if extra else [])}:
@@ -363,15 +373,15 @@ class RootServer:
     async def _watchdog(self) -> None:
         await asyncio.sleep(self.timeout)
         if self._handed_out:
-            # Each step of a formation has the ranks' own deadlines, whose passing they
-            # report here. This bounds only the root's stay (a rank's host vanished without
-            # a word): it then stops relaying without failing anyone (the ranks' timeouts
-            # may be longer than its own; found by review, session 58); the ranks go on.
+            # Each all-gather step has the ranks' own deadlines, which they report here.
+            # This bounds only the root's stay (a rank's host vanished without a word):
+            # it then stops relaying without failing anyone (the ranks' timeouts may be
+            # longer than its own; found by review, session 58), and the ranks go on.
             n = self.nranks or 1
-            await asyncio.sleep(self.timeout * ((n - 1).bit_length() + 3) + _REPLY_TIMEOUT)
+            await asyncio.sleep(self.timeout * (n - 1).bit_length() + _REPLY_TIMEOUT)
             if not self._done.is_set():
-                log.info("root %s: stops relaying failures; ranks %s had not formed",
-                         self.where, sorted(set(range(n)) - self._formed))
+                log.info("root %s: stops relaying failures; ranks %s had not finished the "
+                         "all-gather", self.where, sorted(set(range(n)) - self._gathered))
                 self._finish()
             return
         if not self._done.is_set():
