@@ -7,8 +7,9 @@ logged, and the job goes on). Unauthenticated connections are bounded in number,
 frame size. Once all ``nranks`` ranks have said hello, each gets a :class:`~.wire.RingInfo`
 naming the next rank's address. Up to ``ACOLL_ROOT_TABLE_MAX`` ranks it also carries every
 rank's info record, and the server stops; above that the ranks all-gather their records over
-the bootstrap network, and the server keeps every connection until each rank has said it
-has them (an :class:`~.wire.Error` of kind ``closed``): a rank that leaves or fails during
+the bootstrap network, and the server stops listening but keeps every connection until
+each rank has said it has them (an :class:`~.wire.Error` of kind ``closed``; a rank that
+then closes its connection is not leaving): a rank that leaves or fails during
 the all-gather is the only one that knows, and through the root the others hear at once
 instead of waiting out their deadlines on a rank that will never send.
 
