@@ -276,6 +276,7 @@ class Bootstrap:
         except BaseException:
             self._close_all()
             raise
+        self._root = root_conn  # (closed by _close_all on every failure below)
         try:
             try:
                 # The root's own deadline (from the first rank's arrival) is about ours:
@@ -292,26 +293,23 @@ class Bootstrap:
                 # reported as having left). Flushed by the close below.
                 with contextlib.suppress(AcollError, OSError):
                     root_conn.send(Error("timeout", f"rank {rank} timed out", rank))
-            root_conn.close()
             self._close_all()
             raise
         if isinstance(reply, Error):
-            root_conn.close()
             self._close_all()
             raise error_from_wire(reply)
         if not isinstance(reply, RingInfo) or reply.nranks != nranks:
-            root_conn.close()
             self._close_all()
             raise BootstrapError(f"root sent an unexpected reply {type(reply).__name__}")
         self.next_addr = reply.next_addr
         self._known = {(rank + 1) % nranks: reply.next_addr, **dict(reply.peers)}
         self.infos = list(reply.infos) if len(reply.infos) == nranks else None
         if self.infos is None:  # the ranks all-gather them: the root relays failures
-            self._root = root_conn
             task = asyncio.get_running_loop().create_task(self._watch_root(root_conn, where))
             self._readers.add(task)
             task.add_done_callback(self._readers.discard)
         else:
+            self._root = None
             root_conn.close()
         log.info("rank %d/%d: bootstrap up at %s:%d, next rank at %s:%d", rank, nranks,
                  self.addr[0], self.addr[1], reply.next_addr[0], reply.next_addr[1])

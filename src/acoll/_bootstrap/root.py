@@ -118,8 +118,9 @@ class RootServer:
         self._gate = _auth.PreAuthGate()
         self._refusals = _auth.RefusalLog(log)
         self._preauth_timeout = _auth.PREAUTH_TIMEOUT.resolve()
-        self._linger = True  # after a failure, answer late ranks for ``timeout`` seconds
-        self._unlinger = asyncio.Event()  # (abandon: stop lingering now)
+        # After a failure the root answers late ranks for ``timeout`` seconds, unless this
+        # is set (abandon: stop lingering now, or at once if not started).
+        self._unlinger = asyncio.Event()
         self._server: asyncio.base_events.Server | None = None
         self._handed_out = False  # the ring went out; ranks all-gather (see _hand_out_ring)
         self._gathered: set[int] = set()  # ranks that said the all-gather ended for them
@@ -136,7 +137,7 @@ class RootServer:
         self._server = server
         try:
             await self._done.wait()
-            if self.failure is not None and self._linger and not self._handed_out:
+            if self.failure is not None and not self._handed_out:
                 # Keep answering late ranks with the error for the rest of the timeout
                 # (not once every rank had come: none is late then).
                 with contextlib.suppress(asyncio.TimeoutError):
@@ -265,7 +266,6 @@ class RootServer:
         closed by the peer"), then the root stops at once, not lingering, so that the
         fixed port is free for a retry (also when it lingers already: found by review,
         session 58)."""
-        self._linger = False
         self._unlinger.set()
         if self._handed_out:  # (it failed in the all-gather: pass its error on)
             from .ring import error_to_wire
